@@ -1,0 +1,1 @@
+"""Shared engine core: config, model, paged KV cache, attention, sampler, scheduler."""

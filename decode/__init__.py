@@ -1,0 +1,1 @@
+"""pdserve decode stage (see DESIGN.md)."""

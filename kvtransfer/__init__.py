@@ -1,0 +1,1 @@
+"""pdserve kvtransfer stage (see DESIGN.md)."""

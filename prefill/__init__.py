@@ -1,0 +1,1 @@
+"""pdserve prefill stage (see DESIGN.md)."""

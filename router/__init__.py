@@ -1,0 +1,1 @@
+"""pdserve router stage (see DESIGN.md)."""
