@@ -1,0 +1,38 @@
+# The README's commands. Each works on a fresh clone: the first target that needs the venv builds it.
+VENV ?= .venv
+PYTHON ?= python3
+PY := $(VENV)/bin/python
+PDSERVE := $(VENV)/bin/pdserve
+
+.PHONY: install pull test lint serve bench clean
+
+install: $(VENV)/.installed
+
+# Without a GPU, install the CPU build of torch first so that resolving the project's
+# `torch>=2.5` does not pull the multi-GB CUDA build.
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --upgrade pip
+	if ! command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install torch==2.13.0; fi
+	$(PY) -m pip install -e '.[dev]'
+	touch $@
+
+pull: install
+	$(PDSERVE) models pull
+
+test: pull
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest -q
+
+lint: install
+	$(VENV)/bin/ruff check .
+
+serve: pull
+	$(PDSERVE) run-batch -i scripts/demo_batch.jsonl -o -
+
+bench: pull
+	$(PY) benchmarks/offline_throughput.py
+
+clean:
+	rm -rf build dist *.egg-info .pytest_cache .ruff_cache
+	find . -name __pycache__ -not -path './$(VENV)/*' -prune -exec rm -rf {} +
