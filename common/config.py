@@ -1,0 +1,111 @@
+"""Engine configuration and the command-line flags that set it.
+
+Every flag also reads a `PDSERVE_<FLAG>` environment variable (what compose and Kubernetes set); an
+explicit flag wins. Names follow vLLM where it has the same knob. Used by every `pdserve` subcommand
+that runs an engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from dataclasses import dataclass, fields
+
+import torch
+
+_SIZE_UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 2**10, "kib": 2**10, "m": 2**20, "mb": 2**20,
+               "mib": 2**20, "g": 2**30, "gb": 2**30, "gib": 2**30}
+
+
+def parse_size(text: str | int) -> int:
+    """'2GiB', '512M', '1073741824' -> bytes."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _SIZE_UNITS:
+        raise ValueError(f"not a size: {text!r} (examples: 2GiB, 512MiB)")
+    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+
+
+@dataclass
+class EngineConfig:
+    """What one engine (in a worker or in run-batch) runs and how much memory it may use."""
+
+    model: str = "default"
+    dtype: str = "auto"
+    device: str = "auto"
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    kv_cache_memory: str = "2GiB"  # CPU budget for the KV cache
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    attention_backend: str = "auto"  # auto | torch | triton
+    num_threads: int = 0  # CPU threads for torch; 0 = torch's default
+    seed: int = 0
+
+    def resolved_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def resolved_dtype(self) -> torch.dtype:
+        names = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+        if self.dtype == "auto":
+            return torch.bfloat16
+        if self.dtype not in names:
+            raise ValueError(f"--dtype must be auto, float32, bfloat16 or float16, not {self.dtype!r}")
+        return names[self.dtype]
+
+    def validate(self) -> None:
+        if self.block_size not in (8, 16, 32, 64, 128):
+            raise ValueError("--block-size must be one of 8, 16, 32, 64, 128")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("--max-num-seqs and --max-num-batched-tokens must be positive")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError("--attention-backend must be auto, torch or triton")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError("--gpu-memory-utilization must be in (0, 1]")
+        self.resolved_dtype()
+        parse_size(self.kv_cache_memory)
+
+
+_HELP = {
+    "model": "'default' (SmolLM2-135M-Instruct), an HF model directory, or a .gguf file",
+    "dtype": "auto (bfloat16), float32, bfloat16 or float16",
+    "device": "auto, cpu or cuda[:N]",
+    "block_size": "tokens per KV block",
+    "max_num_seqs": "most sequences running at once",
+    "max_num_batched_tokens": "token budget of one step (chunked prefill splits longer prompts)",
+    "max_model_len": "longest prompt + output; default: the model's context length",
+    "kv_cache_memory": "KV cache size on CPU, e.g. 2GiB",
+    "gpu_memory_utilization": "fraction of GPU memory for weights + KV cache",
+    "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
+    "attention_backend": "auto (triton on GPU, torch on CPU), torch or triton",
+    "num_threads": "CPU threads for torch (0 = torch default)",
+    "seed": "seed of the sampler's shared random generator",
+}
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Add one flag per EngineConfig field, each defaulting to $PDSERVE_<NAME> when set."""
+    for f in fields(EngineConfig):
+        flag = "--" + f.name.replace("_", "-")
+        env = "PDSERVE_" + f.name.upper()
+        default = os.environ.get(env, f.default)
+        if f.type in ("bool",):
+            default = default if isinstance(default, bool) else default.lower() in ("1", "true", "yes")
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
+                                help=f"{_HELP[f.name]} (env {env})")
+            continue
+        kind = {"int": int, "float": float, "int | None": int}.get(f.type, str)
+        parser.add_argument(flag, type=kind, default=None if default is None else kind(default),
+                            help=f"{_HELP[f.name]} (env {env}; default {f.default})")
+
+
+def config_from_args(args: argparse.Namespace) -> EngineConfig:
+    config = EngineConfig(**{f.name: getattr(args, f.name) for f in fields(EngineConfig)})
+    config.validate()
+    return config

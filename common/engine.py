@@ -1,0 +1,185 @@
+"""The engine: requests in, tokens out, one scheduled step at a time.
+
+Owns the live sequences and the stop rules (eos, stop token ids, max_tokens, context length). The
+scheduler decides what runs, the model runner computes it. Used in-process by `pdserve run-batch`
+and the benchmarks, and inside the prefill/decode workers.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from common.block_manager import BlockManager
+from common.block_pool import BlockPool
+from common.config import EngineConfig
+from common.model_runner import ModelRunner
+from common.prefix_hash import model_salt
+from common.sampler import make_generator
+from common.sampling_params import SamplingParams
+from common.scheduler import Scheduler
+from common.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[float | None]
+    new_top_logprobs: list[list[tuple[int, float]] | None]
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+
+
+def config_eos_ids(hf_config) -> frozenset[int]:
+    eos = getattr(hf_config, "eos_token_id", None)
+    if eos is None:
+        return frozenset()
+    return frozenset([eos] if isinstance(eos, int) else eos)
+
+
+class Engine:
+    """Continuous-batching generation over a paged, prefix-cached KV cache."""
+
+    def __init__(
+        self, config: EngineConfig, hf_config=None,
+        weights: Iterable[tuple[str, torch.Tensor]] | None = None,
+        eos_token_ids: Iterable[int] | None = None,
+    ) -> None:
+        """Load `config.model` (or use the given HF config and HF-named weights)."""
+        config.validate()
+        self.config = config
+        if hf_config is None or weights is None:
+            from common.model_files import resolve_model
+            from common.weights import iter_weights
+
+            source = resolve_model(config.model)
+            hf_config, weights = source.hf_config, iter_weights(source)
+        self.hf_config = hf_config
+        self.eos_token_ids = frozenset(eos_token_ids) if eos_token_ids is not None else (
+            config_eos_ids(hf_config))
+        self.runner = ModelRunner(config, hf_config, weights, self.eos_token_ids)
+        self.max_model_len = self.runner.max_model_len
+        self.pool = BlockPool(self.runner.num_blocks, config.block_size)
+        salt = model_salt(str(config.model), config.dtype, config.block_size)
+        self.block_manager = BlockManager(self.pool, salt, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens
+        )
+        self.seqs: dict[str, Sequence] = {}
+        self.vocab_size = int(hf_config.vocab_size)
+        self._ids = itertools.count()
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> None:
+        """Queue a request; ValueError for a bad prompt or parameters (nothing is queued then)."""
+        params.validate()
+        if request_id in self.seqs:
+            raise ValueError(f"request id {request_id!r} is already running")
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(prompt_token_ids)} tokens; this model's context is "
+                f"{self.max_model_len} tokens including at least one output token"
+            )
+        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.vocab_size:
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
+        seq = Sequence(
+            request_id=request_id, token_ids=list(prompt_token_ids),
+            num_prompt_tokens=len(prompt_token_ids), params=params,
+            generator=make_generator(params),
+        )
+        self.seqs[request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a request and free its blocks; False if it is not (or no longer) here."""
+        seq = self.seqs.pop(request_id, None)
+        if seq is None:
+            return False
+        self.scheduler.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = "abort"
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled step; report each sequence that got a token."""
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        results = self.runner.execute(batch)
+        outputs = []
+        for item, result in zip(batch, results):
+            seq = item.seq
+            seq.num_computed_tokens += item.num_new_tokens
+            self.block_manager.commit(seq)
+            if result is None:
+                continue
+            seq.token_ids.append(result.token_id)
+            seq.output_logprobs.append(result.logprob)
+            seq.output_top_logprobs.append(result.top_logprobs)
+            reason = self._finish_reason(seq, result.token_id)
+            if reason is not None:
+                seq.finish_reason = reason
+                self.scheduler.remove(seq)
+                seq.status = SequenceStatus.FINISHED
+                del self.seqs[seq.request_id]
+            outputs.append(RequestOutput(
+                request_id=seq.request_id, new_token_ids=[result.token_id],
+                new_logprobs=[result.logprob], new_top_logprobs=[result.top_logprobs],
+                finished=reason is not None, finish_reason=reason,
+                num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=seq.num_output_tokens,
+                num_cached_tokens=seq.num_cached_tokens,
+            ))
+        return outputs
+
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        p = seq.params
+        if seq.num_output_tokens >= p.min_tokens:
+            if not p.ignore_eos and token in self.eos_token_ids:
+                return "stop"
+            if token in p.stop_token_ids:
+                return "stop"
+        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+    ) -> list[Sequence]:
+        """Run prompts to completion; returns their finished sequences in input order."""
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        seqs = []
+        for prompt, p in zip(prompts, params_list):
+            rid = f"generate-{next(self._ids)}"
+            self.add_request(rid, prompt, p)
+            seqs.append(self.seqs[rid])
+        while any(not s.is_finished for s in seqs):
+            self.step()
+        return seqs
+
+    def stats(self) -> dict[str, float]:
+        """Counters and gauges for metrics and tests."""
+        return {
+            "num_requests_running": len(self.scheduler.running),
+            "num_requests_waiting": len(self.scheduler.waiting),
+            "kv_cache_usage_perc": self.pool.usage(),
+            "num_free_blocks": self.pool.num_free,
+            "num_blocks": self.pool.num_blocks,
+            "num_preemptions_total": self.scheduler.num_preemptions,
+            "prefix_cache_queries_total": self.pool.query_tokens,
+            "prefix_cache_hits_total": self.pool.hit_tokens,
+        }

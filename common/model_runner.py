@@ -1,0 +1,147 @@
+"""Runs the model for one scheduled step: builds the flat batch, runs the forward, samples.
+
+Owns the model weights on their device, the KV cache tensors (sized from the memory budget) and the
+sampler. Called by the engine once per step with the scheduler's decision.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+import numpy as np
+import torch
+
+from common.attention import AttentionMetadata
+from common.config import EngineConfig, parse_size
+from common.model import CausalLM, head_dim_of, set_attention_backend
+from common.sampler import Sampler, SampleResult, SamplingState
+from common.scheduler import ScheduledSeq
+
+log = logging.getLogger(__name__)
+
+
+def kv_bytes_per_block(hf_config, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one block takes across all layers, K and V."""
+    elem = torch.empty(0, dtype=dtype).element_size()
+    return (2 * hf_config.num_hidden_layers * block_size * hf_config.num_key_value_heads
+            * head_dim_of(hf_config) * elem)
+
+
+class ModelRunner:
+    """The model, its paged KV cache, and the per-step input preparation."""
+
+    def __init__(
+        self, config: EngineConfig, hf_config, weights: Iterable[tuple[str, torch.Tensor]],
+        eos_token_ids: frozenset[int] = frozenset(),
+    ) -> None:
+        self.config = config
+        self.device = config.resolved_device()
+        self.dtype = config.resolved_dtype()
+        self.block_size = config.block_size
+        self.eos_token_ids = eos_token_ids
+        if config.num_threads > 0:
+            torch.set_num_threads(config.num_threads)
+        backend = config.attention_backend
+        if backend == "auto":
+            backend = "triton" if self.device.type == "cuda" else "torch"
+        set_attention_backend(backend)
+
+        model_max = int(getattr(hf_config, "max_position_embeddings", 2048))
+        self.max_model_len = config.max_model_len or model_max
+        if self.max_model_len > model_max:
+            raise ValueError(f"--max-model-len {self.max_model_len} exceeds the model's {model_max}")
+        model = CausalLM(hf_config, max_positions=self.max_model_len)
+        model.load_weights(weights)
+        self.model = model.to(device=self.device, dtype=self.dtype).eval()
+        self.model.layers[0].self_attn.rotary.to_device(self.device)  # shared by all layers
+        self.num_blocks = self._num_blocks(hf_config)
+        if self.num_blocks * self.block_size < self.max_model_len:
+            raise ValueError(
+                f"the KV cache holds {self.num_blocks * self.block_size} tokens, less than "
+                f"--max-model-len {self.max_model_len}: raise --kv-cache-memory / "
+                "--gpu-memory-utilization or lower --max-model-len"
+            )
+        self.kv_cache = torch.zeros(
+            hf_config.num_hidden_layers, 2, self.num_blocks, self.block_size,
+            hf_config.num_key_value_heads, head_dim_of(hf_config),
+            dtype=self.dtype, device=self.device,
+        )
+        for i, layer in enumerate(self.model.layers):
+            layer.self_attn.k_cache = self.kv_cache[i, 0]
+            layer.self_attn.v_cache = self.kv_cache[i, 1]
+        self.sampler = Sampler()
+        log.info("model ready: %d KV blocks of %d tokens (%s, %s)",
+                 self.num_blocks, self.block_size, self.dtype, self.device)
+
+    def _num_blocks(self, hf_config) -> int:
+        per_block = kv_bytes_per_block(hf_config, self.block_size, self.dtype)
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            used = total - free
+            budget = int(total * self.config.gpu_memory_utilization) - used
+        else:
+            budget = parse_size(self.config.kv_cache_memory)
+        return max(budget // per_block, 0)
+
+    def _prepare(self, batch: list[ScheduledSeq]):
+        bs = self.block_size
+        input_ids: list[int] = []
+        slots: list[np.ndarray] = []
+        positions: list[np.ndarray] = []
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        max_blocks = max(len(s.seq.block_table) for s in batch)
+        tables = np.zeros((len(batch), max_blocks), dtype=np.int32)
+        for i, item in enumerate(batch):
+            seq, start, n = item.seq, item.seq.num_computed_tokens, item.num_new_tokens
+            input_ids.extend(seq.token_ids[start:start + n])
+            pos = np.arange(start, start + n)
+            table = np.asarray(seq.block_table, dtype=np.int64)
+            tables[i, : len(table)] = table
+            positions.append(pos)
+            slots.append(table[pos // bs] * bs + pos % bs)
+            query_lens.append(n)
+            seq_lens.append(start + n)
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
+            query_start_loc=torch.tensor([0, *np.cumsum(query_lens)], dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=torch.from_numpy(tables).to(dev),
+            query_lens_cpu=query_lens,
+            seq_lens_cpu=seq_lens,
+        )
+        ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
+        pos = torch.from_numpy(np.concatenate(positions)).to(dev)
+        return ids, pos, meta
+
+    @torch.inference_mode()
+    def execute(self, batch: list[ScheduledSeq]) -> list[SampleResult | None]:
+        """Compute the batch's KV; sample one token for each sequence whose known tokens are all in.
+
+        Returns one entry per scheduled sequence: its new token, or None for a prefill chunk that
+        does not reach the end of the prompt yet.
+        """
+        ids, pos, meta = self._prepare(batch)
+        hidden = self.model(ids, pos, meta)
+        ends = [i for i, s in enumerate(batch)
+                if s.seq.num_computed_tokens + s.num_new_tokens == s.seq.num_tokens]
+        results: list[SampleResult | None] = [None] * len(batch)
+        if not ends:
+            return results
+        last = meta.query_start_loc[1:][ends].long() - 1
+        logits = self.model.compute_logits(hidden[last])
+        states = [
+            SamplingState(
+                params=batch[i].seq.params,
+                prompt_token_ids=batch[i].seq.prompt_token_ids,
+                output_token_ids=batch[i].seq.output_token_ids,
+                generator=batch[i].seq.generator,
+                eos_token_ids=self.eos_token_ids,
+            )
+            for i in ends
+        ]
+        for i, result in zip(ends, self.sampler(logits, states)):
+            results[i] = result
+        return results

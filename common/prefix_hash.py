@@ -1,0 +1,46 @@
+"""Block keys for prefix caching, shared by the workers' caches and the router's index.
+
+A full block's key is a 128-bit BLAKE2b digest of (parent key, salt, the block's token ids), so two
+equal keys mean two equal prefixes up to and including that block (a collision is as unlikely as a
+random 128-bit match; the block pool still compares tokens before reusing a block). Only full blocks
+have keys: a partly filled block is never shared.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+import numpy as np
+
+KEY_BYTES = 16
+
+
+def model_salt(model_id: str, dtype: str = "", block_size: int = 0) -> bytes:
+    """Salt that keeps keys of different models, dtypes or block sizes apart."""
+    text = f"{model_id}|{dtype}|{block_size}".encode()
+    return hashlib.blake2b(text, digest_size=KEY_BYTES).digest()
+
+
+def block_key(parent: bytes | None, tokens: Sequence[int], salt: bytes) -> bytes:
+    """Key of one full block, chained to its parent block's key (None for the first block)."""
+    h = hashlib.blake2b(digest_size=KEY_BYTES)
+    h.update(parent if parent is not None else b"\x00" * KEY_BYTES)
+    h.update(salt)
+    h.update(np.asarray(tokens, dtype=np.int64).tobytes())
+    return h.digest()
+
+
+def block_keys(
+    tokens: Sequence[int], block_size: int, salt: bytes, parent: bytes | None = None,
+    start_block: int = 0,
+) -> list[bytes]:
+    """Keys of the full blocks of `tokens` from block `start_block` on, chained from `parent`.
+
+    `parent` must be the key of block `start_block - 1` (None when starting at block 0).
+    """
+    keys: list[bytes] = []
+    for b in range(start_block, len(tokens) // block_size):
+        parent = block_key(parent, tokens[b * block_size:(b + 1) * block_size], salt)
+        keys.append(parent)
+    return keys

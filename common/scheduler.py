@@ -1,0 +1,94 @@
+"""Continuous batching: which sequences run this step and how many tokens each computes.
+
+One step mixes decode tokens of running sequences with (chunked) prefill of new ones under a token
+budget, as vLLM v1 does. Running sequences go first, oldest first; when blocks run out the newest
+running sequence is preempted (its blocks freed, its tokens recomputed later). Called by the engine.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from common.block_manager import BlockManager
+from common.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int  # tokens whose KV this step computes, starting at seq.num_computed_tokens
+
+
+class Scheduler:
+    """Waiting queue, running set and the per-step admission decision."""
+
+    def __init__(
+        self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int
+    ) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a finished or aborted sequence out and free its blocks."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def schedule(self) -> list[ScheduledSeq]:
+        """Pick this step's work; every returned sequence has blocks for its new tokens."""
+        budget = self.max_num_batched_tokens
+        scheduled: list[ScheduledSeq] = []
+        preempted = False
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.block_manager.ensure_slots(seq, seq.num_computed_tokens + n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            if seq.status is SequenceStatus.RUNNING:
+                scheduled.append(ScheduledSeq(seq, n))
+                budget -= n
+        if preempted:
+            return scheduled
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not seq.block_table:
+                hit = self.block_manager.match_prefix(seq)
+                if seq.num_output_tokens == 0:  # a preempted sequence keeps its first count
+                    seq.num_cached_tokens = hit
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self.block_manager.ensure_slots(seq, seq.num_computed_tokens + n):
+                self.block_manager.free(seq)
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            scheduled.append(ScheduledSeq(seq, n))
+            budget -= n
+        return scheduled

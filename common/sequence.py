@@ -1,0 +1,61 @@
+"""A request's running state inside an engine: its tokens, blocks and progress.
+
+Owned by the scheduler (status, block table, computed-token count) and the engine (tokens appended,
+finish reason). The model runner only reads it.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from common.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    """Prompt + generated tokens of one request, and how far its KV has been computed."""
+
+    request_id: str
+    token_ids: list[int]  # prompt then output tokens
+    num_prompt_tokens: int
+    params: SamplingParams
+    generator: torch.Generator | None = None
+    status: SequenceStatus = SequenceStatus.WAITING
+    block_table: list[int] = field(default_factory=list)
+    block_keys: list[bytes] = field(default_factory=list)  # keys of the leading full blocks
+    num_computed_tokens: int = 0  # tokens whose KV is in the cache
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
+    finish_reason: str | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_logprobs: list[float | None] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
