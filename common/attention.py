@@ -76,11 +76,13 @@ def _decode_attention(
     table = block_tables[:, :num_blocks].long()
     # [B, nb, bs, Hkv, D] -> [B, Hkv, L, D]
     k = k_cache[table].flatten(1, 2).permute(0, 2, 1, 3)
-    v = v_cache[table].flatten(1, 2).permute(0, 2, 1, 3)
+    v = v_cache[table].flatten(1, 2)  # [B, L, Hkv, D], a gathered copy
+    length = v.shape[1]
+    mask = torch.arange(length, device=q.device)[None, :] >= seq_lens[:, None].long()
+    # Slots past a sequence's end may hold anything (NaN in a torch.empty cache): 0 * NaN = NaN.
+    v = v.masked_fill_(mask[:, :, None, None], 0).permute(0, 2, 1, 3)
     qg = q.view(batch, num_kv_heads, group, head_dim)
     scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale  # [B, Hkv, G, L]
-    length = k.shape[2]
-    mask = torch.arange(length, device=q.device)[None, :] >= seq_lens[:, None].long()
     scores.masked_fill_(mask[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
     return torch.matmul(probs, v).reshape(batch, num_heads, head_dim)
