@@ -35,4 +35,4 @@ bench: pull
 
 clean:
 	rm -rf build dist *.egg-info .pytest_cache .ruff_cache
-	find . -name __pycache__ -not -path './$(VENV)/*' -prune -exec rm -rf {} +
+	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +
