@@ -5,7 +5,8 @@ layer) and the two operations on the paged KV cache: writing new keys/values int
 attending each new query token over its sequence's cached prefix plus the new tokens (causally).
 The torch code here is the CPU path and the reference the Triton kernels are tested against.
 
-Cache layout, per layer: `k_cache`, `v_cache` of shape [num_blocks, block_size, num_kv_heads, head_dim].
+Cache layout, per layer: `k_cache`, `v_cache` of shape
+[num_blocks, block_size, num_kv_heads, head_dim].
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ import torch.nn.functional as F
 class AttentionMetadata:
     """Where each new token's K/V goes and which cached tokens each sequence attends to.
 
-    Sequence i owns new tokens `query_start_loc[i]:query_start_loc[i+1]` of the flat token batch; after
+    Sequence i owns new tokens `query_start_loc[i]:query_start_loc[i+1]` of the flat batch; after
     this step its cache holds `seq_lens[i]` tokens (cached prefix + new), laid out along
-    `block_tables[i]` (padded with 0 past its last block). New token j of sequence i sits at position
+    `block_tables[i]` (padded with 0 past its last block). New token j of sequence i is at position
     `seq_lens[i] - query_len_i + j` and attends to positions `0..` itself.
     """
 
@@ -47,7 +48,10 @@ class AttentionMetadata:
 
 
 def write_kv_cache(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
     """Store new keys/values [num_tokens, num_kv_heads, head_dim] into their cache slots."""
@@ -65,8 +69,13 @@ def _gather_seq(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) ->
 
 
 def _decode_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int, scale: float,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_seq_len: int,
+    scale: float,
 ) -> torch.Tensor:
     """One query per sequence, batched: q [B, H, D] -> [B, H, D]."""
     batch, num_heads, head_dim = q.shape
@@ -89,13 +98,18 @@ def _decode_attention(
 
 
 def _prefill_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
 ) -> torch.Tensor:
-    """Queries are the last q_len of the k_len keys; causal. q [q_len, H, D], k/v [k_len, Hkv, D]."""
+    """Causal; queries are the last q_len of k_len keys. q [q_len, H, D], k/v [k_len, Hkv, D]."""
     q_len, k_len = q.shape[0], k.shape[0]
     qt, kt, vt = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
     if q_len == k_len:
-        out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=True)
+        out = F.scaled_dot_product_attention(
+            qt, kt, vt, is_causal=True, scale=scale, enable_gqa=True
+        )
     else:
         rows = torch.arange(q_len, device=q.device)[:, None] + (k_len - q_len)
         allowed = torch.arange(k_len, device=q.device)[None, :] <= rows
@@ -106,14 +120,19 @@ def _prefill_attention(
 
 
 def paged_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    meta: AttentionMetadata, scale: float,
-    new_k: torch.Tensor | None = None, new_v: torch.Tensor | None = None,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    new_k: torch.Tensor | None = None,
+    new_v: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of new tokens q [num_tokens, H, D] over the paged cache (already holding them).
 
-    `new_k`/`new_v`, when given, are the new tokens' keys/values: a sequence with no cached prefix then
-    attends to them directly instead of gathering them back from the cache (same values, less copying).
+    `new_k`/`new_v`, when given, are the new tokens' keys/values: a sequence with no cached prefix
+    then attends to them directly instead of gathering them back from the cache (same values, less
+    copying).
     """
     if meta.max_query_len == 1:
         return _decode_attention(

@@ -1,7 +1,8 @@
 """Per-sequence block tables on top of the block pool, with prefix-cache matching.
 
 Called by the scheduler: match a new sequence's prefix against cached blocks, grow its block table
-before each step, register blocks as they fill, and give everything back when it ends or is preempted.
+before each step, register blocks as they fill, and give everything back when it ends or is
+preempted.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ class BlockManager:
         max_blocks = (seq.num_tokens - 1) // bs
         tokens = seq.token_ids
         keys = block_keys(tokens[: max_blocks * bs], bs, self.salt)
-        hits = self.pool.lookup(keys, [tokens[b * bs:(b + 1) * bs] for b in range(len(keys))])
+        hits = self.pool.lookup(keys, [tokens[b * bs : (b + 1) * bs] for b in range(len(keys))])
         self.pool.take(hits)
         seq.block_table = list(hits)
         seq.block_keys = keys[: len(hits)]
@@ -45,7 +46,7 @@ class BlockManager:
         return seq.num_computed_tokens
 
     def ensure_slots(self, seq: Sequence, num_tokens: int) -> bool:
-        """Grow `seq`'s block table to hold `num_tokens` tokens; False (nothing taken) if too few."""
+        """Grow `seq`'s block table to hold `num_tokens` tokens; False (taking nothing) if short."""
         needed = self.blocks_needed(num_tokens) - len(seq.block_table)
         if needed <= 0:
             return True
@@ -65,7 +66,7 @@ class BlockManager:
             return
         parent = seq.block_keys[-1] if seq.block_keys else None
         for b in range(start, num_full):
-            tokens = seq.token_ids[b * bs:(b + 1) * bs]
+            tokens = seq.token_ids[b * bs : (b + 1) * bs]
             parent = block_key(parent, tokens, self.salt)
             seq.block_keys.append(parent)
             self.pool.register(seq.block_table[b], parent, tokens)

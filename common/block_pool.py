@@ -86,7 +86,7 @@ class BlockPool:
                 self._free[block_id] = None
 
     def lookup(self, keys: Sequence[bytes], token_blocks: Sequence[Sequence[int]]) -> list[int]:
-        """Longest run of leading blocks already cached under `keys` with equal tokens (not taken)."""
+        """Longest run of leading blocks cached under `keys` with equal tokens (not yet taken)."""
         hits = []
         for key, tokens in zip(keys, token_blocks):
             block_id = self._cached.get(key)
@@ -96,7 +96,7 @@ class BlockPool:
         return hits
 
     def take(self, block_ids: Sequence[int]) -> None:
-        """Add a reference to each block (prefix-cache hits), pulling free ones off the free list."""
+        """Add a reference to each block (prefix-cache hits), taking free ones off the free list."""
         for block_id in block_ids:
             block = self.blocks[block_id]
             if block.ref_count == 0:
@@ -104,7 +104,7 @@ class BlockPool:
             block.ref_count += 1
 
     def register(self, block_id: int, key: bytes, tokens: Sequence[int]) -> None:
-        """Record that a full, computed block holds the prefix `key` so later prompts can share it."""
+        """Record that a full, computed block holds prefix `key` so later prompts can share it."""
         block = self.blocks[block_id]
         if block.key is not None:
             return

@@ -14,8 +14,19 @@ from dataclasses import dataclass, fields
 
 import torch
 
-_SIZE_UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 2**10, "kib": 2**10, "m": 2**20, "mb": 2**20,
-               "mib": 2**20, "g": 2**30, "gb": 2**30, "gib": 2**30}
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 2**10,
+    "kb": 2**10,
+    "kib": 2**10,
+    "m": 2**20,
+    "mb": 2**20,
+    "mib": 2**20,
+    "g": 2**30,
+    "gb": 2**30,
+    "gib": 2**30,
+}
 
 
 def parse_size(text: str | int) -> int:
@@ -56,7 +67,9 @@ class EngineConfig:
         if self.dtype == "auto":
             return torch.bfloat16
         if self.dtype not in names:
-            raise ValueError(f"--dtype must be auto, float32, bfloat16 or float16, not {self.dtype!r}")
+            raise ValueError(
+                f"--dtype must be auto, float32, bfloat16 or float16, not {self.dtype!r}"
+            )
         return names[self.dtype]
 
     def validate(self) -> None:
@@ -96,13 +109,23 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         env = "PDSERVE_" + f.name.upper()
         default = os.environ.get(env, f.default)
         if f.type in ("bool",):
-            default = default if isinstance(default, bool) else default.lower() in ("1", "true", "yes")
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
-                                help=f"{_HELP[f.name]} (env {env})")
+            default = (
+                default if isinstance(default, bool) else default.lower() in ("1", "true", "yes")
+            )
+            parser.add_argument(
+                flag,
+                action=argparse.BooleanOptionalAction,
+                default=default,
+                help=f"{_HELP[f.name]} (env {env})",
+            )
             continue
         kind = {"int": int, "float": float, "int | None": int}.get(f.type, str)
-        parser.add_argument(flag, type=kind, default=None if default is None else kind(default),
-                            help=f"{_HELP[f.name]} (env {env}; default {f.default})")
+        parser.add_argument(
+            flag,
+            type=kind,
+            default=None if default is None else kind(default),
+            help=f"{_HELP[f.name]} (env {env}; default {f.default})",
+        )
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:

@@ -50,7 +50,9 @@ class Engine:
     """Continuous-batching generation over a paged, prefix-cached KV cache."""
 
     def __init__(
-        self, config: EngineConfig, hf_config=None,
+        self,
+        config: EngineConfig,
+        hf_config=None,
         weights: Iterable[tuple[str, torch.Tensor]] | None = None,
         eos_token_ids: Iterable[int] | None = None,
     ) -> None:
@@ -64,8 +66,9 @@ class Engine:
             source = resolve_model(config.model)
             hf_config, weights = source.hf_config, iter_weights(source)
         self.hf_config = hf_config
-        self.eos_token_ids = frozenset(eos_token_ids) if eos_token_ids is not None else (
-            config_eos_ids(hf_config))
+        self.eos_token_ids = (
+            frozenset(eos_token_ids) if eos_token_ids is not None else (config_eos_ids(hf_config))
+        )
         self.runner = ModelRunner(config, hf_config, weights, self.eos_token_ids)
         self.max_model_len = self.runner.max_model_len
         self.pool = BlockPool(self.runner.num_blocks, config.block_size)
@@ -95,8 +98,10 @@ class Engine:
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.vocab_size:
             raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
         seq = Sequence(
-            request_id=request_id, token_ids=list(prompt_token_ids),
-            num_prompt_tokens=len(prompt_token_ids), params=params,
+            request_id=request_id,
+            token_ids=list(prompt_token_ids),
+            num_prompt_tokens=len(prompt_token_ids),
+            params=params,
             generator=make_generator(params),
         )
         self.seqs[request_id] = seq
@@ -137,13 +142,19 @@ class Engine:
                 self.scheduler.remove(seq)
                 seq.status = SequenceStatus.FINISHED
                 del self.seqs[seq.request_id]
-            outputs.append(RequestOutput(
-                request_id=seq.request_id, new_token_ids=[result.token_id],
-                new_logprobs=[result.logprob], new_top_logprobs=[result.top_logprobs],
-                finished=reason is not None, finish_reason=reason,
-                num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=seq.num_output_tokens,
-                num_cached_tokens=seq.num_cached_tokens,
-            ))
+            outputs.append(
+                RequestOutput(
+                    request_id=seq.request_id,
+                    new_token_ids=[result.token_id],
+                    new_logprobs=[result.logprob],
+                    new_top_logprobs=[result.top_logprobs],
+                    finished=reason is not None,
+                    finish_reason=reason,
+                    num_prompt_tokens=seq.num_prompt_tokens,
+                    num_output_tokens=seq.num_output_tokens,
+                    num_cached_tokens=seq.num_cached_tokens,
+                )
+            )
         return outputs
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:

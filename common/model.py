@@ -2,9 +2,9 @@
 
 Embedding, N x (RMSNorm, attention, residual, RMSNorm, SwiGLU MLP, residual), RMSNorm, LM head.
 Differences inside the family are switches read from the HF config: GQA, RoPE (incl. scaling types,
-through transformers' own RoPE init functions), attention bias (Qwen2), per-head q/k RMSNorm (Qwen3),
-tied embeddings. Q/K/V and gate/up projections are fused into one matmul each. Called by the model
-runner, which owns the KV cache tensors and the attention metadata.
+through transformers' own RoPE init functions), attention bias (Qwen2), per-head q/k RMSNorm
+(Qwen3), tied embeddings. Q/K/V and gate/up projections are fused into one matmul each. Called by
+the model runner, which owns the KV cache tensors and the attention metadata.
 """
 
 from __future__ import annotations
@@ -200,7 +200,7 @@ class CausalLM(nn.Module):
         for hf_name, tensor in weights:
             name, offset = _fused_target(hf_name, self.config)
             if name.startswith("model."):
-                name = name[len("model."):]
+                name = name[len("model.") :]
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 continue
             if name not in params:
@@ -208,17 +208,20 @@ class CausalLM(nn.Module):
             param = params[name]
             if offset is None:
                 if param.shape != tensor.shape:
-                    raise ValueError(f"{hf_name}: shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+                    raise ValueError(
+                        f"{hf_name}: shape {tuple(tensor.shape)}, expected {tuple(param.shape)}"
+                    )
                 param.copy_(tensor)
                 filled.add(name)
             else:
                 start, size = offset
                 if tensor.shape[0] != size or tensor.shape[1:] != param.shape[1:]:
                     raise ValueError(f"{hf_name}: shape {tuple(tensor.shape)} does not fit {name}")
-                param[start:start + size].copy_(tensor)
+                param[start : start + size].copy_(tensor)
                 filled.add(f"{name}[{start}]")
-        missing = [n for n in params if n not in filled and not any(
-            f.startswith(n + "[") for f in filled)]
+        missing = [
+            n for n in params if n not in filled and not any(f.startswith(n + "[") for f in filled)
+        ]
         if missing:
             raise ValueError(f"checkpoint is missing weights: {missing[:5]}")
 
@@ -236,12 +239,14 @@ def _attention_bias(config) -> tuple[bool, bool]:
 
 
 def _fused_target(hf_name: str, config) -> tuple[str, tuple[int, int] | None]:
-    """Map an HF parameter name to ours, with (row offset, rows) when it is part of a fused matrix."""
+    """Map an HF parameter name to ours, with (row offset, rows) when part of a fused matrix."""
     head_dim = head_dim_of(config)
     q_size = config.num_attention_heads * head_dim
     kv_size = config.num_key_value_heads * head_dim
     for part, start, size in (
-        ("q_proj", 0, q_size), ("k_proj", q_size, kv_size), ("v_proj", q_size + kv_size, kv_size),
+        ("q_proj", 0, q_size),
+        ("k_proj", q_size, kv_size),
+        ("v_proj", q_size + kv_size, kv_size),
     ):
         if f".self_attn.{part}." in hf_name:
             return hf_name.replace(part, "qkv_proj"), (start, size)

@@ -24,15 +24,24 @@ log = logging.getLogger(__name__)
 def kv_bytes_per_block(hf_config, block_size: int, dtype: torch.dtype) -> int:
     """Bytes one block takes across all layers, K and V."""
     elem = torch.empty(0, dtype=dtype).element_size()
-    return (2 * hf_config.num_hidden_layers * block_size * hf_config.num_key_value_heads
-            * head_dim_of(hf_config) * elem)
+    return (
+        2
+        * hf_config.num_hidden_layers
+        * block_size
+        * hf_config.num_key_value_heads
+        * head_dim_of(hf_config)
+        * elem
+    )
 
 
 class ModelRunner:
     """The model, its paged KV cache, and the per-step input preparation."""
 
     def __init__(
-        self, config: EngineConfig, hf_config, weights: Iterable[tuple[str, torch.Tensor]],
+        self,
+        config: EngineConfig,
+        hf_config,
+        weights: Iterable[tuple[str, torch.Tensor]],
         eos_token_ids: frozenset[int] = frozenset(),
     ) -> None:
         self.config = config
@@ -50,7 +59,9 @@ class ModelRunner:
         model_max = int(getattr(hf_config, "max_position_embeddings", 2048))
         self.max_model_len = config.max_model_len or model_max
         if self.max_model_len > model_max:
-            raise ValueError(f"--max-model-len {self.max_model_len} exceeds the model's {model_max}")
+            raise ValueError(
+                f"--max-model-len {self.max_model_len} exceeds the model's {model_max}"
+            )
         model = CausalLM(hf_config, max_positions=self.max_model_len)
         model.load_weights(weights)
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
@@ -63,16 +74,26 @@ class ModelRunner:
                 "--gpu-memory-utilization or lower --max-model-len"
             )
         self.kv_cache = torch.zeros(
-            hf_config.num_hidden_layers, 2, self.num_blocks, self.block_size,
-            hf_config.num_key_value_heads, head_dim_of(hf_config),
-            dtype=self.dtype, device=self.device,
+            hf_config.num_hidden_layers,
+            2,
+            self.num_blocks,
+            self.block_size,
+            hf_config.num_key_value_heads,
+            head_dim_of(hf_config),
+            dtype=self.dtype,
+            device=self.device,
         )
         for i, layer in enumerate(self.model.layers):
             layer.self_attn.k_cache = self.kv_cache[i, 0]
             layer.self_attn.v_cache = self.kv_cache[i, 1]
         self.sampler = Sampler()
-        log.info("model ready: %d KV blocks of %d tokens (%s, %s)",
-                 self.num_blocks, self.block_size, self.dtype, self.device)
+        log.info(
+            "model ready: %d KV blocks of %d tokens (%s, %s)",
+            self.num_blocks,
+            self.block_size,
+            self.dtype,
+            self.device,
+        )
 
     def _num_blocks(self, hf_config) -> int:
         per_block = kv_bytes_per_block(hf_config, self.block_size, self.dtype)
@@ -95,7 +116,7 @@ class ModelRunner:
         tables = np.zeros((len(batch), max_blocks), dtype=np.int32)
         for i, item in enumerate(batch):
             seq, start, n = item.seq, item.seq.num_computed_tokens, item.num_new_tokens
-            input_ids.extend(seq.token_ids[start:start + n])
+            input_ids.extend(seq.token_ids[start : start + n])
             pos = np.arange(start, start + n)
             table = np.asarray(seq.block_table, dtype=np.int64)
             tables[i, : len(table)] = table
@@ -106,7 +127,9 @@ class ModelRunner:
         dev = self.device
         meta = AttentionMetadata(
             slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
-            query_start_loc=torch.tensor([0, *np.cumsum(query_lens)], dtype=torch.int32, device=dev),
+            query_start_loc=torch.tensor(
+                [0, *np.cumsum(query_lens)], dtype=torch.int32, device=dev
+            ),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
             block_tables=torch.from_numpy(tables).to(dev),
             query_lens_cpu=query_lens,
@@ -125,8 +148,11 @@ class ModelRunner:
         """
         ids, pos, meta = self._prepare(batch)
         hidden = self.model(ids, pos, meta)
-        ends = [i for i, s in enumerate(batch)
-                if s.seq.num_computed_tokens + s.num_new_tokens == s.seq.num_tokens]
+        ends = [
+            i
+            for i, s in enumerate(batch)
+            if s.seq.num_computed_tokens + s.num_new_tokens == s.seq.num_tokens
+        ]
         results: list[SampleResult | None] = [None] * len(batch)
         if not ends:
             return results

@@ -32,7 +32,10 @@ def block_key(parent: bytes | None, tokens: Sequence[int], salt: bytes) -> bytes
 
 
 def block_keys(
-    tokens: Sequence[int], block_size: int, salt: bytes, parent: bytes | None = None,
+    tokens: Sequence[int],
+    block_size: int,
+    salt: bytes,
+    parent: bytes | None = None,
     start_block: int = 0,
 ) -> list[bytes]:
     """Keys of the full blocks of `tokens` from block `start_block` on, chained from `parent`.
@@ -41,6 +44,6 @@ def block_keys(
     """
     keys: list[bytes] = []
     for b in range(start_block, len(tokens) // block_size):
-        parent = block_key(parent, tokens[b * block_size:(b + 1) * block_size], salt)
+        parent = block_key(parent, tokens[b * block_size : (b + 1) * block_size], salt)
         keys.append(parent)
     return keys

@@ -7,16 +7,29 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 TINY = dict(
-    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, vocab_size=256, max_position_embeddings=512,
-    initializer_range=0.2, eos_token_id=255, bos_token_id=1, pad_token_id=0,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=256,
+    max_position_embeddings=512,
+    initializer_range=0.2,
+    eos_token_id=255,
+    bos_token_id=1,
+    pad_token_id=0,
 )
 # Extra settings per family: q/k/v bias comes with qwen2, q/k norm with qwen3.
 FAMILIES = {
     "llama": dict(tie_word_embeddings=False),
     "llama-rope-scaled": dict(
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                      "high_freq_factor": 4.0, "original_max_position_embeddings": 128},
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 128,
+        },
         tie_word_embeddings=True,
     ),
     "qwen2": dict(tie_word_embeddings=True),

@@ -1,4 +1,4 @@
-"""Engine numerics against HF transformers `generate`, prefix caching, chunked prefill, preemption."""
+"""Engine numerics against transformers `generate`; prefix caching, chunked prefill, preemption."""
 
 from __future__ import annotations
 
@@ -13,8 +13,13 @@ GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
 
 def make_engine(hf_model, **overrides) -> Engine:
-    cfg = dict(model="tiny", dtype="float32", kv_cache_memory="8MiB", block_size=8,
-               max_num_batched_tokens=256)
+    cfg = dict(
+        model="tiny",
+        dtype="float32",
+        kv_cache_memory="8MiB",
+        block_size=8,
+        max_num_batched_tokens=256,
+    )
     cfg.update(overrides)
     return Engine(EngineConfig(**cfg), hf_model.config, hf_model.state_dict().items())
 
@@ -22,16 +27,21 @@ def make_engine(hf_model, **overrides) -> Engine:
 def hf_greedy(hf_model, prompt: list[int], max_new_tokens: int) -> list[int]:
     ids = torch.tensor([prompt])
     out = hf_model.generate(
-        ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-        do_sample=False, eos_token_id=None, pad_token_id=0,
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
     )
-    return out[0, len(prompt):].tolist()
+    return out[0, len(prompt) :].tolist()
 
 
 def prompts(n: int, seed: int = 0, lengths=(3, 7, 8, 9, 17, 31, 40)) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(2, 250, (lengths[i % len(lengths)],), generator=g).tolist()
-            for i in range(n)]
+    return [
+        torch.randint(2, 250, (lengths[i % len(lengths)],), generator=g).tolist() for i in range(n)
+    ]
 
 
 def assert_block_pool_full(engine: Engine) -> None:
@@ -108,19 +118,23 @@ def test_stop_rules(tiny_llama):
     free_run = engine.generate([p], GREEDY)[0].output_token_ids
     stop_at = free_run[5]
     first = free_run.index(stop_at)
-    seq = engine.generate([p], SamplingParams(max_tokens=24, temperature=0.0,
-                                              stop_token_ids=[stop_at]))[0]
+    seq = engine.generate(
+        [p], SamplingParams(max_tokens=24, temperature=0.0, stop_token_ids=[stop_at])
+    )[0]
     assert seq.finish_reason == "stop"
     assert seq.output_token_ids == free_run[: first + 1]
     # the model's eos ends a sequence unless ignore_eos
     eng_eos = make_engine(hf_model)
     eng_eos.eos_token_ids = frozenset([stop_at])
     eng_eos.runner.eos_token_ids = eng_eos.eos_token_ids
-    assert eng_eos.generate([p], SamplingParams(max_tokens=24, temperature=0.0))[0] \
-        .output_token_ids == free_run[: first + 1]
+    assert (
+        eng_eos.generate([p], SamplingParams(max_tokens=24, temperature=0.0))[0].output_token_ids
+        == free_run[: first + 1]
+    )
     # min_tokens keeps eos from being sampled before it is reached
-    seq = eng_eos.generate([p], SamplingParams(max_tokens=24, temperature=0.0,
-                                               min_tokens=first + 3))[0]
+    seq = eng_eos.generate(
+        [p], SamplingParams(max_tokens=24, temperature=0.0, min_tokens=first + 3)
+    )[0]
     assert len(seq.output_token_ids) >= first + 3
     assert stop_at not in seq.output_token_ids[: first + 2]
 
