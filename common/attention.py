@@ -139,9 +139,23 @@ def paged_attention(
             q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.max_seq_len, scale
         )
     out = torch.empty_like(q)
+    # Decode rows of a mixed batch are batched together; prefill rows go one sequence at a time.
+    decode_rows = [i for i, q_len in enumerate(meta.query_lens_cpu) if q_len == 1]
+    if len(decode_rows) > 1:
+        rows = torch.tensor(decode_rows, device=q.device)
+        tokens = meta.query_start_loc[rows].long()
+        out[tokens] = _decode_attention(
+            q[tokens], k_cache, v_cache, meta.block_tables[rows], meta.seq_lens[rows],
+            max(meta.seq_lens_cpu[i] for i in decode_rows), scale,
+        )
+    else:
+        decode_rows = []
     start = 0
     for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
         end = start + q_len
+        if decode_rows and q_len == 1:
+            start = end
+            continue
         if new_k is not None and new_v is not None and q_len == seq_len:
             k, v = new_k[start:end], new_v[start:end]
         else:

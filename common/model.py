@@ -20,6 +20,21 @@ from common.attention import AttentionMetadata, paged_attention, write_kv_cache
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
+class Linear(nn.Linear):
+    """nn.Linear that can switch to oneDNN's prepacked-weight matmul on CPU (pack_for_cpu)."""
+
+    packed: torch.Tensor | None = None
+
+    def pack_for_cpu(self) -> None:
+        # Prepacked weights skip oneDNN's per-call reorder: about 2x faster at decode batch sizes.
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is None:
+            return F.linear(x, self.weight, self.bias)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -28,9 +43,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # float32 statistics, cast back before the weight: the order HF uses, so bf16 rounds alike
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        normed = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)
+        return self.weight * normed.to(x.dtype)
 
 
 class RotaryEmbedding(nn.Module):
@@ -62,12 +76,14 @@ class RotaryEmbedding(nn.Module):
     def to_device(self, device: torch.device) -> None:
         self.cos, self.sin = self.cos.to(device), self.sin.to(device)
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def set_positions(self, positions: torch.Tensor, dtype: torch.dtype) -> None:
+        """Look up this step's cos/sin once; every layer's forward then reuses them."""
+        self.step_cos = self.cos[positions].to(dtype)[:, None, :]
+        self.step_sin = self.sin[positions].to(dtype)[:, None, :]
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate q [T, H, D] and k [T, Hkv, D] (half-split layout, as HF)."""
-        cos = self.cos[positions].to(q.dtype)[:, None, :]
-        sin = self.sin[positions].to(q.dtype)[:, None, :]
+        cos, sin = self.step_cos, self.step_sin
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
@@ -86,8 +102,8 @@ class Attention(nn.Module):
         qkv_bias, o_bias = _attention_bias(config)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.split = (q_size, kv_size, kv_size)
-        self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=qkv_bias)
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=o_bias)
+        self.qkv_proj = Linear(config.hidden_size, q_size + 2 * kv_size, bias=qkv_bias)
+        self.o_proj = Linear(q_size, config.hidden_size, bias=o_bias)
         self.qk_norm = config.model_type == "qwen3"
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -96,16 +112,14 @@ class Attention(nn.Module):
         self.k_cache = torch.empty(0)  # set by the model runner
         self.v_cache = torch.empty(0)
 
-    def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        q, k = self.rotary(q, k)
         write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         out = attention_backend(q, self.k_cache, self.v_cache, meta, self.scale, k, v)
         return self.o_proj(out.flatten(1))
@@ -136,8 +150,8 @@ class MLP(nn.Module):
         super().__init__()
         bias = bool(getattr(config, "mlp_bias", False))
         self.intermediate = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate, bias=bias)
-        self.down_proj = nn.Linear(self.intermediate, config.hidden_size, bias=bias)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * self.intermediate, bias=bias)
+        self.down_proj = Linear(self.intermediate, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
@@ -152,10 +166,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, meta)
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -170,27 +182,34 @@ class CausalLM(nn.Module):
                 f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
             )
         self.config = config
-        rotary = RotaryEmbedding(config, head_dim_of(config), max_positions)
+        self.rotary = rotary = RotaryEmbedding(config, head_dim_of(config), max_positions)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             DecoderLayer(config, rotary) for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        self.rotary.set_positions(positions, x.dtype)
         for layer in self.layers:
-            x = layer(x, positions, meta)
+            x = layer(x, meta)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        return F.linear(hidden, weight)
+        return self.lm_head(hidden)
+
+    def pack_for_cpu(self) -> None:
+        """Prepack every projection (and the LM head) for oneDNN; call after the final .to()."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack_for_cpu()
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -65,7 +65,9 @@ class ModelRunner:
         model = CausalLM(hf_config, max_positions=self.max_model_len)
         model.load_weights(weights)
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
-        self.model.layers[0].self_attn.rotary.to_device(self.device)  # shared by all layers
+        if self.device.type == "cpu" and torch.backends.mkldnn.is_available():
+            self.model.pack_for_cpu()
+        self.model.rotary.to_device(self.device)
         self.num_blocks = self._num_blocks(hf_config)
         if self.num_blocks * self.block_size < self.max_model_len:
             raise ValueError(
