@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from common import cpu_attention
+
 
 @dataclass
 class AttentionMetadata:
@@ -78,6 +80,10 @@ def _decode_attention(
     scale: float,
 ) -> torch.Tensor:
     """One query per sequence, batched: q [B, H, D] -> [B, H, D]."""
+    if cpu_attention.supports(q, k_cache):
+        return cpu_attention.paged_decode_attention(
+            q, k_cache, v_cache, block_tables, seq_lens, scale
+        )
     batch, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -145,8 +151,13 @@ def paged_attention(
         rows = torch.tensor(decode_rows, device=q.device)
         tokens = meta.query_start_loc[rows].long()
         out[tokens] = _decode_attention(
-            q[tokens], k_cache, v_cache, meta.block_tables[rows], meta.seq_lens[rows],
-            max(meta.seq_lens_cpu[i] for i in decode_rows), scale,
+            q[tokens],
+            k_cache,
+            v_cache,
+            meta.block_tables[rows],
+            meta.seq_lens[rows],
+            max(meta.seq_lens_cpu[i] for i in decode_rows),
+            scale,
         )
     else:
         decode_rows = []
