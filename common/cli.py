@@ -19,6 +19,12 @@ def cmd_models_pull(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_run_batch(args: argparse.Namespace) -> int:
+    from common.run_batch import run_batch_command
+
+    return run_batch_command(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pdserve", description="Disaggregated prefill/decode LLM serving."
@@ -30,6 +36,22 @@ def build_parser() -> argparse.ArgumentParser:
     pull = models_commands.add_parser("pull", help="fetch the default model into the cache")
     pull.add_argument("-q", "--quiet", action="store_true", help="no download progress")
     pull.set_defaults(func=cmd_models_pull)
+
+    from common.config import add_engine_args
+
+    batch = commands.add_parser(
+        "run-batch", help="offline inference over an OpenAI batch file (JSONL), in-process"
+    )
+    batch.add_argument("-i", "--input-file", required=True, help="input JSONL ('-' for stdin)")
+    batch.add_argument("-o", "--output-file", required=True, help="output JSONL ('-' for stdout)")
+    batch.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="model names requests may use (default: the --model argument as given)",
+    )
+    add_engine_args(batch)
+    batch.set_defaults(func=cmd_run_batch)
 
     return parser
 
