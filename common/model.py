@@ -43,6 +43,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # float32 statistics, cast back before the weight: the order HF uses, so bf16 rounds alike
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         normed = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)
         return self.weight * normed.to(x.dtype)
 
@@ -81,10 +83,9 @@ class RotaryEmbedding(nn.Module):
         self.step_cos = self.cos[positions].to(dtype)[:, None, :]
         self.step_sin = self.sin[positions].to(dtype)[:, None, :]
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate q [T, H, D] and k [T, Hkv, D] (half-split layout, as HF)."""
-        cos, sin = self.step_cos, self.step_sin
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Rotate x [T, heads, D] at this step's positions (half-split layout, as HF)."""
+        return _rotate(x, self.step_cos, self.step_sin)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -113,13 +114,15 @@ class Attention(nn.Module):
         self.v_cache = torch.empty(0)
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)
+        qk_width = (self.num_heads + self.num_kv_heads) * self.head_dim
+        qk = qkv[:, :qk_width].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
+        v = qkv[:, qk_width:].view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(q, k)
+            q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
+            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
+        qk = self.rotary(qk)  # q and k rotated in one go
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         out = attention_backend(q, self.k_cache, self.v_cache, meta, self.scale, k, v)
         return self.o_proj(out.flatten(1))
