@@ -11,8 +11,10 @@ import argparse
 import os
 import re
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported lazily so that `pdserve --help` stays fast
+    import torch
 
 _SIZE_UNITS = {
     "": 1,
@@ -58,11 +60,15 @@ class EngineConfig:
     seed: int = 0
 
     def resolved_device(self) -> torch.device:
+        import torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
 
     def resolved_dtype(self) -> torch.dtype:
+        import torch
+
         names = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
         if self.dtype == "auto":
             return torch.bfloat16

@@ -25,6 +25,16 @@ import torch
 log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).parent / "csrc" / "paged_decode.c"
+# -fopenmp links the libgomp torch already loaded (same soname): one thread pool, not two competing.
+_FLAGS = [
+    "-O3",
+    "-march=native",
+    "-ffast-math",
+    "-fno-finite-math-only",
+    "-shared",
+    "-fPIC",
+    "-fopenmp",
+]
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _lib: ctypes.CDLL | None = None
 _failed = False
@@ -43,26 +53,14 @@ def _build() -> ctypes.CDLL | None:
         return None
     source = _SOURCE.read_bytes()
     # -march=native output only runs where it was built: key the file by source and host.
-    tag = hashlib.sha256(source + platform.node().encode() + platform.machine().encode())
+    key = [source, " ".join(_FLAGS).encode(), platform.node().encode(), platform.machine().encode()]
+    tag = hashlib.sha256(b"\0".join(key))
     target = _cache_dir() / f"paged_decode-{tag.hexdigest()[:16]}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             out = Path(tmp) / target.name
-            cmd = [
-                compiler,
-                "-O3",
-                "-march=native",
-                "-ffast-math",
-                "-fno-finite-math-only",
-                "-shared",
-                "-fPIC",
-                "-pthread",
-                str(_SOURCE),
-                "-o",
-                str(out),
-                "-lm",
-            ]
+            cmd = [compiler, *_FLAGS, str(_SOURCE), "-o", str(out), "-lm"]
             result = subprocess.run(cmd, capture_output=True, text=True)
             if result.returncode != 0:
                 log.warning("building %s failed: %s", _SOURCE.name, result.stderr[-2000:])

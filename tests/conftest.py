@@ -32,6 +32,7 @@ FAMILIES = {
         },
         tie_word_embeddings=True,
     ),
+    "mistral": dict(tie_word_embeddings=False, sliding_window=None),
     "qwen2": dict(tie_word_embeddings=True),
     "qwen3": dict(head_dim=32, tie_word_embeddings=False),
 }

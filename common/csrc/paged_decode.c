@@ -1,5 +1,5 @@
 /* Paged decode attention for the CPU path: one query token per sequence, read straight from the
- * block table (no gathered copy of the KV cache), float32 accumulation, pthreads over
+ * block table (no gathered copy of the KV cache), float32 accumulation, OpenMP over
  * (sequence, kv head) pairs. Compiled on first use by common/cpu_attention.py.
  *
  * Layouts: q [B, H, D] with row stride q_stride (elements); k_cache, v_cache [N, bs, Hkv, D];
@@ -7,7 +7,6 @@
  * dtype: 0 = float32, 1 = bfloat16.
  */
 #include <math.h>
-#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -34,7 +33,6 @@ typedef struct {
     int B, H, Hkv, D, bs, max_blocks, dtype;
     long q_stride;
     float scale;
-    int item_begin, item_end;
 } Job;
 
 static inline void load_row(const void *restrict base, long idx, int D, int dtype,
@@ -98,53 +96,42 @@ static inline void attend_one(const Job *j, int b, int h, const int D, float *re
     }
 }
 
-static void *run(void *arg) {
-    Job *j = (Job *)arg;
-    const int G = j->H / j->Hkv, D = j->D;
-    int max_len = 1;
-    for (int b = 0; b < j->B; b++) if (j->seq_lens[b] > max_len) max_len = j->seq_lens[b];
-    float *scores = malloc(sizeof(float) * (size_t)G * max_len);
-    float *qf = malloc(sizeof(float) * G * D);
-    float *acc = malloc(sizeof(float) * G * D);
-    float *row = malloc(sizeof(float) * D);
-    for (int item = j->item_begin; item < j->item_end; item++) {
-        const int b = item / j->Hkv, h = item % j->Hkv;
-        switch (D) {
-        case 64: attend_one(j, b, h, 64, scores, qf, acc, row); break;
-        case 128: attend_one(j, b, h, 128, scores, qf, acc, row); break;
-        default: attend_one(j, b, h, D, scores, qf, acc, row); break;
-        }
-    }
-    free(scores);
-    free(qf);
-    free(acc);
-    free(row);
-    return NULL;
-}
-
 /* Returns 0 on success, -1 for a shape this kernel does not take. */
 int paged_decode(const void *q, long q_stride, const void *k_cache, const void *v_cache,
                  const int32_t *block_tables, const int32_t *seq_lens, void *out, int B, int H,
                  int Hkv, int D, int bs, int max_blocks, float scale, int dtype, int num_threads) {
     if (H % Hkv != 0 || H / Hkv > 64) return -1;
-    const int items = B * Hkv;
-    if (num_threads < 1) num_threads = 1;
-    if (num_threads > items) num_threads = items;
-    if (num_threads > 64) num_threads = 64;
-    Job jobs[64];
-    pthread_t threads[64];
-    for (int i = 0; i < num_threads; i++) {
-        Job *jb = &jobs[i];
-        jb->q = q; jb->k_cache = k_cache; jb->v_cache = v_cache;
-        jb->block_tables = block_tables; jb->seq_lens = seq_lens; jb->out = out;
-        jb->B = B; jb->H = H; jb->Hkv = Hkv; jb->D = D; jb->bs = bs;
-        jb->max_blocks = max_blocks; jb->dtype = dtype; jb->q_stride = q_stride;
-        jb->scale = scale;
-        jb->item_begin = (int)((long)items * i / num_threads);
-        jb->item_end = (int)((long)items * (i + 1) / num_threads);
+    Job job = {q, k_cache, v_cache, block_tables, seq_lens, out, B, H, Hkv, D, bs, max_blocks,
+               dtype, q_stride, scale};
+    const int G = H / Hkv, items = B * Hkv;
+    int max_len = 1;
+    long work = 0;
+    for (int b = 0; b < B; b++) {
+        if (seq_lens[b] > max_len) max_len = seq_lens[b];
+        work += (long)seq_lens[b] * Hkv;
     }
-    for (int i = 1; i < num_threads; i++) pthread_create(&threads[i], NULL, run, &jobs[i]);
-    run(&jobs[0]);
-    for (int i = 1; i < num_threads; i++) pthread_join(threads[i], NULL);
+    /* Waking threads costs more than a small batch's whole attention. This OpenMP runtime is the
+     * one torch loaded (same soname), so the threads are torch's own pool, not a competing one. */
+    if (work < 32768 || num_threads < 1) num_threads = 1;
+#pragma omp parallel num_threads(num_threads)
+    {
+        float *scores = malloc(sizeof(float) * (size_t)G * max_len);
+        float *qf = malloc(sizeof(float) * G * D);
+        float *acc = malloc(sizeof(float) * G * D);
+        float *row = malloc(sizeof(float) * D);
+#pragma omp for schedule(static)
+        for (int item = 0; item < items; item++) {
+            const int b = item / Hkv, h = item % Hkv;
+            switch (D) {
+            case 64: attend_one(&job, b, h, 64, scores, qf, acc, row); break;
+            case 128: attend_one(&job, b, h, 128, scores, qf, acc, row); break;
+            default: attend_one(&job, b, h, D, scores, qf, acc, row); break;
+            }
+        }
+        free(scores);
+        free(qf);
+        free(acc);
+        free(row);
+    }
     return 0;
 }
