@@ -111,18 +111,19 @@ def _prefill_attention(
 ) -> torch.Tensor:
     """Causal; queries are the last q_len of k_len keys. q [q_len, H, D], k/v [k_len, Hkv, D]."""
     q_len, k_len = q.shape[0], k.shape[0]
-    qt, kt, vt = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    num_heads, num_kv_heads = q.shape[1], k.shape[1]
+    if num_heads != num_kv_heads:
+        # SDPA's enable_gqa falls back to its slow math kernel on CPU; expanded K/V keep it fused.
+        k = k.repeat_interleave(num_heads // num_kv_heads, dim=1)
+        v = v.repeat_interleave(num_heads // num_kv_heads, dim=1)
+    qt, kt, vt = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # [1, H, len, D]
     if q_len == k_len:
-        out = F.scaled_dot_product_attention(
-            qt, kt, vt, is_causal=True, scale=scale, enable_gqa=True
-        )
+        out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale)
     else:
         rows = torch.arange(q_len, device=q.device)[:, None] + (k_len - q_len)
         allowed = torch.arange(k_len, device=q.device)[None, :] <= rows
-        out = F.scaled_dot_product_attention(
-            qt, kt, vt, attn_mask=allowed, scale=scale, enable_gqa=True
-        )
-    return out.transpose(0, 1)
+        out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=allowed, scale=scale)
+    return out[0].transpose(0, 1)
 
 
 def paged_attention(
