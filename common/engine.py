@@ -77,16 +77,40 @@ class Engine:
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens
         )
-        self.seqs: dict[str, Sequence] = {}
+        self.seqs: dict[str, Sequence] = {}  # waiting or running
+        self.held: dict[str, Sequence] = {}  # finished, blocks kept until their KV is sent
+        self.reserved: dict[str, Sequence] = {}  # blocks held for KV that is on its way
         self.vocab_size = int(hf_config.vocab_size)
         self._ids = itertools.count()
 
     def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        hold_blocks: bool = False,
+    ) -> None:
+        """Queue a request; ValueError for a bad prompt or parameters (nothing is queued then).
+
+        With `hold_blocks` the finished sequence keeps its KV blocks (see `held`) until `release`.
+        """
+        self._check_new(request_id, prompt_token_ids, params)
+        seq = Sequence(
+            request_id=request_id,
+            token_ids=list(prompt_token_ids),
+            num_prompt_tokens=len(prompt_token_ids),
+            params=params,
+            generator=make_generator(params),
+            hold_blocks=hold_blocks,
+        )
+        self.seqs[request_id] = seq
+        self.scheduler.add(seq)
+
+    def _check_new(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> None:
-        """Queue a request; ValueError for a bad prompt or parameters (nothing is queued then)."""
         params.validate()
-        if request_id in self.seqs:
+        if request_id in self.seqs or request_id in self.held or request_id in self.reserved:
             raise ValueError(f"request id {request_id!r} is already running")
         if not prompt_token_ids:
             raise ValueError("the prompt is empty")
@@ -97,6 +121,38 @@ class Engine:
             )
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.vocab_size:
             raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a request wherever it is and free its blocks; False if it is not here."""
+        seq = self.seqs.pop(request_id, None)
+        if seq is not None:
+            self.scheduler.remove(seq)
+        else:
+            seq = self.held.pop(request_id, None) or self.reserved.pop(request_id, None)
+            if seq is None:
+                return False
+            self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = seq.finish_reason or "abort"
+        return True
+
+    def release(self, request_id: str) -> bool:
+        """Free a held sequence's blocks once its KV has been sent (or the transfer ended)."""
+        seq = self.held.pop(request_id, None)
+        if seq is None:
+            return False
+        self.block_manager.free(seq)
+        return True
+
+    def reserve(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> int | None:
+        """Hold blocks for a prompt whose KV another worker will send; None if there is no room.
+
+        Returns how many leading prompt tokens this engine already holds (prefix-cache hit, a
+        multiple of the block size): the sender need not send those blocks.
+        """
+        self._check_new(request_id, prompt_token_ids, params)
         seq = Sequence(
             request_id=request_id,
             token_ids=list(prompt_token_ids),
@@ -104,18 +160,33 @@ class Engine:
             params=params,
             generator=make_generator(params),
         )
+        cached = self.block_manager.match_prefix(seq)
+        # room for the prompt and the first token, plus the running sequences' next tokens
+        if not self.block_manager.ensure_slots(seq, seq.num_tokens + 1):
+            self.block_manager.free(seq)
+            return None
+        seq.num_cached_tokens = cached
+        self.reserved[request_id] = seq
+        return cached
+
+    def reserved_block_ids(self, request_id: str) -> list[int] | None:
+        seq = self.reserved.get(request_id)
+        return None if seq is None else list(seq.block_table)
+
+    def admit_prefilled(
+        self,
+        request_id: str,
+        token_id: int,
+        logprob: float | None = None,
+        top_logprobs: list[tuple[int, float]] | None = None,
+    ) -> RequestOutput:
+        """The reserved prompt's KV has arrived: add the first token and start decoding it."""
+        seq = self.reserved.pop(request_id)
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        self.block_manager.commit(seq)
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
-
-    def abort(self, request_id: str) -> bool:
-        """Drop a request and free its blocks; False if it is not (or no longer) here."""
-        seq = self.seqs.pop(request_id, None)
-        if seq is None:
-            return False
-        self.scheduler.remove(seq)
-        seq.status = SequenceStatus.FINISHED
-        seq.finish_reason = "abort"
-        return True
+        return self._append_token(seq, token_id, logprob, top_logprobs)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -133,29 +204,45 @@ class Engine:
             self.block_manager.commit(seq)
             if result is None:
                 continue
-            seq.token_ids.append(result.token_id)
-            seq.output_logprobs.append(result.logprob)
-            seq.output_top_logprobs.append(result.top_logprobs)
-            reason = self._finish_reason(seq, result.token_id)
-            if reason is not None:
-                seq.finish_reason = reason
-                self.scheduler.remove(seq)
-                seq.status = SequenceStatus.FINISHED
-                del self.seqs[seq.request_id]
             outputs.append(
-                RequestOutput(
-                    request_id=seq.request_id,
-                    new_token_ids=[result.token_id],
-                    new_logprobs=[result.logprob],
-                    new_top_logprobs=[result.top_logprobs],
-                    finished=reason is not None,
-                    finish_reason=reason,
-                    num_prompt_tokens=seq.num_prompt_tokens,
-                    num_output_tokens=seq.num_output_tokens,
-                    num_cached_tokens=seq.num_cached_tokens,
-                )
+                self._append_token(seq, result.token_id, result.logprob, result.top_logprobs)
             )
         return outputs
+
+    def _append_token(
+        self,
+        seq: Sequence,
+        token_id: int,
+        logprob: float | None,
+        top_logprobs: list[tuple[int, float]] | None,
+    ) -> RequestOutput:
+        seq.token_ids.append(token_id)
+        seq.output_logprobs.append(logprob)
+        seq.output_top_logprobs.append(top_logprobs)
+        reason = self._finish_reason(seq, token_id)
+        if reason is not None:
+            seq.finish_reason = reason
+            del self.seqs[seq.request_id]
+            if seq.hold_blocks:
+                if seq in self.scheduler.running:
+                    self.scheduler.running.remove(seq)
+                else:
+                    self.scheduler.waiting.remove(seq)
+                self.held[seq.request_id] = seq
+            else:
+                self.scheduler.remove(seq)
+            seq.status = SequenceStatus.FINISHED
+        return RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=[token_id],
+            new_logprobs=[logprob],
+            new_top_logprobs=[top_logprobs],
+            finished=reason is not None,
+            finish_reason=reason,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_output_tokens=seq.num_output_tokens,
+            num_cached_tokens=seq.num_cached_tokens,
+        )
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params

@@ -36,6 +36,7 @@ class Sequence:
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
     finish_reason: str | None = None
+    hold_blocks: bool = False  # prefill worker: keep the blocks after finishing, until released
     arrival_time: float = field(default_factory=time.monotonic)
     output_logprobs: list[float | None] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)

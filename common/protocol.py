@@ -1,0 +1,206 @@
+"""Every message that crosses a process boundary, in one place (read this file to learn the system).
+
+Encoding is msgpack through msgspec: each message is a tagged Struct, so decoding validates types
+and rejects anything unknown; nothing is ever unpickled. KV tensor data never goes through these
+structs: it travels as separate raw frames (or shared memory) described by `KVHeader`.
+
+Sockets (all ZeroMQ):
+- control: the router binds a ROUTER socket; every worker connects a DEALER (identity = worker id)
+  and sends `Register`, then `Heartbeat` every `HEARTBEAT_INTERVAL_S`. Router -> worker: `Reserve`,
+  `Prefill`, `Generate`, `Abort`. Worker -> router: `RegisterAck` replies, `ReserveReply`,
+  `TokenOutput`, `RequestFailed`.
+- kv: each decode worker binds a ROUTER socket at its `kv_address`; prefill workers connect DEALERs
+  and send `KVHeader` (+ one raw payload frame for tcp); the decode worker answers `KVAck`.
+
+Path of one disaggregated request: router -> decode `Reserve` -> `ReserveReply` -> router -> prefill
+`Prefill` -> prefill computes, sends `KVHeader` + KV to decode -> decode `KVAck` -> decode streams
+`TokenOutput` to the router. Colocated / short prompts: router -> decode `Generate` ->
+`TokenOutput`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from common.sampling_params import SamplingParams
+
+PROTOCOL_VERSION = 1
+MAX_CONTROL_MESSAGE_BYTES = 64 * 2**20  # a 128k-token prompt of int ids fits with room to spare
+HEARTBEAT_INTERVAL_S = 1.0
+HEARTBEAT_TIMEOUT_S = 5.0  # a worker silent this long is dead
+
+Role = Literal["prefill", "decode"]
+
+
+class Register(msgspec.Struct, tag="register", forbid_unknown_fields=True):
+    """A worker announces itself; sent again after any reconnect."""
+
+    version: int
+    role: Role
+    worker_id: str
+    model: str
+    block_size: int
+    num_blocks: int
+    max_model_len: int
+    dtype: str
+    host: str  # hostname, to pick same-host transports
+    kv_address: str = ""  # decode workers: where prefill workers push KV
+    transports: list[str] = []  # kv transports this worker can use
+
+
+class RegisterAck(msgspec.Struct, tag="register_ack", forbid_unknown_fields=True):
+    accepted: bool
+    reason: str = ""
+
+
+class Heartbeat(msgspec.Struct, tag="heartbeat", forbid_unknown_fields=True):
+    worker_id: str
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_blocks: int
+    queued_prefill_tokens: int = 0
+    counters: dict[str, float] = {}  # cumulative stats for /metrics (preemptions, cache hits, ...)
+
+
+class Reserve(msgspec.Struct, tag="reserve", forbid_unknown_fields=True):
+    """Router -> decode: hold blocks for this prompt before its prefill starts."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+class ReserveReply(msgspec.Struct, tag="reserve_reply", forbid_unknown_fields=True):
+    request_id: str
+    ok: bool
+    num_cached_tokens: int = 0  # leading prompt tokens the decode worker already holds
+    reason: str = ""
+
+
+class Prefill(msgspec.Struct, tag="prefill", forbid_unknown_fields=True):
+    """Router -> prefill: compute this prompt and push its KV to the named decode worker."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    decode_worker_id: str
+    decode_kv_address: str
+    num_decode_cached_tokens: int
+    transport: str  # tcp | shm | cuda_ipc
+    deadline_s: float  # seconds from receipt to finish the transfer
+
+
+class Generate(msgspec.Struct, tag="generate", forbid_unknown_fields=True):
+    """Router -> decode: prefill locally and decode (colocated mode, short prompts)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+class Abort(msgspec.Struct, tag="abort", forbid_unknown_fields=True):
+    request_id: str
+
+
+class TokenOutput(msgspec.Struct, tag="tokens", forbid_unknown_fields=True):
+    """Decode -> router: new tokens of one request (one or more steps' worth)."""
+
+    request_id: str
+    token_ids: list[int]
+    logprobs: list[float | None]
+    top_logprobs: list[list[tuple[int, float]] | None]
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+
+
+class RequestFailed(msgspec.Struct, tag="failed", forbid_unknown_fields=True):
+    """Any worker -> router: this request cannot complete (its blocks are already released)."""
+
+    request_id: str
+    stage: str  # reserve | prefill | transfer | decode
+    reason: str
+
+
+class KVHeader(msgspec.Struct, tag="kv", forbid_unknown_fields=True):
+    """Prefill -> decode: the KV of blocks [start_block, start_block + num_blocks) of a prompt.
+
+    Payload layout: [num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, head_dim] in
+    `dtype`, C order, `nbytes` long, `checksum` = zlib.crc32 of the payload bytes.
+    """
+
+    request_id: str
+    start_block: int
+    num_blocks: int
+    num_layers: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    nbytes: int
+    checksum: int
+    transport: str
+    first_token_id: int  # sampled by the prefill worker
+    first_logprob: float | None = None
+    first_top_logprobs: list[tuple[int, float]] | None = None
+    shm_name: str = ""  # shm transport: the segment holding the payload
+    ipc_handle: bytes = b""  # cuda_ipc transport: the exporter's handle
+
+
+class KVAck(msgspec.Struct, tag="kv_ack", forbid_unknown_fields=True):
+    """Decode -> prefill: the transfer is over; either way the sender may release its blocks."""
+
+    request_id: str
+    ok: bool
+    reason: str = ""
+
+
+ControlMessage = (
+    Register
+    | RegisterAck
+    | Heartbeat
+    | Reserve
+    | ReserveReply
+    | Prefill
+    | Generate
+    | Abort
+    | TokenOutput
+    | RequestFailed
+)
+KVMessage = KVHeader | KVAck
+
+_encoder = msgspec.msgpack.Encoder()
+_control_decoder = msgspec.msgpack.Decoder(ControlMessage)
+_kv_decoder = msgspec.msgpack.Decoder(KVMessage)
+
+
+class ProtocolError(ValueError):
+    """A frame that is too large, malformed, or not a known message."""
+
+
+def encode(message: msgspec.Struct) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode_control(frame: bytes) -> ControlMessage:
+    """Decode one control frame; ProtocolError for anything oversized or invalid."""
+    if len(frame) > MAX_CONTROL_MESSAGE_BYTES:
+        raise ProtocolError(f"control message of {len(frame)} bytes exceeds the limit")
+    try:
+        return _control_decoder.decode(frame)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ProtocolError(f"bad control message: {exc}") from exc
+
+
+def decode_kv(frame: bytes) -> KVMessage:
+    """Decode one kv-socket header frame (the payload frame is raw bytes, never decoded here)."""
+    if len(frame) > MAX_CONTROL_MESSAGE_BYTES:
+        raise ProtocolError(f"kv header of {len(frame)} bytes exceeds the limit")
+    try:
+        return _kv_decoder.decode(frame)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ProtocolError(f"bad kv message: {exc}") from exc
