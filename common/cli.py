@@ -53,6 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(batch)
     batch.set_defaults(func=cmd_run_batch)
 
+    from common.stages import add_stage_parsers
+
+    add_stage_parsers(commands)
+
     return parser
 
 
