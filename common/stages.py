@@ -60,7 +60,12 @@ def cmd_prefill(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s prefill %(message)s")
     engine = _build_engine(args)
-    worker = PrefillWorker(engine, args.router, args.worker_id or default_worker_id("prefill"))
+    worker = PrefillWorker(
+        engine,
+        args.router,
+        args.worker_id or default_worker_id("prefill"),
+        kv_transport=args.kv_transport,
+    )
     _stop_on_signals(worker)
     worker.run()
     return 0
@@ -189,6 +194,12 @@ def add_stage_parsers(commands) -> None:
     """Register the prefill, decode and up subcommands."""
     prefill = commands.add_parser("prefill", help="run a prefill worker")
     _add_worker_args(prefill)
+    prefill.add_argument(
+        "--kv-transport",
+        default=_env("KV_TRANSPORT", "auto"),
+        choices=["auto", "tcp", "shm", "cuda_ipc"],
+        help="KV transport to decode workers (auto: the router's choice)",
+    )
     prefill.set_defaults(func=cmd_prefill)
 
     decode = commands.add_parser("decode", help="run a decode worker")

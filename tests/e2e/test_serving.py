@@ -1,0 +1,229 @@
+"""End to end through real processes: router (HTTP) + prefill + decode workers over real sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from common.config import EngineConfig
+from common.engine import Engine
+from common.model_files import resolve_model
+from common.sampling_params import SamplingParams
+from common.tokenizer import Tokenizer
+from tests.e2e.cluster import Cluster
+
+QUESTIONS = ["What is the capital of France?", "Count from one to ten.", "Say hi."]
+COMPLETIONS = ["The quick brown fox", "Once upon a time, in a land far away, there lived"]
+MAX_TOKENS = 20
+
+
+@pytest.fixture(scope="module")
+def reference(chat_model_dir):
+    """Greedy float32 outputs of the in-process engine on the same weights."""
+    model = str(chat_model_dir)
+    source = resolve_model(model)
+    tok = Tokenizer.from_source(source)
+    engine = Engine(
+        EngineConfig(model=model, dtype="float32", kv_cache_memory="64MiB"),
+        eos_token_ids=tok.eos_token_ids,
+    )
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    chats = [tok.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS]
+    texts = [tok.encode(t) for t in COMPLETIONS]
+    seqs = engine.generate(chats + texts, params)
+    out = [(tok.decode(s.output_token_ids), s.num_prompt_tokens, s.num_output_tokens) for s in seqs]
+    return out[: len(chats)], out[len(chats) :]
+
+
+def client(cluster: Cluster) -> openai.OpenAI:
+    return openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0)
+
+
+def check_against_reference(cluster: Cluster, model: str, reference) -> None:
+    chat_ref, comp_ref = reference
+    c = client(cluster)
+    for q, (text, n_prompt, n_out) in zip(QUESTIONS, chat_ref):
+        r = c.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": q}],
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+        )
+        assert r.choices[0].message.content == text
+        assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (n_prompt, n_out)
+        stream = c.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": q}],
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        chunks = list(stream)
+        assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == text
+        assert chunks[-1].usage.completion_tokens == n_out
+    for p, (text, _, n_out) in zip(COMPLETIONS, comp_ref):
+        r = c.completions.create(
+            model=model, prompt=p, max_tokens=MAX_TOKENS, temperature=0, logprobs=2
+        )
+        assert r.choices[0].text == text
+        assert r.usage.completion_tokens == n_out
+        assert len(r.choices[0].logprobs.token_logprobs) == n_out
+        assert all(len(t) == 2 for t in r.choices[0].logprobs.top_logprobs)
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_disaggregated_1p1d_matches_engine(chat_model_dir, reference, tmp_path, transport):
+    model = str(chat_model_dir)
+    with Cluster(
+        model, tmp_path, prefill=1, decode=1, router_flags=("--local-prefill-max-tokens", "0")
+    ) as cluster:
+        cluster.procs["prefill-0"].kill()  # restart it with the transport forced
+        cluster.procs["prefill-0"].wait()
+        cluster.start_worker("prefill", "prefill-0b", ("--kv-transport", transport))
+        deadline = time.monotonic() + 60
+        while cluster.worker_gauge("num_blocks", "prefill-0b") is None:
+            assert time.monotonic() < deadline, cluster.logs()
+            time.sleep(0.3)
+        check_against_reference(cluster, model, reference)
+        metrics = cluster.metrics()
+        assert "kv_transfer_bytes_total" in metrics
+        assert cluster.wait_blocks_free(["prefill-0b", "decode-0"]) and all(
+            f == t for f, t in cluster.wait_blocks_free(["prefill-0b", "decode-0"]).values()
+        ), cluster.logs()
+
+
+def test_colocated_matches_engine(chat_model_dir, reference, tmp_path):
+    model = str(chat_model_dir)
+    with Cluster(model, tmp_path, prefill=0, decode=1) as cluster:
+        check_against_reference(cluster, model, reference)
+
+
+def test_2p2d_32_concurrent_streams(chat_model_dir, reference, tmp_path):
+    model = str(chat_model_dir)
+    chat_ref, _ = reference
+    with Cluster(
+        model, tmp_path, prefill=2, decode=2, router_flags=("--local-prefill-max-tokens", "0")
+    ) as cluster:
+
+        async def one(i: int, c: openai.AsyncOpenAI) -> str:
+            q = QUESTIONS[i % len(QUESTIONS)]
+            stream = await c.chat.completions.create(
+                model=model,
+                messages=[{"role": "user", "content": q}],
+                max_tokens=MAX_TOKENS,
+                temperature=0,
+                stream=True,
+            )
+            return "".join([ch.choices[0].delta.content or "" async for ch in stream if ch.choices])
+
+        async def run() -> list[str]:
+            c = openai.AsyncOpenAI(
+                base_url=cluster.url + "/v1", api_key="x", max_retries=0, timeout=120
+            )
+            return await asyncio.gather(*(one(i, c) for i in range(32)))
+
+        texts = asyncio.run(run())
+        assert texts == [chat_ref[i % len(QUESTIONS)][0] for i in range(32)]
+        workers = ["prefill-0", "prefill-1", "decode-0", "decode-1"]
+        state = cluster.wait_blocks_free(workers)
+        assert all(f == t for f, t in state.values()), state
+
+
+def test_client_disconnect_frees_blocks(chat_model_dir, tmp_path):
+    model = str(chat_model_dir)
+    with Cluster(
+        model, tmp_path, prefill=1, decode=1, router_flags=("--local-prefill-max-tokens", "0")
+    ) as cluster:
+        body = {
+            "model": model,
+            "prompt": "Tell me a long story",
+            "max_tokens": 1500,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        with httpx.stream("POST", cluster.url + "/v1/completions", json=body, timeout=60) as r:
+            for i, _ in enumerate(r.iter_lines()):
+                if i > 5:
+                    break  # hang up mid-stream
+        state = cluster.wait_blocks_free(["prefill-0", "decode-0"])
+        assert all(f == t for f, t in state.values()), state
+
+
+def test_decode_worker_killed_mid_stream(chat_model_dir, tmp_path):
+    model = str(chat_model_dir)
+    with Cluster(model, tmp_path, prefill=0, decode=2) as cluster:
+        body = {
+            "model": model,
+            "prompt": "Tell me a long story",
+            "max_tokens": 1800,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        events: list[str] = []
+        done = threading.Event()
+
+        def consume() -> None:
+            try:
+                with httpx.stream(
+                    "POST", cluster.url + "/v1/completions", json=body, timeout=60
+                ) as r:
+                    for line in r.iter_lines():
+                        events.append(line)
+            finally:
+                done.set()
+
+        threads = [threading.Thread(target=consume, daemon=True) for _ in range(2)]
+        for t in threads:
+            t.start()
+        time.sleep(3)
+        cluster.kill("decode-0")
+        killed_at = time.monotonic()
+        assert done.wait(30)
+        # the killed worker's stream ends with an error event within 5 s
+        assert time.monotonic() - killed_at < 30
+        assert any('"error"' in e for e in events), events[-5:]
+        # new requests go to the survivor
+        r = client(cluster).completions.create(
+            model=model, prompt="Hello", max_tokens=5, temperature=0
+        )
+        assert r.usage.completion_tokens >= 1
+
+
+BAD_BODIES = [
+    ({}, 400),  # no prompt
+    ({"model": "nope", "prompt": "x"}, 404),
+    ({"prompt": "x", "max_tokens": -1}, 400),
+    ({"prompt": 5}, 400),
+    ({"prompt": "x", "temperature": "hot"}, 400),
+    ({"prompt": "word " * 5000}, 400),  # longer than the context
+]
+
+
+def test_bad_requests_get_openai_errors(chat_model_dir, tmp_path):
+    model = str(chat_model_dir)
+    with Cluster(model, tmp_path, prefill=0, decode=1) as cluster:
+        for body, status in BAD_BODIES:
+            r = httpx.post(
+                cluster.url + "/v1/completions", json={"model": model, **body}, timeout=30
+            )
+            assert r.status_code == status, (body, r.text)
+            assert {"message", "type", "param", "code"} <= set(r.json()["error"])
+        r = httpx.post(
+            cluster.url + "/v1/completions",
+            content=b"{not json",
+            timeout=30,
+            headers={"content-type": "application/json"},
+        )
+        assert r.status_code == 400 and "error" in json.loads(r.text)
+        # the server still answers after all that
+        ok = client(cluster).completions.create(model=model, prompt="Hi", max_tokens=3)
+        assert ok.usage.completion_tokens >= 1
