@@ -1,0 +1,166 @@
+"""The KV payload: its layout, checksum, and the copies between a paged cache and a flat buffer.
+
+A payload is the KV of a list of blocks, `kv_cache[:, :, block_ids]`, as one C-order tensor of
+shape [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim] (the layout `KVHeader`
+describes). The sender gathers it, the receiver checks it against its own cache and scatters it;
+both sides checksum it with zlib.crc32. Used by `kvtransfer.sender`, `kvtransfer.receiver` and
+`kvtransfer.cuda_ipc`; nothing here touches a socket.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from common.protocol import KVHeader
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+LAYOUT_FIELDS = ("num_layers", "block_size", "num_kv_heads", "head_dim", "dtype")
+
+# Above this size the checksum runs in parallel chunks (zlib.crc32 releases the GIL).
+_PARALLEL_CRC_BYTES = 8 << 20
+_crc_pool: ThreadPoolExecutor | None = None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """'float32', 'bfloat16' or 'float16': the name headers carry."""
+    return str(dtype).removeprefix("torch.")
+
+
+def kv_layout(kv_cache: torch.Tensor) -> dict[str, int | str]:
+    """The KVHeader layout fields of a cache: build headers with `KVHeader(..., **kv_layout(c))`."""
+    num_layers, two, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    assert two == 2, f"kv_cache must be [L, 2, blocks, block, heads, head_dim]: {kv_cache.shape}"
+    return dict(
+        num_layers=num_layers,
+        block_size=block_size,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        dtype=dtype_name(kv_cache.dtype),
+    )
+
+
+def layout_mismatch(header: KVHeader, kv_cache: torch.Tensor) -> str:
+    """Why the header's layout does not fit this cache, or '' when it does."""
+    ours = kv_layout(kv_cache)
+    for field in LAYOUT_FIELDS:
+        theirs = getattr(header, field)
+        if theirs != ours[field]:
+            return f"layout mismatch: {field} {theirs!r} != {ours[field]!r}"
+    return ""
+
+
+def payload_shape(header: KVHeader) -> tuple[int, ...]:
+    return (
+        header.num_layers,
+        2,
+        header.num_blocks,
+        header.block_size,
+        header.num_kv_heads,
+        header.head_dim,
+    )
+
+
+def payload_nbytes(kv_cache: torch.Tensor, num_blocks: int) -> int:
+    """Bytes of the KV of `num_blocks` blocks of this cache."""
+    return kv_cache[:, :, 0].numel() * kv_cache.element_size() * num_blocks
+
+
+def block_index(block_ids: list[int], num_blocks: int, device: torch.device) -> torch.Tensor:
+    """Block ids as an index tensor; ValueError when one is out of range or repeated."""
+    if any(not 0 <= b < num_blocks for b in block_ids):
+        raise ValueError(f"block ids out of range [0, {num_blocks}): {block_ids}")
+    if len(set(block_ids)) != len(block_ids):
+        raise ValueError(f"repeated block ids: {block_ids}")
+    return torch.tensor(block_ids, dtype=torch.long, device=device)
+
+
+def gather(
+    kv_cache: torch.Tensor, index: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The payload of the indexed blocks (a contiguous copy), written into `out` when given."""
+    if out is None:
+        return kv_cache.index_select(2, index)
+    if out.device == kv_cache.device:
+        return torch.index_select(kv_cache, 2, index, out=out)
+    return out.copy_(kv_cache.index_select(2, index))
+
+
+def scatter(kv_cache: torch.Tensor, index: torch.Tensor, payload: torch.Tensor) -> None:
+    """Write a payload into the indexed blocks of the cache."""
+    kv_cache.index_copy_(2, index, payload.to(kv_cache.device))
+
+
+def as_bytes(tensor: torch.Tensor) -> memoryview:
+    """A flat byte view of a contiguous CPU tensor (no copy)."""
+    assert tensor.is_contiguous() and tensor.device.type == "cpu"
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+
+
+def from_bytes(buffer, header: KVHeader) -> torch.Tensor:
+    """The payload tensor over a byte buffer (no copy; the buffer must outlive it)."""
+    with warnings.catch_warnings():
+        # zmq frames and read-only mmaps are not writable; we only read them.
+        warnings.simplefilter("ignore", UserWarning)
+        flat = torch.frombuffer(buffer, dtype=DTYPES[header.dtype])
+    return flat.view(payload_shape(header))
+
+
+def crc32(buffer) -> int:
+    """zlib.crc32 of a bytes-like buffer; large buffers are checksummed in parallel chunks."""
+    view = memoryview(buffer).cast("B")
+    n = len(view)
+    workers = min(4, os.cpu_count() or 1)
+    if n < _PARALLEL_CRC_BYTES or workers == 1:
+        return zlib.crc32(view)
+    global _crc_pool
+    if _crc_pool is None:
+        _crc_pool = ThreadPoolExecutor(workers, thread_name_prefix="kv-crc")
+    step = -(-n // workers)
+    bounds = [(i, min(i + step, n)) for i in range(0, n, step)]
+    crcs = list(_crc_pool.map(lambda b: zlib.crc32(view[b[0] : b[1]]), bounds))
+    crc = crcs[0]
+    for (start, end), part in zip(bounds[1:], crcs[1:]):
+        crc = crc32_combine(crc, part, end - start)
+    return crc
+
+
+# crc32_combine as zlib (1.2.12+) computes it: multiply by x^(8 * len2) modulo the CRC polynomial.
+_POLY = 0xEDB88320
+
+
+def _multmodp(a: int, b: int) -> int:
+    m, p = 1 << 31, 0
+    while True:
+        if a & m:
+            p ^= b
+            if not a & (m - 1):
+                return p
+        m >>= 1
+        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
+
+
+def _x2n_table() -> list[int]:
+    table, p = [1 << 30], 1 << 30  # x^1
+    for _ in range(31):
+        p = _multmodp(p, p)
+        table.append(p)
+    return table
+
+
+_X2N = _x2n_table()
+
+
+def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """crc32(a + b) from crc32(a), crc32(b) and len(b)."""
+    p, k = 1 << 31, 3  # x^0; k = 3: lengths count bytes, the table counts bits
+    while len2:
+        if len2 & 1:
+            p = _multmodp(_X2N[k & 31], p)
+        len2 >>= 1
+        k += 1
+    return _multmodp(p, crc1) ^ crc2

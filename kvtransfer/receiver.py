@@ -1,0 +1,184 @@
+"""The decode side of a KV transfer: accept pushed blocks, validate them, write them, ack.
+
+`KVReceiver` is owned by the decode worker, which calls `poll(resolve)` between engine steps;
+`resolve(header)` maps a transfer to the destination block ids the worker reserved for it (or
+None: unknown or aborted request). A transfer is written into the cache only when everything
+checks out: layout and dtype, sizes, destination blocks, checksum. Whatever happens the sender
+gets a `KVAck` and the worker a `ReceivedKV`; a frame too broken to name its request is dropped.
+Nothing a peer sends can raise out of `poll`.
+
+Socket: a ROUTER bound at `bind`; senders (`kvtransfer.sender`) connect DEALERs.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import zmq
+
+from common.protocol import KVAck, KVHeader, ProtocolError, decode_kv, encode
+from kvtransfer import cuda_ipc, payload, shm
+from kvtransfer.sender import SOCKET_BUFFER_BYTES
+
+log = logging.getLogger(__name__)
+
+MAX_HEADER_BYTES = 1 << 20  # a header is a few hundred bytes; anything this big is garbage
+MAX_MESSAGES_PER_POLL = 64  # keep one poll short even under a flood
+
+
+@dataclass
+class ReceivedKV:
+    """One transfer that ended here: written into the cache (ok) or refused (reason)."""
+
+    header: KVHeader
+    ok: bool
+    reason: str
+
+
+class _Refused(Exception):
+    """A transfer that must not be written; the message is the reason sent back."""
+
+
+class KVReceiver:
+    """Receives KV pushed by prefill workers into `kv_cache`; `address` is where to push."""
+
+    def __init__(
+        self,
+        kv_cache: torch.Tensor,
+        bind: str = "tcp://127.0.0.1:*",
+        context: zmq.Context | None = None,
+    ) -> None:
+        payload.kv_layout(kv_cache)  # asserts the cache layout
+        self.kv_cache = kv_cache
+        self._own_context = context is None
+        self.context = context if context is not None else zmq.Context()
+        self.socket = self.context.socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.RCVBUF, SOCKET_BUFFER_BYTES)
+        # No legitimate frame is larger than the whole cache: zmq drops a peer that tries.
+        self.socket.setsockopt(zmq.MAXMSGSIZE, max(kv_cache.nbytes, MAX_HEADER_BYTES))
+        self.socket.bind(bind)
+        self.address: str = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._ipc = cuda_ipc.CudaIpcImporter()
+
+    def poll(
+        self, resolve: Callable[[KVHeader], list[int] | None], timeout_ms: int = 0
+    ) -> list[ReceivedKV]:
+        """Handle the transfers that have arrived (waiting up to timeout_ms for the first)."""
+        if timeout_ms > 0 and not self.socket.poll(timeout_ms):
+            return []
+        received = []
+        for _ in range(MAX_MESSAGES_PER_POLL):
+            try:
+                frames = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            result = self._handle(frames, resolve)
+            if result is not None:
+                received.append(result)
+        return received
+
+    def _handle(self, frames: list[zmq.Frame], resolve) -> ReceivedKV | None:
+        identity, body = frames[0].bytes, frames[1:]
+        if not body or len(body[0]) > MAX_HEADER_BYTES:
+            log.warning("dropped a kv message without a usable header (%d frames)", len(body))
+            return None
+        try:
+            header = decode_kv(body[0].bytes)
+        except ProtocolError as exc:
+            log.warning("dropped a malformed kv message: %s", exc)
+            return None
+        if not isinstance(header, KVHeader):
+            log.warning("dropped an unexpected %s on the kv socket", type(header).__name__)
+            return None
+        try:
+            self._receive(header, body[1:], resolve)
+            reason = ""
+        except _Refused as exc:
+            reason = str(exc)
+        except Exception as exc:  # a bug or a broken resolve must not take the receiver down
+            log.exception("kv transfer of %s failed", header.request_id)
+            reason = f"receiver error: {exc}"
+        if reason:
+            log.warning("refused kv of %s: %s", header.request_id, reason)
+        ack = KVAck(header.request_id, ok=not reason, reason=reason)
+        try:
+            self.socket.send_multipart([identity, encode(ack)], flags=zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass  # the sender is gone or not reading; its deadline will end the transfer
+        return ReceivedKV(header, not reason, reason)
+
+    def _receive(self, header: KVHeader, frames: list[zmq.Frame], resolve) -> None:
+        """Validate and write one transfer; _Refused when it must not be written."""
+        mismatch = payload.layout_mismatch(header, self.kv_cache)
+        if mismatch:
+            raise _Refused(mismatch)
+        if not 0 <= header.num_blocks <= self.kv_cache.shape[2]:
+            raise _Refused(f"bad num_blocks {header.num_blocks}")
+        expected = payload.payload_nbytes(self.kv_cache, header.num_blocks)
+        if header.nbytes != expected:
+            raise _Refused(f"nbytes mismatch: header says {header.nbytes}, blocks hold {expected}")
+        if header.transport == "tcp":
+            if len(frames) != 1:
+                raise _Refused(f"expected one payload frame, got {len(frames)}")
+            buffer = frames[0].buffer
+            if len(buffer) != header.nbytes:
+                raise _Refused(f"truncated payload: {len(buffer)} of {header.nbytes} bytes")
+            dst = self._destination(header, resolve)
+            self._write(header, buffer, dst)
+        elif header.transport == "shm":
+            if frames:
+                raise _Refused("shm transfer with a payload frame")
+            if not header.nbytes:
+                self._write(header, b"", self._destination(header, resolve))
+                return
+            try:
+                segment = shm.open_readonly(header.shm_name, header.nbytes)
+            except shm.SegmentError as exc:
+                raise _Refused(str(exc)) from None
+            try:
+                dst = self._destination(header, resolve)
+                self._write(header, segment, dst)
+            finally:
+                shm.close_quietly(segment)
+        elif header.transport == "cuda_ipc":
+            if frames:
+                raise _Refused("cuda_ipc transfer with a payload frame")
+            try:
+                ref = cuda_ipc.decode_ref(header.ipc_handle)
+                source = self._ipc.check(ref, header)
+            except cuda_ipc.CudaIpcError as exc:
+                raise _Refused(str(exc)) from None
+            dst = self._destination(header, resolve)
+            if header.num_blocks:
+                self._ipc.copy(source, ref, self.kv_cache, dst)
+        else:
+            raise _Refused(f"unknown transport {header.transport!r}")
+
+    def _destination(self, header: KVHeader, resolve) -> torch.Tensor:
+        block_ids = resolve(header)
+        if block_ids is None:
+            raise _Refused("unknown or aborted request")
+        if len(block_ids) != header.num_blocks:
+            raise _Refused(f"{len(block_ids)} destination blocks for {header.num_blocks}")
+        try:
+            return payload.block_index(block_ids, self.kv_cache.shape[2], self.kv_cache.device)
+        except ValueError as exc:
+            raise _Refused(f"bad destination blocks: {exc}") from None
+
+    def _write(self, header: KVHeader, buffer, dst: torch.Tensor) -> None:
+        """Checksum the whole payload, then (only then) copy it into the cache."""
+        checksum = payload.crc32(buffer)
+        if checksum != header.checksum:
+            raise _Refused(f"checksum mismatch: {checksum:#010x} != {header.checksum:#010x}")
+        if header.nbytes:
+            payload.scatter(self.kv_cache, dst, payload.from_bytes(buffer, header))
+
+    def close(self) -> None:
+        self.socket.close(linger=0)
+        self._ipc.close()
+        if self._own_context:
+            self.context.term()

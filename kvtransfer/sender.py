@@ -1,0 +1,210 @@
+"""The prefill side of a KV transfer: push blocks to a decode worker, track each until it ends.
+
+`KVSender` is owned by the prefill worker, which calls `send` when a prompt's KV is ready and
+`poll` between engine steps. Every `send` ends in exactly one `TransferResult` from `poll`:
+the receiver's ack or refusal, the deadline, an abort, or a failure to send at all. Until then
+the worker keeps the blocks pinned; after it, it may release them whatever the outcome.
+
+One DEALER socket per decode worker address, created on first use. Transports:
+- tcp: frames [encode(header), payload]; the payload is the gathered blocks, sent zero-copy and
+  held until the transfer ends.
+- shm: the payload goes into a new shared-memory segment (`kvtransfer.shm`) and only the header
+  travels; the segment is unlinked when the transfer ends.
+- cuda_ipc: the cache is exported once per peer (`kvtransfer.cuda_ipc`); the header names the
+  source blocks and the peer copies them on its GPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+import zmq
+
+from common.protocol import KVAck, KVHeader, ProtocolError, decode_kv, encode
+from kvtransfer import cuda_ipc, payload, shm
+
+log = logging.getLogger(__name__)
+
+TRANSPORTS = ("tcp", "shm", "cuda_ipc")
+SOCKET_BUFFER_BYTES = 4 << 20  # larger kernel buffers for big tcp payloads (capped by the OS)
+
+
+@dataclass
+class TransferResult:
+    """How one `send` ended; the sender's blocks may be released either way."""
+
+    request_id: str
+    ok: bool
+    reason: str
+    nbytes: int
+    seconds: float
+
+
+@dataclass
+class _Transfer:
+    address: str
+    header: KVHeader
+    started: float
+    deadline: float
+    payload: torch.Tensor | None = None  # tcp: what zmq may still be reading
+    shm_name: str = ""  # shm: the segment we own until the transfer ends
+
+
+class KVSender:
+    """Sends the KV of block lists to decode workers; single-threaded, never blocks on a peer."""
+
+    def __init__(self, kv_cache: torch.Tensor, context: zmq.Context | None = None) -> None:
+        payload.kv_layout(kv_cache)  # asserts the cache layout
+        self.kv_cache = kv_cache
+        self._own_context = context is None
+        self.context = context if context is not None else zmq.Context()
+        self._peers: dict[str, zmq.Socket] = {}
+        self._pending: dict[str, _Transfer] = {}
+        self._done: list[TransferResult] = []
+        self._ipc_exports: dict[str, cuda_ipc.CudaIpcExport] = {}
+
+    def send(self, address: str, header: KVHeader, block_ids: list[int], deadline_s: float) -> None:
+        """Start pushing kv_cache[:, :, block_ids] to `address`; `deadline_s` is seconds from now.
+
+        Fills header.nbytes, header.checksum and header.shm_name / header.ipc_handle. The layout
+        fields must already match the cache (`payload.kv_layout`). ValueError for a request id
+        already in flight, an unknown transport or bad block ids; every other failure arrives as
+        a TransferResult from `poll`.
+        """
+        rid = header.request_id
+        if rid in self._pending:
+            raise ValueError(f"a transfer of {rid} is already in flight")
+        if header.transport not in TRANSPORTS:
+            raise ValueError(f"unknown kv transport {header.transport!r}")
+        mismatch = payload.layout_mismatch(header, self.kv_cache)
+        assert not mismatch, f"header does not describe this kv_cache: {mismatch}"
+        assert header.num_blocks == len(block_ids), "header.num_blocks != len(block_ids)"
+        index = payload.block_index(block_ids, self.kv_cache.shape[2], self.kv_cache.device)
+        now = time.monotonic()
+        transfer = _Transfer(address, header, started=now, deadline=now + deadline_s)
+        self._pending[rid] = transfer
+        try:
+            socket = self._peer(address)
+            frames = self._prepare(transfer, index, block_ids)
+            socket.send_multipart([encode(header), *frames], flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            self._finish(rid, False, "peer send queue full")
+        except (zmq.ZMQError, OSError, cuda_ipc.CudaIpcError) as exc:
+            self._finish(rid, False, f"send failed: {exc}")
+
+    def _prepare(self, transfer: _Transfer, index: torch.Tensor, block_ids: list[int]) -> list:
+        """Fill the header's size, checksum and transport fields; return the payload frames."""
+        header = transfer.header
+        header.nbytes = payload.payload_nbytes(self.kv_cache, len(block_ids))
+        header.checksum = 0
+        if header.transport == "tcp":
+            data = payload.gather(self.kv_cache, index).cpu()
+            transfer.payload = data
+            view = payload.as_bytes(data)
+            header.checksum = payload.crc32(view)
+            return [view]
+        if header.transport == "shm":
+            header.shm_name = ""
+            if header.nbytes:
+                transfer.shm_name = shm.new_name()
+                segment = shm.create(transfer.shm_name, header.nbytes)
+                try:
+                    payload.gather(self.kv_cache, index, out=payload.from_bytes(segment, header))
+                    header.checksum = payload.crc32(segment)
+                finally:
+                    shm.close_quietly(segment)
+                header.shm_name = transfer.shm_name
+            return []
+        if self.kv_cache.is_cuda:
+            # The peer reads our memory directly: the prefill that wrote it must have finished.
+            torch.cuda.synchronize(self.kv_cache.device)
+        exported = self._ipc_exports.get(transfer.address)
+        if exported is None:
+            exported = self._ipc_exports[transfer.address] = cuda_ipc.export(self.kv_cache)
+        header.ipc_handle = cuda_ipc.encode_ref(exported, block_ids)
+        return []
+
+    def _peer(self, address: str) -> zmq.Socket:
+        socket = self._peers.get(address)
+        if socket is None:
+            socket = self.context.socket(zmq.DEALER)
+            socket.setsockopt(zmq.LINGER, 0)
+            socket.setsockopt(zmq.SNDBUF, SOCKET_BUFFER_BYTES)
+            try:
+                socket.connect(address)
+            except zmq.ZMQError:
+                socket.close(linger=0)
+                raise
+            self._peers[address] = socket
+        return socket
+
+    def poll(self) -> list[TransferResult]:
+        """Collect acks from every peer and expire deadlines; the transfers that ended since."""
+        for address, socket in list(self._peers.items()):
+            while True:
+                try:
+                    frames = socket.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                self._on_reply(address, frames)
+        now = time.monotonic()
+        for rid, transfer in list(self._pending.items()):
+            if now > transfer.deadline:
+                self._finish(rid, False, "deadline")
+        results, self._done = self._done, []
+        return results
+
+    def _on_reply(self, address: str, frames: list[bytes]) -> None:
+        try:
+            ack = decode_kv(frames[-1]) if len(frames) == 1 else None
+        except ProtocolError as exc:
+            log.warning("bad reply from %s: %s", address, exc)
+            return
+        if not isinstance(ack, KVAck):
+            log.warning("unexpected reply from %s (%d frames)", address, len(frames))
+            return
+        transfer = self._pending.get(ack.request_id)
+        if transfer is None or transfer.address != address:
+            return  # a late ack for a transfer that already ended (deadline or abort)
+        self._finish(ack.request_id, ack.ok, ack.reason)
+
+    def abort(self, request_id: str) -> None:
+        """End a transfer now (result 'aborted' on the next poll); unknown ids are ignored."""
+        if request_id in self._pending:
+            self._finish(request_id, False, "aborted")
+
+    def num_pending(self) -> int:
+        return len(self._pending)
+
+    def _finish(self, request_id: str, ok: bool, reason: str) -> None:
+        transfer = self._pending.pop(request_id)
+        if transfer.shm_name:
+            shm.unlink(transfer.shm_name)
+        seconds = time.monotonic() - transfer.started
+        self._done.append(TransferResult(request_id, ok, reason, transfer.header.nbytes, seconds))
+        if not ok and reason in ("deadline", "aborted"):
+            self._drop_idle_peer(transfer.address)
+
+    def _drop_idle_peer(self, address: str) -> None:
+        """Close a peer's socket when nothing else is in flight to it, so that a dead or stuck
+        peer's queued payloads are freed now (zmq would hold them until it reconnects)."""
+        if any(t.address == address for t in self._pending.values()):
+            return
+        socket = self._peers.pop(address, None)
+        if socket is not None:
+            socket.close(linger=0)
+
+    def close(self) -> None:
+        """Unlink every segment still owned and close the sockets; pending transfers just end."""
+        for transfer in self._pending.values():
+            if transfer.shm_name:
+                shm.unlink(transfer.shm_name)
+        self._pending.clear()
+        for socket in self._peers.values():
+            socket.close(linger=0)
+        self._peers.clear()
+        if self._own_context:
+            self.context.term()
