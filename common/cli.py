@@ -25,6 +25,12 @@ def cmd_run_batch(args: argparse.Namespace) -> int:
     return run_batch_command(args)
 
 
+def cmd_router(args: argparse.Namespace) -> int:
+    from router.server import run_router
+
+    return run_router(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pdserve", description="Disaggregated prefill/decode LLM serving."
@@ -52,6 +58,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_engine_args(batch)
     batch.set_defaults(func=cmd_run_batch)
+
+    from router.server import add_router_args
+
+    router = commands.add_parser("router", help="run the router (HTTP API + worker registry)")
+    add_router_args(router)
+    router.set_defaults(func=cmd_router)
 
     from common.stages import add_stage_parsers
 

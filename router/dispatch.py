@@ -1,0 +1,384 @@
+"""The path of each request through the workers, from dispatch to its last token.
+
+Owns `Flight` (one choice of one HTTP request while workers serve it) and the `Dispatcher` that
+moves it: pick a decode worker; for a long prompt with prefill workers live, `Reserve` on the decode
+worker, then `Prefill` on a prefill worker naming that reservation; otherwise `Generate` on the
+decode worker. A refusal (or a reservation that does not come back in time) moves on to the next
+decode worker; when none takes it within the queue timeout the request gets a 503. Worker messages
+come back through `on_message`: `TokenOutput`s go to the flight's queue, `RequestFailed` fails it.
+A dead decode worker fails its flights; a dead prefill worker's flights that have not started
+decoding go to another prefill worker (or, with none left, prefill on the decode worker itself).
+`Job` groups the flights of one HTTP request around one event queue.
+
+Called by `router.app` (dispatch, release) and by the control loop in `router.server` (worker
+messages, worker deaths). Single-threaded: everything runs on the router's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import msgspec
+
+from common.openai_protocol import RequestError
+from common.protocol import (
+    Abort,
+    Generate,
+    Prefill,
+    RequestFailed,
+    Reserve,
+    ReserveReply,
+    TokenOutput,
+)
+from common.sampling_params import SamplingParams
+from router.policy import PrefillPolicy, choose_transport, pick_decode
+from router.registry import Registry, Worker
+
+log = logging.getLogger(__name__)
+
+QUEUE_POLL_S = 0.05  # how often a queued request looks for a decode worker again
+REFUSAL_BACKOFF_S = 0.5  # a decode worker that refused gets no new requests for this long
+
+
+@dataclass
+class FlightFailed:
+    """A flight that cannot complete; `code` is the HTTP status the client sees."""
+
+    reason: str
+    code: int = 503
+
+
+Event = tuple[int, "TokenOutput | FlightFailed"]  # (choice index, what happened)
+
+
+@dataclass
+class Flight:
+    """One choice of one request: the prompt, where it runs and where its events go."""
+
+    base_id: str
+    index: int  # the choice's index in the response
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    events: asyncio.Queue[Event]
+    attempt: int = 0  # bumped when the workers must forget an earlier try of this flight
+    decode: Worker | None = None  # set from the decode choice until the last token
+    prefill: Worker | None = None  # set while a prefill worker owes this flight its KV
+    num_decode_cached_tokens: int = 0
+    num_prefill_tokens: int = 0  # counted on the prefill worker's load until the first token
+    reserve_reply: asyncio.Future[ReserveReply] | None = None  # while a Reserve is out
+    dispatched: bool = False
+    started_decoding: bool = False
+    redispatched: bool = False  # its prefill moved to another worker at least once
+    finished: bool = False
+
+    @property
+    def request_id(self) -> str:
+        """The id the workers know this flight by (a new one per attempt)."""
+        return self.base_id if self.attempt == 0 else f"{self.base_id}.{self.attempt}"
+
+
+class Dispatcher:
+    """Moves flights through the workers; see the module docstring."""
+
+    def __init__(
+        self,
+        registry: Registry,
+        send: Callable[[Worker, msgspec.Struct], bool],
+        *,
+        routing: str = "least_loaded",
+        local_prefill_max_tokens: int = 256,
+        queue_timeout_s: float = 10.0,
+        reserve_timeout_s: float = 5.0,
+        prefill_deadline_s: float = 120.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.registry = registry
+        self.send = send  # False when the message could not be queued for the worker
+        self.prefill_policy = PrefillPolicy(routing)
+        self.local_prefill_max_tokens = local_prefill_max_tokens
+        self.queue_timeout_s = queue_timeout_s
+        self.reserve_timeout_s = reserve_timeout_s
+        self.prefill_deadline_s = prefill_deadline_s
+        self.clock = clock
+        self.flights: dict[str, Flight] = {}  # by request_id
+        self.num_waiting = 0  # flights looking for a decode worker
+
+    @property
+    def num_running(self) -> int:
+        return sum(1 for f in self.flights.values() if f.dispatched and not f.finished)
+
+    # ---- dispatch -------------------------------------------------------------------------------
+
+    async def dispatch(self, flight: Flight) -> None:
+        """Hand the flight to workers; RequestError(503) if no decode worker takes it in time."""
+        self.flights[flight.request_id] = flight
+        deadline = self.clock() + self.queue_timeout_s
+        self.num_waiting += 1
+        try:
+            while True:
+                decode = pick_decode(self.registry.live("decode"), self.clock())
+                if decode is not None and await self._start_on(flight, decode):
+                    flight.dispatched = True
+                    return
+                if self.clock() >= deadline:
+                    raise RequestError(
+                        "no decode worker could take the request; try again later",
+                        code=503,
+                        type="service_unavailable",
+                    )
+                if decode is None:
+                    await asyncio.sleep(QUEUE_POLL_S)
+        finally:
+            self.num_waiting -= 1
+
+    def _remote_prefill(self, flight: Flight, decode: Worker) -> bool:
+        # The decode worker's cached prefix is not known before Reserve: count the whole prompt.
+        return (
+            bool(decode.info.kv_address)
+            and len(flight.prompt_token_ids) > self.local_prefill_max_tokens
+            and bool(self.registry.live("prefill"))
+        )
+
+    async def _start_on(self, flight: Flight, decode: Worker) -> bool:
+        """Try one decode worker; False if it refused, did not answer or is unreachable."""
+        self._assign_decode(flight, decode)
+        if not self._remote_prefill(flight, decode):
+            if self._send(decode, self._generate(flight)):
+                return True
+            self._refused(flight, decode, "unreachable")
+            return False
+        reply_future = asyncio.get_running_loop().create_future()
+        flight.reserve_reply = reply_future
+        reserve = Reserve(flight.request_id, flight.prompt_token_ids, flight.params)
+        try:
+            if not self._send(decode, reserve):
+                reply = ReserveReply(flight.request_id, ok=False, reason="unreachable")
+            else:
+                reply = await asyncio.wait_for(reply_future, self.reserve_timeout_s)
+        except asyncio.TimeoutError:
+            # A reservation made after we gave up must not leak; the next try gets a new id so
+            # that this one's late reply cannot be taken for it.
+            self._send(decode, Abort(flight.request_id))
+            self._rekey(flight)
+            reply = ReserveReply(flight.request_id, ok=False, reason="no reply in time")
+        finally:
+            flight.reserve_reply = None
+        if not reply.ok:
+            self._refused(flight, decode, reply.reason)
+            return False
+        flight.num_decode_cached_tokens = reply.num_cached_tokens
+        self._send_prefill(flight)
+        return True
+
+    def _send_prefill(self, flight: Flight, exclude: frozenset[str] = frozenset()) -> None:
+        """Ask a prefill worker to compute the flight's KV and push it to its decode worker."""
+        decode = flight.decode
+        assert decode is not None
+        prefill = self.prefill_policy.pick(
+            self.registry.live("prefill"), flight.prompt_token_ids, exclude
+        )
+        if prefill is None:
+            self._prefill_locally(flight)
+            return
+        num_tokens = len(flight.prompt_token_ids) - flight.num_decode_cached_tokens
+        flight.prefill, flight.num_prefill_tokens = prefill, num_tokens
+        prefill.num_in_flight += 1
+        prefill.queued_prefill_tokens += num_tokens
+        message = Prefill(
+            request_id=flight.request_id,
+            prompt_token_ids=flight.prompt_token_ids,
+            params=flight.params,
+            decode_worker_id=decode.worker_id,
+            decode_kv_address=decode.info.kv_address,
+            num_decode_cached_tokens=flight.num_decode_cached_tokens,
+            transport=choose_transport(prefill.info, decode.info),
+            deadline_s=self.prefill_deadline_s,
+        )
+        if not self._send(prefill, message):
+            self._release_prefill(flight)
+            self._send_prefill(flight, exclude | {prefill.worker_id})
+
+    def _prefill_locally(self, flight: Flight) -> None:
+        """No prefill worker left: drop the reservation and let the decode worker prefill."""
+        decode = flight.decode
+        assert decode is not None
+        log.info("%s: no prefill worker left; prefilling on %s", flight.base_id, decode.worker_id)
+        self._send(decode, Abort(flight.request_id))
+        self._rekey(flight)
+        if not self._send(decode, self._generate(flight)):
+            self._fail(flight, f"decode worker {decode.worker_id} is unreachable")
+
+    @staticmethod
+    def _generate(flight: Flight) -> Generate:
+        return Generate(flight.request_id, flight.prompt_token_ids, flight.params)
+
+    # ---- worker messages ------------------------------------------------------------------------
+
+    def on_message(self, worker: Worker, msg: msgspec.Struct) -> None:
+        """A `ReserveReply`, `TokenOutput` or `RequestFailed` from a registered worker."""
+        if isinstance(msg, ReserveReply):
+            flight = self.flights.get(msg.request_id)
+            future = (
+                flight.reserve_reply if flight is not None and flight.decode is worker else None
+            )
+            if future is not None and not future.done():
+                future.set_result(msg)
+            elif msg.ok:  # nobody waits for this reservation any more
+                self._send(worker, Abort(msg.request_id))
+        elif isinstance(msg, TokenOutput):
+            self._on_tokens(worker, msg)
+        elif isinstance(msg, RequestFailed):
+            self._on_failed(worker, msg)
+        else:
+            log.warning("unexpected %s from worker %s", type(msg).__name__, worker.worker_id)
+
+    def _on_tokens(self, worker: Worker, msg: TokenOutput) -> None:
+        flight = self.flights.get(msg.request_id)
+        if flight is None or flight.decode is not worker or flight.finished:
+            if flight is None and not msg.finished:
+                self._send(worker, Abort(msg.request_id))  # nobody listens: stop generating
+            return
+        if not flight.started_decoding:
+            flight.started_decoding = True
+            if flight.redispatched and flight.prefill is not None:
+                self._send(flight.prefill, Abort(flight.request_id))  # a second prefill is moot
+            self._release_prefill(flight)
+        if msg.finished:
+            flight.finished = True
+            self._release_decode(flight)
+        flight.events.put_nowait((flight.index, msg))
+
+    def _on_failed(self, worker: Worker, msg: RequestFailed) -> None:
+        flight = self.flights.get(msg.request_id)
+        if flight is None or flight.finished:
+            return
+        future = flight.reserve_reply
+        if worker is flight.decode and future is not None and not future.done():
+            future.set_result(ReserveReply(msg.request_id, ok=False, reason=msg.reason))
+        elif worker is flight.decode or worker is flight.prefill:
+            self._fail(
+                flight,
+                f"{msg.stage} failed on {worker.role} worker {worker.worker_id}: {msg.reason}",
+            )
+
+    def on_worker_dead(self, worker: Worker) -> None:
+        """Fail what a dead decode worker was serving; move a dead prefill worker's work."""
+        for flight in list(self.flights.values()):
+            if flight.finished:
+                continue
+            if flight.decode is worker:
+                future = flight.reserve_reply
+                if future is None:
+                    self._fail(flight, f"decode worker {worker.worker_id} stopped responding")
+                elif not future.done():
+                    future.set_result(
+                        ReserveReply(flight.request_id, ok=False, reason="worker stopped")
+                    )
+            elif flight.prefill is worker:
+                log.warning(
+                    "%s: prefill worker %s died; re-dispatching", flight.base_id, worker.worker_id
+                )
+                self._release_prefill(flight)
+                flight.redispatched = True
+                self._send_prefill(flight, frozenset({worker.worker_id}))
+
+    # ---- the end of a flight --------------------------------------------------------------------
+
+    def release(self, flight: Flight, abort: bool = True) -> None:
+        """The client is done with the flight: abort it on its workers if it still runs."""
+        if not flight.finished and abort:
+            for worker in (flight.decode, flight.prefill):
+                if worker is not None:
+                    self._send(worker, Abort(flight.request_id))
+        flight.finished = True
+        self._release_prefill(flight)
+        self._release_decode(flight)
+        self.flights.pop(flight.request_id, None)
+
+    def _fail(self, flight: Flight, reason: str, code: int = 503) -> None:
+        log.warning("%s failed: %s", flight.base_id, reason)
+        for worker in (flight.decode, flight.prefill):
+            if worker is not None:
+                self._send(worker, Abort(flight.request_id))  # releases its blocks, if it lives
+        flight.finished = True
+        self._release_prefill(flight)
+        self._release_decode(flight)
+        flight.events.put_nowait((flight.index, FlightFailed(reason, code)))
+
+    # ---- bookkeeping ----------------------------------------------------------------------------
+
+    def _send(self, worker: Worker, msg: msgspec.Struct) -> bool:
+        return self.send(worker, msg)
+
+    def _rekey(self, flight: Flight) -> None:
+        self.flights.pop(flight.request_id, None)
+        flight.attempt += 1
+        self.flights[flight.request_id] = flight
+
+    def _assign_decode(self, flight: Flight, decode: Worker) -> None:
+        flight.decode = decode
+        decode.num_in_flight += 1
+
+    def _refused(self, flight: Flight, decode: Worker, reason: str) -> None:
+        log.info("%s: decode worker %s refused: %s", flight.base_id, decode.worker_id, reason)
+        self._release_decode(flight)
+        decode.refused_until_s = self.clock() + REFUSAL_BACKOFF_S
+
+    def _release_decode(self, flight: Flight) -> None:
+        if flight.decode is not None:
+            flight.decode.num_in_flight -= 1
+            flight.decode = None
+
+    def _release_prefill(self, flight: Flight) -> None:
+        if flight.prefill is not None:
+            flight.prefill.num_in_flight -= 1
+            flight.prefill.queued_prefill_tokens -= flight.num_prefill_tokens
+            flight.prefill = None
+
+
+class Job:
+    """The flights of one HTTP request (prompts x n choices), all reporting to one queue."""
+
+    def __init__(
+        self,
+        dispatcher: Dispatcher,
+        request_id: str,
+        inputs: Sequence[tuple[list[int], SamplingParams]],
+    ) -> None:
+        self.dispatcher = dispatcher
+        self.events: asyncio.Queue[Event] = asyncio.Queue()
+        self.flights = [
+            Flight(f"{request_id}-{i}", i, ids, params, self.events)
+            for i, (ids, params) in enumerate(inputs)
+        ]
+
+    async def start(self) -> None:
+        """Dispatch every flight; on any failure the others are cancelled and it re-raises."""
+        tasks = [asyncio.ensure_future(self.dispatcher.dispatch(f)) for f in self.flights]
+        try:
+            await asyncio.gather(*tasks)
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+
+    async def next_event(self, timeout_s: float) -> Event:
+        """The next event of any flight; RequestError(504) if none comes within timeout_s."""
+        try:
+            return await asyncio.wait_for(self.events.get(), max(timeout_s, 0.0))
+        except asyncio.TimeoutError:
+            raise RequestError("the request timed out", code=504, type="timeout") from None
+
+    def finish(self, index: int) -> None:
+        """Choice `index` needs nothing more (done, or cut by a stop string)."""
+        self.dispatcher.release(self.flights[index])
+
+    def close(self) -> None:
+        """Abort whatever still runs (client gone, error, timeout) and forget every flight."""
+        for flight in self.flights:
+            self.dispatcher.release(flight)

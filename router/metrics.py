@@ -1,0 +1,208 @@
+"""The router's Prometheus metrics, rendered as text for `GET /metrics`.
+
+Owns the router-side series (request latencies as histograms, token and request counters) and the
+rendering of everything `/metrics` shows, including per-worker series from the workers' heartbeats
+(labelled worker="id"): block gauges, KV cache usage, and every counter a worker reports in
+`Heartbeat.counters`, passed through as `pdserve:<name>`. Names are `pdserve:` + vLLM's suffix where
+vLLM has one. No prometheus_client dependency: the text format is small.
+
+Called by `router.app` (a `RequestTimer` per request, `render` for /metrics).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import re
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from router.registry import Worker
+
+PREFIX = "pdserve:"
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)  # fmt: skip
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+               10.0, 20.0, 40.0, 80.0)  # fmt: skip
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+               120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+_NAME_BAD_CHARS = re.compile(r"[^a-zA-Z0-9_:]")
+
+Labels = tuple[tuple[str, str], ...]
+
+
+class Histogram:
+    """Cumulative-bucket histogram, Prometheus style (`le` upper bounds)."""
+
+    def __init__(self, buckets: Iterable[float]) -> None:
+        self.buckets = tuple(buckets)
+        self.counts = [0] * (len(self.buckets) + 1)  # per bucket, the last one is +Inf
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += 1
+        self.sum += value
+        self.count += 1
+
+
+@dataclass
+class _Family:
+    type: str
+    help: str
+    samples: list[tuple[str, Labels, float]] = field(default_factory=list)  # (suffix, labels, v)
+
+
+class RouterMetrics:
+    """Counters and histograms the router keeps itself."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self.ttft = Histogram(TTFT_BUCKETS)
+        self.itl = Histogram(ITL_BUCKETS)
+        self.e2e = Histogram(E2E_BUCKETS)
+        self.queue_time = Histogram(E2E_BUCKETS)
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.request_success_total: dict[str, int] = defaultdict(int)  # by finish reason
+        self.request_errors_total: dict[int, int] = defaultdict(int)  # by HTTP status
+
+    def start_request(self) -> RequestTimer:
+        return RequestTimer(self, self.clock())
+
+    def render(self, num_running: int, num_waiting: int, workers: Iterable[Worker]) -> str:
+        families: dict[str, _Family] = {}
+
+        def add(name: str, type_: str, help_: str, value: float, labels: Labels = ()) -> None:
+            family = families.setdefault(name, _Family(type_, help_))
+            family.samples.append(("", labels, value))
+
+        def add_histogram(name: str, help_: str, h: Histogram) -> None:
+            family = families.setdefault(name, _Family("histogram", help_))
+            cumulative = 0
+            for bound, count in zip((*h.buckets, math.inf), h.counts):
+                cumulative += count
+                family.samples.append(("_bucket", (("le", _number(bound)),), cumulative))
+            family.samples.append(("_sum", (), h.sum))
+            family.samples.append(("_count", (), h.count))
+
+        add("num_requests_running", "gauge", "Choices being served by workers.", num_running)
+        add("num_requests_waiting", "gauge", "Choices waiting for a decode worker.", num_waiting)
+        add_histogram("time_to_first_token_seconds", "Request arrival to first token.", self.ttft)
+        add_histogram("inter_token_latency_seconds", "Time between output tokens.", self.itl)
+        add_histogram("e2e_request_latency_seconds", "Request arrival to last token.", self.e2e)
+        add_histogram("request_queue_time_seconds", "Request arrival to dispatch.", self.queue_time)
+        add("prompt_tokens_total", "counter", "Prompt tokens served.", self.prompt_tokens_total)
+        add(
+            "generation_tokens_total",
+            "counter",
+            "Tokens generated.",
+            self.generation_tokens_total,
+        )
+        success_help = "Finished choices by finish reason."
+        for reason, n in sorted(self.request_success_total.items()):
+            add("request_success_total", "counter", success_help, n, (("finished_reason", reason),))
+        for code, n in sorted(self.request_errors_total.items()):
+            add("request_errors_total", "counter", "Requests answered with an error.", n,
+                (("code", str(code)),))  # fmt: skip
+        _add_workers(add, list(workers))
+        return _render(families)
+
+
+def _add_workers(add: Callable[..., None], workers: list[Worker]) -> None:
+    for role in ("prefill", "decode"):
+        n = sum(w.role == role for w in workers)
+        add("num_workers", "gauge", "Live workers by role.", n, (("role", role),))
+    for w in sorted(workers, key=lambda w: w.worker_id):
+        labels = (("worker", w.worker_id), ("role", w.role))
+        add("worker_num_requests_in_flight", "gauge", "Requests the router has on the worker.",
+            w.num_in_flight, labels)  # fmt: skip
+        hb = w.heartbeat
+        if hb is None:
+            continue
+        add("num_free_blocks", "gauge", "Free KV blocks (heartbeat).", hb.num_free_blocks, labels)
+        add("num_blocks", "gauge", "KV blocks (heartbeat).", hb.num_blocks, labels)
+        usage = w.kv_cache_usage
+        if usage is not None:
+            add("kv_cache_usage_perc", "gauge", "KV cache usage, 1 = full.", usage, labels)
+        add("worker_num_requests_running", "gauge", "Sequences running (heartbeat).",
+            hb.num_running, labels)  # fmt: skip
+        add("worker_num_requests_waiting", "gauge", "Sequences waiting (heartbeat).",
+            hb.num_waiting, labels)  # fmt: skip
+        add("worker_queued_prefill_tokens", "gauge", "Prompt tokens queued (heartbeat).",
+            hb.queued_prefill_tokens, labels)  # fmt: skip
+        for name, value in sorted(hb.counters.items()):
+            name = _NAME_BAD_CHARS.sub("_", name)
+            if not name or name[0].isdigit():
+                continue
+            kind = "counter" if name.endswith("_total") else "gauge"
+            add(name, kind, "Reported by workers.", value, labels)
+
+
+def _render(families: dict[str, _Family]) -> str:
+    lines = []
+    for name, family in families.items():
+        full = PREFIX + name
+        lines.append(f"# HELP {full} {family.help}")
+        lines.append(f"# TYPE {full} {family.type}")
+        for suffix, labels, value in family.samples:
+            label_text = ",".join(f'{k}="{_escape(v)}"' for k, v in labels)
+            label_text = "{" + label_text + "}" if label_text else ""
+            lines.append(f"{full}{suffix}{label_text} {_number(value)}")
+    return "\n".join(lines) + "\n"
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def _number(value: float) -> str:
+    if isinstance(value, int):
+        return str(value)
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    if math.isnan(value):
+        return "NaN"
+    return repr(float(value))
+
+
+class RequestTimer:
+    """One request's timestamps, observed into the histograms as they happen."""
+
+    def __init__(self, metrics: RouterMetrics, arrival_s: float) -> None:
+        self.metrics = metrics
+        self.arrival_s = arrival_s
+        self._first_token_seen = False
+        self._last_token_s: dict[int, float] = {}  # per choice
+
+    def dispatched(self) -> None:
+        self.metrics.queue_time.observe(self.metrics.clock() - self.arrival_s)
+
+    def tokens(self, index: int, num_tokens: int) -> None:
+        """Choice `index` received `num_tokens` new tokens."""
+        if num_tokens <= 0:
+            return
+        now = self.metrics.clock()
+        if not self._first_token_seen:
+            self._first_token_seen = True
+            self.metrics.ttft.observe(now - self.arrival_s)
+        last = self._last_token_s.get(index)
+        if last is not None:
+            for _ in range(num_tokens):
+                self.metrics.itl.observe((now - last) / num_tokens)
+        self._last_token_s[index] = now
+
+    def finished(
+        self, prompt_tokens: int, completion_tokens: int, finish_reasons: Iterable[str]
+    ) -> None:
+        m = self.metrics
+        m.e2e.observe(m.clock() - self.arrival_s)
+        m.prompt_tokens_total += prompt_tokens
+        m.generation_tokens_total += completion_tokens
+        for reason in finish_reasons:
+            m.request_success_total[reason] += 1
+
+    def failed(self, code: int) -> None:
+        self.metrics.request_errors_total[code] += 1

@@ -1,0 +1,166 @@
+"""The router's table of workers: registration, liveness and load.
+
+Owns one `Worker` per registered worker id: its `Register` message (role, addresses, model, block
+size), the ZeroMQ identity commands are sent to, when it was last heard from, its latest
+`Heartbeat`, and its load as the router itself counts it (requests dispatched and not finished,
+prompt tokens queued for prefill). Validates registrations: the protocol version, the model and the
+block size must agree across the cluster, else the worker is refused. A worker silent for
+`timeout_s` is dead and removed (`expire`); the caller fails or re-dispatches its requests.
+
+Called by the control loop in `router.server` (messages in), by `router.policy` and
+`router.dispatch` (choosing workers, counting load) and by `router.app` (/health, /metrics).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+
+from common.protocol import (
+    HEARTBEAT_TIMEOUT_S,
+    PROTOCOL_VERSION,
+    Heartbeat,
+    Register,
+    RegisterAck,
+    Role,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Worker:
+    """One registered worker, as the router sees it."""
+
+    info: Register
+    identity: bytes  # the DEALER identity that registered: where commands go
+    last_seen_s: float
+    heartbeat: Heartbeat | None = None
+    num_in_flight: int = 0  # requests dispatched here, not yet finished (the router's count)
+    queued_prefill_tokens: int = 0  # prefill: prompt tokens dispatched, first token not yet seen
+    refused_until_s: float = 0.0  # decode: skipped for new requests until then (it refused one)
+
+    @property
+    def worker_id(self) -> str:
+        return self.info.worker_id
+
+    @property
+    def role(self) -> Role:
+        return self.info.role
+
+    @property
+    def decode_load(self) -> int:
+        """Sequences running or reserved: the router's count, or the worker's if it knows more."""
+        hb = self.heartbeat
+        reported = hb.num_running + hb.num_waiting if hb is not None else 0
+        return max(self.num_in_flight, reported)
+
+    @property
+    def prefill_load(self) -> int:
+        """Prompt tokens waiting for prefill, counted from dispatch (not from the first token)."""
+        reported = self.heartbeat.queued_prefill_tokens if self.heartbeat is not None else 0
+        return max(self.queued_prefill_tokens, reported)
+
+    @property
+    def kv_cache_usage(self) -> float | None:
+        """Fraction of KV blocks in use, from the last heartbeat."""
+        hb = self.heartbeat
+        if hb is None or hb.num_blocks <= 0:
+            return None
+        return 1.0 - hb.num_free_blocks / hb.num_blocks
+
+
+class Registry:
+    """Live workers by id. Not thread-safe: used from the router's event loop only."""
+
+    def __init__(
+        self,
+        model_names: Collection[str],
+        block_size: int | None = None,
+        timeout_s: float = HEARTBEAT_TIMEOUT_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.model_names = set(model_names)  # what a worker's Register.model may say
+        self.block_size = block_size  # fixed by flag, else by the first worker while any lives
+        self.timeout_s = timeout_s
+        self.clock = clock
+        self.workers: dict[str, Worker] = {}
+
+    def register(self, identity: bytes, msg: Register) -> RegisterAck:
+        """Accept or refuse a `Register`; a known worker id re-registering is updated in place."""
+        reason = self._refusal(identity, msg)
+        if reason:
+            log.warning("refusing worker %r: %s", msg.worker_id, reason)
+            return RegisterAck(accepted=False, reason=reason)
+        now = self.clock()
+        worker = self.workers.get(msg.worker_id)
+        if worker is None:
+            self.workers[msg.worker_id] = Worker(info=msg, identity=identity, last_seen_s=now)
+            log.info(
+                "%s worker %r registered (%d blocks, host %s)",
+                msg.role,
+                msg.worker_id,
+                msg.num_blocks,
+                msg.host,
+            )
+        else:  # a reconnect: requests in flight on it are still its own
+            worker.info, worker.identity, worker.last_seen_s = msg, identity, now
+        return RegisterAck(accepted=True)
+
+    def _refusal(self, identity: bytes, msg: Register) -> str:
+        if msg.version != PROTOCOL_VERSION:
+            return f"protocol version {msg.version}, the router speaks {PROTOCOL_VERSION}"
+        if identity != msg.worker_id.encode():
+            return "the control socket identity must equal worker_id"
+        if msg.model not in self.model_names:
+            return f"model {msg.model!r}, the router serves {sorted(self.model_names)}"
+        block_size = self.block_size
+        others = [w for w in self.workers.values() if w.worker_id != msg.worker_id]
+        if block_size is None and others:
+            block_size = others[0].info.block_size
+        if block_size is not None and msg.block_size != block_size:
+            return f"block size {msg.block_size}, the cluster uses {block_size}"
+        old = self.workers.get(msg.worker_id)
+        if old is not None and old.role != msg.role:
+            return f"worker id {msg.worker_id!r} is already registered as {old.role}"
+        return ""
+
+    def touch(self, worker_id: str) -> Worker | None:
+        """Any message from a worker proves it alive; None for an unknown worker."""
+        worker = self.workers.get(worker_id)
+        if worker is not None:
+            worker.last_seen_s = self.clock()
+        return worker
+
+    def on_heartbeat(self, msg: Heartbeat) -> Worker | None:
+        worker = self.touch(msg.worker_id)
+        if worker is not None:
+            worker.heartbeat = msg
+        return worker
+
+    def expire(self) -> list[Worker]:
+        """Remove and return the workers silent for longer than `timeout_s`."""
+        deadline = self.clock() - self.timeout_s
+        dead = [w for w in self.workers.values() if w.last_seen_s < deadline]
+        for worker in dead:
+            log.warning(
+                "%s worker %r missed heartbeats for %.1f s: removed",
+                worker.role,
+                worker.worker_id,
+                self.timeout_s,
+            )
+            del self.workers[worker.worker_id]
+        return dead
+
+    def get(self, worker_id: str) -> Worker | None:
+        return self.workers.get(worker_id)
+
+    def live(self, role: Role) -> list[Worker]:
+        return [w for w in self.workers.values() if w.role == role]
+
+    def max_model_len(self) -> int | None:
+        """The longest prompt + output every live worker can hold; None with no workers."""
+        lens = [w.info.max_model_len for w in self.workers.values() if w.info.max_model_len > 0]
+        return min(lens) if lens else None

@@ -1,0 +1,1 @@
+"""Tests of the router (router/): HTTP API, registry, dispatch, with fake workers."""

@@ -1,0 +1,301 @@
+"""Test doubles for the router's tests: fake workers on real ZeroMQ sockets, and the router itself
+running in a thread.
+
+`FakeWorker` is a DEALER (identity = worker id) in a thread of its own that speaks the real control
+protocol: it registers, heartbeats, answers `Reserve` / `Generate` / `Prefill` by emitting
+`TokenOutput` sequences the test controls (by default it echoes the prompt's tokens back), records
+every message it receives, and can be told to refuse, fail, stay silent or die. A fake prefill
+worker "pushes KV" by telling the fake decode worker named in its `Prefill` (through `KV_BUS`,
+keyed by the decode worker's kv address), which then starts emitting tokens. No model weights.
+
+`RouterThread` runs a real `RouterServer` (uvicorn + control socket) on free loopback ports with
+the default model's tokenizer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+
+from common import protocol
+from common.protocol import (
+    Abort,
+    Generate,
+    Heartbeat,
+    Prefill,
+    Register,
+    RegisterAck,
+    RequestFailed,
+    Reserve,
+    ReserveReply,
+    TokenOutput,
+)
+from common.sampling_params import SamplingParams
+from common.tokenizer import Tokenizer
+from router.server import RouterConfig, RouterServer
+
+KV_BUS: dict[str, FakeWorker] = {}  # kv_address -> fake decode worker
+VOCAB = 49152  # the default model's
+
+
+@functools.lru_cache(maxsize=1)
+def default_tokenizer() -> Tokenizer:
+    from common.model_files import resolve_model
+
+    return Tokenizer.from_source(resolve_model("default"))
+
+
+class _Stream:
+    """Tokens a fake decode worker is emitting for one request."""
+
+    def __init__(self, request_id: str, tokens: list[int], params: SamplingParams, n_prompt: int):
+        self.request_id = request_id
+        self.tokens = tokens
+        self.params = params
+        self.num_prompt_tokens = n_prompt
+        self.num_sent = 0
+        self.next_s = 0.0
+
+
+class FakeWorker:
+    """A fake prefill or decode worker; see the module docstring. Stop it with `close` or `die`."""
+
+    def __init__(
+        self,
+        router_address: str,
+        role: str,
+        worker_id: str,
+        *,
+        model: str = "default",
+        block_size: int = 16,
+        max_model_len: int = 2048,
+        host: str = "testhost",
+        transports: tuple[str, ...] = ("tcp", "shm"),
+        version: int = protocol.PROTOCOL_VERSION,
+        reserve: str = "ok",  # ok | refuse | silent
+        generate: str = "echo",  # echo | fail | silent
+        prefill: str = "ok",  # ok | fail | silent
+        output_token_ids: list[int] | None = None,  # emitted (cycled) instead of the prompt
+        eos_token_id: int | None = None,
+        num_cached_tokens: int = 0,  # what ReserveReply says the decode worker holds
+        token_delay_s: float = 0.01,
+        heartbeat_interval_s: float = 0.2,
+        register: bool = True,
+    ) -> None:
+        self.role, self.worker_id = role, worker_id
+        self.reserve_mode, self.generate_mode, self.prefill_mode = reserve, generate, prefill
+        self.output_token_ids = output_token_ids
+        self.eos_token_id = eos_token_id
+        self.num_cached_tokens = num_cached_tokens
+        self.token_delay_s = token_delay_s
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.kv_address = f"tcp://fake-kv/{worker_id}" if role == "decode" else ""
+        self.registration = Register(
+            version=version,
+            role=role,
+            worker_id=worker_id,
+            model=model,
+            block_size=block_size,
+            num_blocks=1000,
+            max_model_len=max_model_len,
+            dtype="float32",
+            host=host,
+            kv_address=self.kv_address,
+            transports=list(transports),
+        )
+        self.received: list[Any] = []  # every control message from the router, in order
+        self.acks: list[RegisterAck] = []
+        self.heartbeats_on = True
+        self._streams: dict[str, _Stream] = {}
+        self._reserved: dict[str, Reserve] = {}
+        self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()  # from other threads
+        self._stop = threading.Event()
+        if role == "decode":
+            KV_BUS[self.kv_address] = self
+        self._sock = zmq.Context.instance().socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.IDENTITY, worker_id.encode())
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(router_address)
+        self._thread = threading.Thread(target=self._run, name=worker_id, daemon=True)
+        self._thread.start()
+        if register:
+            self.send(self.registration)
+
+    # ---- control from the test ------------------------------------------------------------------
+
+    def send(self, msg: Any) -> None:
+        self._inbox.put(("send", msg))
+
+    def kv_arrived(self, request_id: str) -> None:
+        """A fake prefill worker delivered this request's KV."""
+        self._inbox.put(("kv", request_id))
+
+    def die(self) -> None:
+        """Stop at once: no more messages of any kind (a crashed process)."""
+        self._stop.set()
+        self._thread.join(5)
+        KV_BUS.pop(self.kv_address, None)
+
+    close = die
+
+    def messages(self, kind: type) -> list[Any]:
+        return [m for m in list(self.received) if isinstance(m, kind)]
+
+    def wait_for(
+        self, kind: type, predicate: Callable[[Any], bool] = lambda m: True, timeout_s: float = 5.0
+    ) -> Any:
+        """The first received message of `kind` matching `predicate`; AssertionError on timeout."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for m in self.messages(kind):
+                if predicate(m):
+                    return m
+            time.sleep(0.01)
+        raise AssertionError(f"{self.worker_id}: no {kind.__name__} in {timeout_s} s")
+
+    def wait_registered(self, timeout_s: float = 5.0) -> RegisterAck:
+        deadline = time.monotonic() + timeout_s
+        while not self.acks:
+            assert time.monotonic() < deadline, f"{self.worker_id}: no RegisterAck"
+            time.sleep(0.01)
+        return self.acks[-1]
+
+    # ---- the worker's thread --------------------------------------------------------------------
+
+    def _run(self) -> None:
+        next_heartbeat = time.monotonic() + self.heartbeat_interval_s  # after Register
+        try:
+            while not self._stop.is_set():
+                now = time.monotonic()
+                if self.heartbeats_on and now >= next_heartbeat:
+                    self._send(Heartbeat(self.worker_id, len(self._streams), 0, 900, 1000, 0,
+                                         {"fake_steps_total": 3.0}))  # fmt: skip
+                    next_heartbeat = now + self.heartbeat_interval_s
+                while True:
+                    try:
+                        what, item = self._inbox.get_nowait()
+                    except queue.Empty:
+                        break
+                    if what == "send":
+                        self._send(item)
+                    elif item in self._reserved:
+                        r = self._reserved.pop(item)
+                        self._start_stream(r.request_id, r.prompt_token_ids, r.params)
+                self._emit_due(now)
+                if self._sock.poll(5):
+                    while self._sock.poll(0):
+                        self._handle(protocol.decode_control(self._sock.recv()))
+        finally:
+            self._sock.close()
+
+    def _send(self, msg: Any) -> None:
+        self._sock.send(protocol.encode(msg))
+
+    def _handle(self, msg: Any) -> None:
+        self.received.append(msg)
+        if isinstance(msg, RegisterAck):
+            self.acks.append(msg)
+        elif isinstance(msg, Reserve):
+            if self.reserve_mode == "ok":
+                self._reserved[msg.request_id] = msg
+                self._send(ReserveReply(msg.request_id, True, self.num_cached_tokens))
+            elif self.reserve_mode == "refuse":
+                self._send(ReserveReply(msg.request_id, False, reason="no free KV blocks"))
+        elif isinstance(msg, Generate):
+            if self.generate_mode == "echo":
+                self._start_stream(msg.request_id, msg.prompt_token_ids, msg.params)
+            elif self.generate_mode == "fail":
+                self._send(RequestFailed(msg.request_id, "decode", "injected failure"))
+        elif isinstance(msg, Prefill):
+            if self.prefill_mode == "ok":
+                decode = KV_BUS.get(msg.decode_kv_address)
+                if decode is not None:
+                    decode.kv_arrived(msg.request_id)
+            elif self.prefill_mode == "fail":
+                self._send(RequestFailed(msg.request_id, "prefill", "injected failure"))
+        elif isinstance(msg, Abort):
+            self._streams.pop(msg.request_id, None)
+            self._reserved.pop(msg.request_id, None)
+
+    def _start_stream(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
+        tokens = self.output_token_ids or prompt
+        self._streams[request_id] = _Stream(request_id, list(tokens), params, len(prompt))
+
+    def _emit_due(self, now: float) -> None:
+        for rid, s in list(self._streams.items()):
+            if now < s.next_s:
+                continue
+            s.next_s = now + self.token_delay_s
+            token = s.tokens[s.num_sent % len(s.tokens)]
+            s.num_sent += 1
+            stop = token in s.params.stop_token_ids or (
+                token == self.eos_token_id and not s.params.ignore_eos
+            )
+            stop = stop and s.num_sent >= s.params.min_tokens
+            length = s.num_sent >= s.params.max_tokens
+            k = s.params.logprobs
+            finished = stop or length
+            self._send(
+                TokenOutput(
+                    request_id=rid,
+                    token_ids=[token],
+                    logprobs=[-0.5] if k is not None else [],
+                    top_logprobs=[[((token + j) % VOCAB, -0.5 - j) for j in range(k)]]
+                    if k is not None
+                    else [],
+                    finished=finished,
+                    finish_reason=("stop" if stop else "length") if finished else None,
+                    num_prompt_tokens=s.num_prompt_tokens,
+                    num_cached_tokens=0,
+                )
+            )
+            if finished:
+                del self._streams[rid]
+
+
+class RouterThread:
+    """A real router (HTTP + control socket) on free loopback ports, in a thread of its own."""
+
+    def __init__(self, **config: Any) -> None:
+        config.setdefault("port", 0)
+        config.setdefault("control_port", 0)
+        self.server = RouterServer(RouterConfig(**config), default_tokenizer(), 8192)
+        ready = threading.Event()
+        self._thread = threading.Thread(
+            target=lambda: asyncio.run(self.server.serve(on_ready=ready.set)),
+            name="router",
+            daemon=True,
+        )
+        self._thread.start()
+        if not ready.wait(10):
+            raise RuntimeError("the router did not start")
+        self.url = f"http://127.0.0.1:{self.server.http_port}"
+        self.control = self.server.control_address
+        self.workers: list[FakeWorker] = []
+
+    def worker(self, role: str, worker_id: str, **kwargs: Any) -> FakeWorker:
+        """A fake worker connected to this router, registered (stopped with the router)."""
+        w = FakeWorker(self.control, role, worker_id, **kwargs)
+        self.workers.append(w)
+        if kwargs.get("register", True):
+            assert w.wait_registered().accepted, w.acks
+        return w
+
+    def stop(self) -> None:
+        for w in self.workers:
+            w.close()
+        self.server.stop()
+        self._thread.join(10)
+
+    def __enter__(self) -> RouterThread:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
