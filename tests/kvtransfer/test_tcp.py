@@ -1,0 +1,103 @@
+"""tcp transport end to end on loopback (kvtransfer.sender / receiver), plus transport choice and
+the payload checksum."""
+
+from __future__ import annotations
+
+import os
+import zlib
+
+import pytest
+import torch
+
+from kvtransfer import KVReceiver, KVSender, choose_transport, payload
+from tests.kvtransfer import (
+    DST_BLOCKS,
+    SRC_BLOCKS,
+    make_cache,
+    make_header,
+    run_child_transfer,
+    transfer,
+)
+
+
+@pytest.fixture
+def pair(request):
+    dtype = getattr(request, "param", torch.float32)
+    sender = KVSender(make_cache(dtype, seed=1))
+    receiver = KVReceiver(make_cache(dtype, seed=None))
+    yield sender, receiver
+    sender.close()
+    receiver.close()
+
+
+@pytest.mark.parametrize("pair", [torch.float32, torch.bfloat16], indirect=True)
+def test_blocks_arrive_exactly(pair):
+    sender, receiver = pair
+    received, result = transfer(sender, receiver, "tcp")
+    assert received.ok and received.reason == ""
+    assert received.header.first_token_id == 42 and received.header.first_logprob == -0.5
+    src = sender.kv_cache[:, :, SRC_BLOCKS]
+    assert torch.equal(receiver.kv_cache[:, :, DST_BLOCKS], src)
+    untouched = [b for b in range(receiver.kv_cache.shape[2]) if b not in DST_BLOCKS]
+    assert not receiver.kv_cache[:, :, untouched].any()
+    assert result.ok and result.request_id == "r0" and result.seconds > 0
+    assert result.nbytes == received.header.nbytes == src.nbytes
+    assert sender.poll() == []  # exactly one result per send
+
+
+def test_one_socket_per_peer_and_many_transfers(pair):
+    sender, receiver = pair
+    for i in range(3):
+        received, result = transfer(sender, receiver, "tcp", request_id=f"r{i}")
+        assert received.ok and result.ok
+    assert len(sender._peers) == 1
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_zero_blocks(pair, transport):
+    """All blocks already on the decode side: only the first token travels."""
+    sender, receiver = pair
+    received, result = transfer(sender, receiver, transport, src=[], dst=[])
+    assert received.ok and result.ok and result.nbytes == 0
+
+
+def test_request_already_in_flight_is_an_error(pair):
+    sender, receiver = pair
+    sender.send(receiver.address, make_header(sender.kv_cache), SRC_BLOCKS, 5.0)
+    with pytest.raises(ValueError, match="in flight"):
+        sender.send(receiver.address, make_header(sender.kv_cache), SRC_BLOCKS, 5.0)
+    with pytest.raises(ValueError, match="out of range"):
+        sender.send(receiver.address, make_header(sender.kv_cache, "x"), [0, 1, 99], 5.0)
+
+
+def test_bad_address_is_a_failed_result(pair):
+    sender, _ = pair
+    sender.send("nonsense://x", make_header(sender.kv_cache), SRC_BLOCKS, 5.0)
+    [result] = sender.poll()
+    assert not result.ok and "send failed" in result.reason and sender.num_pending() == 0
+
+
+def test_receiver_in_another_process():
+    run_child_transfer("tcp", torch.bfloat16)
+
+
+def test_choose_transport():
+    assert choose_transport("auto", same_host=True, device_type="cuda") == "cuda_ipc"
+    assert choose_transport("auto", same_host=True, device_type="cpu") == "shm"
+    assert choose_transport("auto", same_host=False, device_type="cuda") == "tcp"
+    assert choose_transport("auto", same_host=False, device_type="cpu") == "tcp"
+    assert choose_transport("shm", same_host=False, device_type="cpu") == "shm"
+    assert choose_transport("tcp", same_host=True, device_type="cuda") == "tcp"
+    assert choose_transport("cuda_ipc", same_host=True, device_type="cuda") == "cuda_ipc"
+    with pytest.raises(ValueError):
+        choose_transport("cuda_ipc", same_host=True, device_type="cpu")
+    with pytest.raises(ValueError):
+        choose_transport("rdma", same_host=True, device_type="cpu")
+
+
+@pytest.mark.parametrize("size", [0, 1, 1000, 20_000_003])
+def test_crc32_equals_zlib(size):
+    data = os.urandom(size)
+    assert payload.crc32(data) == zlib.crc32(data)
+    a, b = data[: size // 3], data[size // 3 :]
+    assert payload.crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(data)
