@@ -242,7 +242,10 @@ class RouterServer:
         while True:
             await asyncio.sleep(period_s)
             for worker in self.registry.expire():
-                self.dispatcher.on_worker_dead(worker)
+                try:
+                    self.dispatcher.on_worker_dead(worker)
+                except Exception:  # the next worker's requests must still be failed over
+                    log.exception("failing over %s's requests failed", worker.worker_id)
 
     async def _control_loop(self) -> None:
         from common.protocol import ProtocolError, decode_control
@@ -297,9 +300,8 @@ class RouterServer:
         future = self.sock.send_multipart([identity, encode(msg)], flags=zmq.DONTWAIT)
         error = future.exception() if future.done() else None
         if error is not None:
-            log.warning(
-                "could not send %s to %r: %s", type(msg).__name__, identity.decode("replace"), error
-            )
+            name = identity.decode(errors="replace")
+            log.warning("could not send %s to %r: %s", type(msg).__name__, name, error)
             return False
         return True
 
