@@ -40,8 +40,10 @@ class PrefillWorker:
         router_address: str,
         worker_id: str,
         context: zmq.Context | None = None,
+        kv_transport: str = "auto",
     ) -> None:
         self.engine = engine
+        self.kv_transport = kv_transport  # anything but auto overrides the router's choice
         self.worker_id = worker_id
         self.context = context or zmq.Context.instance()
         self.control = ControlConnection(router_address, worker_id, self.context)
@@ -151,7 +153,7 @@ class PrefillWorker:
             dtype=str(cache.dtype).removeprefix("torch."),
             nbytes=0,
             checksum=0,
-            transport=req.transport,
+            transport=req.transport if self.kv_transport == "auto" else self.kv_transport,
             first_token_id=seq.output_token_ids[0],
             first_logprob=seq.output_logprobs[0],
             first_top_logprobs=seq.output_top_logprobs[0],
