@@ -3,7 +3,8 @@
 A payload is the KV of a list of blocks, `kv_cache[:, :, block_ids]`, as one C-order tensor of
 shape [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim] (the layout `KVHeader`
 describes). The sender gathers it, the receiver checks it against its own cache and scatters it;
-both sides checksum it with zlib.crc32. Used by `kvtransfer.sender`, `kvtransfer.receiver` and
+both sides checksum it with CRC-32 (zlib.crc32's value; computed by zlib-ng when installed, about
+four times faster). Used by `kvtransfer.sender`, `kvtransfer.receiver` and
 `kvtransfer.cuda_ipc`; nothing here touches a socket.
 """
 
@@ -17,6 +18,11 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from common.protocol import KVHeader
+
+try:  # the same CRC-32 as zlib.crc32, with carry-less multiply instructions: ~4x faster
+    from zlib_ng.zlib_ng import crc32 as _fast_crc32
+except ImportError:
+    _fast_crc32 = None
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LAYOUT_FIELDS = ("num_layers", "block_size", "num_kv_heads", "head_dim", "dtype")
@@ -111,8 +117,11 @@ def from_bytes(buffer, header: KVHeader) -> torch.Tensor:
 
 
 def crc32(buffer) -> int:
-    """zlib.crc32 of a bytes-like buffer; large buffers are checksummed in parallel chunks."""
+    """zlib.crc32 of a bytes-like buffer: by zlib-ng if installed, else with zlib in parallel
+    chunks for large buffers (zlib releases the GIL; zlib-ng is memory-bound in one thread)."""
     view = memoryview(buffer).cast("B")
+    if _fast_crc32 is not None:
+        return _fast_crc32(view)
     n = len(view)
     workers = min(4, os.cpu_count() or 1)
     if n < _PARALLEL_CRC_BYTES or workers == 1:

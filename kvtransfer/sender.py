@@ -94,6 +94,9 @@ class KVSender:
             self._finish(rid, False, "peer send queue full")
         except (zmq.ZMQError, OSError, cuda_ipc.CudaIpcError) as exc:
             self._finish(rid, False, f"send failed: {exc}")
+        except Exception as exc:  # still exactly one result, and no segment left behind
+            log.exception("kv send of %s failed", rid)
+            self._finish(rid, False, f"send failed: {exc}")
 
     def _prepare(self, transfer: _Transfer, index: torch.Tensor, block_ids: list[int]) -> list:
         """Fill the header's size, checksum and transport fields; return the payload frames."""

@@ -3,13 +3,14 @@ written by the sender, read by the receiver, unlinked when the transfer ends."""
 
 from __future__ import annotations
 
+import errno
 import os
 
 import pytest
 import torch
 
 from common.protocol import encode
-from kvtransfer import KVReceiver, KVSender, shm
+from kvtransfer import KVReceiver, KVSender, payload, shm
 from tests.kvtransfer import (
     DST_BLOCKS,
     SRC_BLOCKS,
@@ -86,3 +87,31 @@ def test_segment_names_from_the_wire_are_confined(pair):
 
 def test_receiver_in_another_process():
     run_child_transfer("shm", torch.float32)
+
+
+def test_full_shm_is_a_failed_result(pair, monkeypatch):
+    """/dev/shm full (docker's default is 64 MB): a failed transfer, not a crash or a SIGBUS."""
+    sender, receiver = pair
+
+    def no_space(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", no_space)
+    sender.send(receiver.address, make_header(sender.kv_cache, "full", "shm"), SRC_BLOCKS, 5.0)
+    [result] = sender.poll()
+    assert not result.ok and "No space left" in result.reason
+    assert sender.num_pending() == 0 and not own_segments()
+    monkeypatch.undo()
+    assert_serves(sender, receiver, "shm")
+
+
+def test_copy_failure_leaves_no_segment(pair, monkeypatch):
+    sender, receiver = pair
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("copy failed")
+
+    monkeypatch.setattr(payload, "gather", broken)
+    sender.send(receiver.address, make_header(sender.kv_cache, "x", "shm"), SRC_BLOCKS, 5.0)
+    [result] = sender.poll()
+    assert not result.ok and "copy failed" in result.reason and not own_segments()

@@ -95,8 +95,11 @@ def test_choose_transport():
         choose_transport("rdma", same_host=True, device_type="cpu")
 
 
+@pytest.mark.parametrize("fast", [True, False], ids=["zlib-ng if installed", "zlib"])
 @pytest.mark.parametrize("size", [0, 1, 1000, 20_000_003])
-def test_crc32_equals_zlib(size):
+def test_crc32_equals_zlib(size, fast, monkeypatch):
+    if not fast:
+        monkeypatch.setattr(payload, "_fast_crc32", None)  # parallel zlib chunks, combined
     data = os.urandom(size)
     assert payload.crc32(data) == zlib.crc32(data)
     a, b = data[: size // 3], data[size // 3 :]
