@@ -26,12 +26,12 @@ SHORT = [1000, 1001, 1002]
 
 
 def complete(
-    router: RouterThread, prompt: list[int], max_tokens: int = 4, **body
+    router: RouterThread, prompt: list[int], max_tokens: int = 4, timeout: float = 30
 ) -> httpx.Response:
     return httpx.post(
         router.url + "/v1/completions",
-        json={"prompt": prompt, "max_tokens": max_tokens, **body},
-        timeout=30,
+        json={"prompt": prompt, "max_tokens": max_tokens},
+        timeout=timeout,
     )
 
 
@@ -241,4 +241,12 @@ def test_client_disconnect_aborts_on_decode_and_prefill(router: RouterThread) ->
         assert r.status_code == 200
     rid = p0.wait_for(Prefill).request_id
     p0.wait_for(Abort, lambda m: m.request_id == rid, timeout_s=3)
+    d0.wait_for(Abort, lambda m: m.request_id == rid, timeout_s=3)
+
+
+def test_client_gone_before_a_whole_response_aborts(router: RouterThread) -> None:
+    d0 = router.worker("decode", "d0", token_delay_s=0.02)
+    with pytest.raises(httpx.TimeoutException):
+        complete(router, SHORT, max_tokens=1000, timeout=0.5)
+    rid = d0.wait_for(Generate).request_id
     d0.wait_for(Abort, lambda m: m.request_id == rid, timeout_s=3)
