@@ -29,7 +29,7 @@ from common.sampling_params import SamplingParams
 PROTOCOL_VERSION = 1
 MAX_CONTROL_MESSAGE_BYTES = 64 * 2**20  # a 128k-token prompt of int ids fits with room to spare
 HEARTBEAT_INTERVAL_S = 1.0
-HEARTBEAT_TIMEOUT_S = 5.0  # a worker silent this long is dead
+HEARTBEAT_TIMEOUT_S = 3.0  # a worker silent this long is dead (its requests fail within 5 s)
 
 Role = Literal["prefill", "decode"]
 
