@@ -51,8 +51,13 @@ class Register(msgspec.Struct, tag="register", forbid_unknown_fields=True):
 
 
 class RegisterAck(msgspec.Struct, tag="register_ack", forbid_unknown_fields=True):
+    """Answer to `Register`; also sent, refused with REREGISTER_REASON, to an unknown worker."""
+
     accepted: bool
     reason: str = ""
+
+
+REREGISTER_REASON = "unknown worker: register again"
 
 
 class Heartbeat(msgspec.Struct, tag="heartbeat", forbid_unknown_fields=True):

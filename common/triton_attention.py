@@ -48,9 +48,18 @@ def _dot(a, b, UPCAST: tl.constexpr):
 
 @triton.jit
 def _write_kv_kernel(
-    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
-    stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_cb, stride_cs, stride_ch,
+    k_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
     block_size,
     HEAD_DIM: tl.constexpr,
 ):
@@ -69,14 +78,28 @@ def _write_kv_kernel(
 
 @triton.jit
 def _varlen_kernel(
-    out_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
-    block_tables_ptr, seq_lens_ptr, query_start_ptr,
+    out_ptr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    query_start_ptr,
     scale_log2,
-    stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_cb, stride_cs, stride_ch, stride_bt,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_bt,
     block_size,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_FP32: tl.constexpr,
 ):
     tile = tl.program_id(0)
     seq = tl.program_id(1)
@@ -94,8 +117,11 @@ def _varlen_kernel(
     q_pos = context_len + rows
     tokens = (q_start + rows).to(tl.int64)
     d = tl.arange(0, HEAD_DIM)
-    q = tl.load(q_ptr + tokens[:, None] * stride_qt + head * stride_qh + d[None, :],
-                mask=row_ok[:, None], other=0.0)
+    q = tl.load(
+        q_ptr + tokens[:, None] * stride_qt + head * stride_qh + d[None, :],
+        mask=row_ok[:, None],
+        other=0.0,
+    )
 
     m = tl.full([BLOCK_M], _NEG_BIG, tl.float32)
     l_sum = tl.zeros([BLOCK_M], tl.float32)
@@ -121,21 +147,41 @@ def _varlen_kernel(
         m = m_new
 
     out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
-    tl.store(out_ptr + tokens[:, None] * stride_ot + head * stride_oh + d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(
+        out_ptr + tokens[:, None] * stride_ot + head * stride_oh + d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_ok[:, None],
+    )
 
 
 @triton.jit
 def _decode_kernel(
-    out_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
-    block_tables_ptr, seq_lens_ptr, query_start_ptr,
-    part_acc_ptr, part_max_ptr, part_sum_ptr,
+    out_ptr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    query_start_ptr,
+    part_acc_ptr,
+    part_max_ptr,
+    part_sum_ptr,
     scale_log2,
-    stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_cb, stride_cs, stride_ch, stride_bt,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_bt,
     block_size,
-    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_FP32: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    DOT_FP32: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -147,8 +193,11 @@ def _decode_kernel(
     group_ok = g < GROUP  # BLOCK_G pads the group up to the smallest dot shape
     heads = kv_head * GROUP + g
     d = tl.arange(0, HEAD_DIM)
-    q = tl.load(q_ptr + token * stride_qt + heads[:, None] * stride_qh + d[None, :],
-                mask=group_ok[:, None], other=0.0)
+    q = tl.load(
+        q_ptr + token * stride_qt + heads[:, None] * stride_qh + d[None, :],
+        mask=group_ok[:, None],
+        other=0.0,
+    )
 
     m = tl.full([BLOCK_G], _NEG_BIG, tl.float32)
     l_sum = tl.zeros([BLOCK_G], tl.float32)
@@ -177,8 +226,11 @@ def _decode_kernel(
 
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
-        tl.store(out_ptr + token * stride_ot + heads[:, None] * stride_oh + d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=group_ok[:, None])
+        tl.store(
+            out_ptr + token * stride_ot + heads[:, None] * stride_oh + d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=group_ok[:, None],
+        )
     else:
         # Partials are [num_seqs, num_heads, NUM_SPLITS] (+ HEAD_DIM for acc), contiguous fp32.
         row = (seq.to(tl.int64) * tl.num_programs(1) * GROUP + heads) * NUM_SPLITS + split
@@ -189,9 +241,15 @@ def _decode_kernel(
 
 @triton.jit
 def _decode_reduce_kernel(
-    out_ptr, query_start_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
-    stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    out_ptr,
+    query_start_ptr,
+    part_acc_ptr,
+    part_max_ptr,
+    part_sum_ptr,
+    stride_ot,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -204,8 +262,10 @@ def _decode_reduce_kernel(
     l_sum = tl.sum(tl.load(part_sum_ptr + rows) * weight, 0)
     acc = tl.sum(tl.load(part_acc_ptr + rows[:, None] * HEAD_DIM + d[None, :]) * weight[:, None], 0)
     l_sum = tl.where(l_sum > 0, l_sum, 1.0)  # a zero-length (padding) sequence gives 0, not NaN
-    tl.store(out_ptr + token * stride_ot + head * stride_oh + d,
-             (acc / l_sum).to(out_ptr.dtype.element_ty))
+    tl.store(
+        out_ptr + token * stride_ot + head * stride_oh + d,
+        (acc / l_sum).to(out_ptr.dtype.element_ty),
+    )
 
 
 def _check_shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
@@ -242,7 +302,10 @@ def _decode_num_splits(num_programs: int, max_seq_len: int, device: torch.device
 
 
 def write_kv_cache_triton(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
     """Store new keys/values [num_tokens, num_kv_heads, head_dim] into their cache slots.
@@ -256,17 +319,31 @@ def write_kv_cache_triton(
     if num_tokens == 0:
         return
     _write_kv_kernel[(num_tokens, num_kv_heads)](
-        k, v, k_cache, v_cache, slot_mapping,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
         k_cache.shape[1],
         HEAD_DIM=head_dim,
     )
 
 
 def paged_attention_triton(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    meta: AttentionMetadata, scale: float, *, num_splits: int | None = None,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    *,
+    num_splits: int | None = None,
 ) -> torch.Tensor:
     """Attention of new tokens q [num_tokens, H, D] over the paged cache (already holding them).
 
@@ -285,34 +362,66 @@ def paged_attention_triton(
     block_tables = meta.block_tables.contiguous()
     common = (meta.seq_lens, meta.query_start_loc)
     scale_log2 = scale * _LOG2E
-    strides = (q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-               k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0))
+    strides = (
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+    )
 
     if meta.max_query_len == 1:
         num_seqs = meta.num_seqs
-        splits = num_splits or _decode_num_splits(num_seqs * num_kv_heads, meta.max_seq_len,
-                                                  q.device)
+        splits = num_splits or _decode_num_splits(
+            num_seqs * num_kv_heads, meta.max_seq_len, q.device
+        )
         assert splits & (splits - 1) == 0, f"num_splits must be a power of two, got {splits}"
         block_n = 32 if head_dim > 64 else 64
         if splits > 1:
-            part_acc = torch.empty((num_seqs, num_heads, splits, head_dim), dtype=torch.float32,
-                                   device=q.device)
-            part_max = torch.empty((num_seqs, num_heads, splits), dtype=torch.float32,
-                                   device=q.device)
+            part_acc = torch.empty(
+                (num_seqs, num_heads, splits, head_dim), dtype=torch.float32, device=q.device
+            )
+            part_max = torch.empty(
+                (num_seqs, num_heads, splits), dtype=torch.float32, device=q.device
+            )
             part_sum = torch.empty_like(part_max)
         else:
             part_acc = part_max = part_sum = out  # unused by the NUM_SPLITS == 1 branch
         _decode_kernel[(num_seqs, num_kv_heads, splits)](
-            out, q, k_cache, v_cache, block_tables, *common,
-            part_acc, part_max, part_sum, scale_log2, *strides, block_size,
-            GROUP=group, BLOCK_G=max(_MIN_DOT, triton.next_power_of_2(group)),
-            HEAD_DIM=head_dim, BLOCK_N=block_n, NUM_SPLITS=splits,
-            DOT_FP32=_interpreted(), num_warps=4,
+            out,
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            *common,
+            part_acc,
+            part_max,
+            part_sum,
+            scale_log2,
+            *strides,
+            block_size,
+            GROUP=group,
+            BLOCK_G=max(_MIN_DOT, triton.next_power_of_2(group)),
+            HEAD_DIM=head_dim,
+            BLOCK_N=block_n,
+            NUM_SPLITS=splits,
+            DOT_FP32=_interpreted(),
+            num_warps=4,
         )
         if splits > 1:
             _decode_reduce_kernel[(num_seqs, num_heads)](
-                out, meta.query_start_loc, part_acc, part_max, part_sum,
-                out.stride(0), out.stride(1), HEAD_DIM=head_dim, NUM_SPLITS=splits,
+                out,
+                meta.query_start_loc,
+                part_acc,
+                part_max,
+                part_sum,
+                out.stride(0),
+                out.stride(1),
+                HEAD_DIM=head_dim,
+                NUM_SPLITS=splits,
             )
         return out
 
@@ -321,8 +430,20 @@ def paged_attention_triton(
     block_n = 32 if head_dim > 64 else 64
     grid = (triton.cdiv(meta.max_query_len, block_m), meta.num_seqs, num_heads)
     _varlen_kernel[grid](
-        out, q, k_cache, v_cache, block_tables, *common, scale_log2, *strides, block_size,
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, DOT_FP32=_interpreted(),
+        out,
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        *common,
+        scale_log2,
+        *strides,
+        block_size,
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        DOT_FP32=_interpreted(),
         num_warps=4 if head_dim <= 64 else 8,
     )
     return out

@@ -78,6 +78,7 @@ class Heartbeater(threading.Thread):
         self.context = context
         self.make_heartbeat = make_heartbeat
         self.stop_event = threading.Event()
+        self.reregister = threading.Event()  # the router forgot us: the main loop registers again
 
     def run(self) -> None:
         sock = self.context.socket(zmq.DEALER)
@@ -88,6 +89,10 @@ class Heartbeater(threading.Thread):
             while not self.stop_event.wait(protocol.HEARTBEAT_INTERVAL_S):
                 try:
                     sock.send(protocol.encode(self.make_heartbeat()), zmq.NOBLOCK)
+                    while sock.poll(0):
+                        reply = protocol.decode_control(sock.recv())
+                        if isinstance(reply, RegisterAck) and not reply.accepted:
+                            self.reregister.set()
                 except zmq.Again:
                     pass  # router gone for now: the next beat tries again
                 except Exception:  # a stats read racing the engine must not kill heartbeats

@@ -22,6 +22,7 @@ from common.protocol import (
     Generate,
     KVHeader,
     Register,
+    RegisterAck,
     RequestFailed,
     Reserve,
     ReserveReply,
@@ -116,6 +117,9 @@ class DecodeWorker:
 
     def step(self) -> None:
         """Handle commands and arrived KV, then run one engine step (or wait if idle)."""
+        if self.heartbeat.reregister.is_set():  # the router lost us (restart, or declared dead)
+            self.heartbeat.reregister.clear()
+            self.control.send(self.registration())
         idle = not self.engine.has_unfinished()
         for message in self.control.poll(timeout_ms=10 if idle else 0):
             self._handle(message)
@@ -151,6 +155,12 @@ class DecodeWorker:
         elif isinstance(message, Abort):
             self.engine.abort(message.request_id)
             self.reserved_at.pop(message.request_id, None)
+        elif isinstance(message, RegisterAck):
+            if not message.accepted and message.reason != protocol.REREGISTER_REASON:
+                log.error("the router dropped this worker: %s", message.reason)
+                self.running = False
+            elif not message.accepted:
+                self.control.send(self.registration())
         else:
             log.warning("unexpected %s from the router", type(message).__name__)
 

@@ -18,7 +18,7 @@ import zmq
 
 from common import protocol
 from common.engine import Engine
-from common.protocol import Abort, KVHeader, Prefill, Register, RequestFailed
+from common.protocol import Abort, KVHeader, Prefill, Register, RegisterAck, RequestFailed
 from common.worker import ControlConnection, Heartbeater, engine_heartbeat, register
 from kvtransfer import KVSender
 
@@ -94,6 +94,9 @@ class PrefillWorker:
             self.close()
 
     def step(self) -> None:
+        if self.heartbeat.reregister.is_set():  # the router lost us (restart, or declared dead)
+            self.heartbeat.reregister.clear()
+            self.control.send(self.registration())
         idle = not self.engine.has_unfinished() and self.sender.num_pending() == 0
         for message in self.control.poll(timeout_ms=10 if idle else 0):
             self._handle(message)
@@ -128,6 +131,12 @@ class PrefillWorker:
             self.engine.abort(message.request_id)
             if self.jobs.pop(message.request_id, None) is not None:
                 self.sender.abort(message.request_id)
+        elif isinstance(message, RegisterAck):
+            if not message.accepted and message.reason != protocol.REREGISTER_REASON:
+                log.error("the router dropped this worker: %s", message.reason)
+                self.running = False
+            elif not message.accepted:
+                self.control.send(self.registration())
         else:
             log.warning("unexpected %s from the router", type(message).__name__)
 

@@ -268,7 +268,7 @@ class RouterServer:
                 log.exception("handling %s failed", type(msg).__name__)
 
     def on_control_message(self, identity: bytes, msg: msgspec.Struct) -> None:
-        from common.protocol import Heartbeat, Register
+        from common.protocol import REREGISTER_REASON, Heartbeat, Register, RegisterAck
 
         if isinstance(msg, Register):
             self._send_to(identity, self.registry.register(identity, msg))
@@ -281,9 +281,17 @@ class RouterServer:
             worker = self.registry.touch(worker_id)
             if worker is not None:
                 self.dispatcher.on_message(worker, msg)
-        if worker is None and worker_id not in self._warned:
-            self._warned.add(worker_id)
-            log.warning("ignoring %s from unregistered worker %r", type(msg).__name__, worker_id)
+        if worker is None:
+            # A worker we do not know (router restarted, or it was declared dead): ask it to
+            # register again; the reply goes to whichever socket this came from.
+            self._send_to(identity, RegisterAck(accepted=False, reason=REREGISTER_REASON))
+            if worker_id not in self._warned:
+                self._warned.add(worker_id)
+                log.warning(
+                    "%s from unregistered worker %r: asked it to register",
+                    type(msg).__name__,
+                    worker_id,
+                )
 
     # ---- sending --------------------------------------------------------------------------------
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import threading
 import time
 
@@ -234,3 +235,53 @@ def test_bad_requests_get_openai_errors(chat_model_dir, tmp_path):
         # the server still answers after all that
         ok = client(cluster).completions.create(model=model, prompt="Hi", max_tokens=3)
         assert ok.usage.completion_tokens >= 1
+
+
+def test_hung_prefill_worker_requests_move_to_another(chat_model_dir, reference, tmp_path):
+    model = str(chat_model_dir)
+    chat_ref, _ = reference
+    with Cluster(
+        model, tmp_path, prefill=2, decode=1, router_flags=("--local-prefill-max-tokens", "0")
+    ) as cluster:
+        cluster.procs["prefill-0"].send_signal(signal.SIGSTOP)  # hangs: no heartbeats, no work
+        try:
+
+            async def run() -> list[str]:
+                c = openai.AsyncOpenAI(
+                    base_url=cluster.url + "/v1", api_key="x", max_retries=0, timeout=60
+                )
+                rs = await asyncio.gather(
+                    *(
+                        c.chat.completions.create(
+                            model=model,
+                            messages=[{"role": "user", "content": QUESTIONS[i % 3]}],
+                            max_tokens=MAX_TOKENS,
+                            temperature=0,
+                        )
+                        for i in range(6)
+                    )
+                )
+                return [r.choices[0].message.content for r in rs]
+
+            started = time.monotonic()
+            texts = asyncio.run(run())
+            assert texts == [chat_ref[i % 3][0] for i in range(6)]
+            assert time.monotonic() - started < 30
+        finally:
+            cluster.kill("prefill-0")
+        state = cluster.wait_blocks_free(["prefill-1", "decode-0"])
+        assert all(f == t for f, t in state.values()), state
+
+
+def test_workers_reregister_after_router_restart(chat_model_dir, tmp_path):
+    model = str(chat_model_dir)
+    with Cluster(
+        model, tmp_path, prefill=1, decode=1, router_flags=("--local-prefill-max-tokens", "0")
+    ) as cluster:
+        cluster.kill("router")
+        cluster.start_router()
+        cluster.wait_workers(1, 1, timeout_s=30)
+        r = client(cluster).completions.create(
+            model=model, prompt="Hello there", max_tokens=5, temperature=0
+        )
+        assert r.usage.completion_tokens == 5
