@@ -65,6 +65,8 @@ class KVSender:
         self._pending: dict[str, _Transfer] = {}
         self._done: list[TransferResult] = []
         self._ipc_exports: dict[str, cuda_ipc.CudaIpcExport] = {}
+        if shm.remove_stale():
+            log.warning("removed stale KV segments from %s", shm.SHM_DIR)
 
     def send(self, address: str, header: KVHeader, block_ids: list[int], deadline_s: float) -> None:
         """Start pushing kv_cache[:, :, block_ids] to `address`; `deadline_s` is seconds from now.

@@ -15,12 +15,15 @@ import os
 import re
 import secrets
 import tempfile
+import time
 
 SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 PREFIX = "pdserve-kv-"
 # Names arrive from the network: only our own pattern, so a header cannot name another file.
 _NAME = re.compile(r"pdserve-kv-[0-9A-Za-z_-]{1,64}")
 _counter = itertools.count()
+# Transfers live seconds; a segment this old was left by a sender that died mid-transfer.
+STALE_AFTER_S = 600.0
 
 
 class SegmentError(Exception):
@@ -83,3 +86,19 @@ def unlink(name: str) -> None:
         os.unlink(path_of(name))
     except FileNotFoundError:
         pass
+
+
+def remove_stale(max_age_s: float = STALE_AFTER_S) -> int:
+    """Unlink segments left behind by crashed senders (by age: pids mean nothing across the
+    containers that may share /dev/shm); returns how many. Called when a sender starts."""
+    removed, cutoff = 0, time.time() - max_age_s
+    for name in os.listdir(SHM_DIR):
+        if not _NAME.fullmatch(name):
+            continue
+        try:
+            if os.stat(os.path.join(SHM_DIR, name)).st_mtime < cutoff:
+                os.unlink(os.path.join(SHM_DIR, name))
+                removed += 1
+        except FileNotFoundError:
+            pass
+    return removed

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import os
+import time
 
 import pytest
 import torch
@@ -115,3 +116,18 @@ def test_copy_failure_leaves_no_segment(pair, monkeypatch):
     sender.send(receiver.address, make_header(sender.kv_cache, "x", "shm"), SRC_BLOCKS, 5.0)
     [result] = sender.poll()
     assert not result.ok and "copy failed" in result.reason and not own_segments()
+
+
+def test_stale_segments_of_dead_senders_are_removed():
+    stale, fresh = shm.path_of("pdserve-kv-0-stale-test"), shm.path_of("pdserve-kv-0-fresh-test")
+    try:
+        for path in (stale, fresh):
+            with open(path, "wb") as f:
+                f.write(b"x")
+        old = time.time() - shm.STALE_AFTER_S - 60
+        os.utime(stale, (old, old))
+        KVSender(make_cache()).close()
+        assert not os.path.exists(stale) and os.path.exists(fresh)
+    finally:
+        shm.unlink("pdserve-kv-0-stale-test")
+        shm.unlink("pdserve-kv-0-fresh-test")
