@@ -28,7 +28,7 @@ lint: install
 	$(VENV)/bin/ruff check .
 
 serve: pull
-	$(PDSERVE) run-batch -i scripts/demo_batch.jsonl -o -
+	$(PDSERVE) up
 
 bench: pull
 	$(PY) benchmarks/offline_throughput.py

@@ -285,3 +285,40 @@ def test_workers_reregister_after_router_restart(chat_model_dir, tmp_path):
             model=model, prompt="Hello there", max_tokens=5, temperature=0
         )
         assert r.usage.completion_tokens == 5
+
+
+def test_abort_before_prefill_frees_blocks_on_both_workers(chat_model_dir, tmp_path):
+    model = str(chat_model_dir)
+    with Cluster(
+        model, tmp_path, prefill=1, decode=1, router_flags=("--local-prefill-max-tokens", "0")
+    ) as cluster:
+        prefill = cluster.procs["prefill-0"]
+        prefill.send_signal(signal.SIGSTOP)  # the prompt waits in its queue
+        try:
+            body = {
+                "model": model,
+                "prompt": "Tell me about the sea",
+                "max_tokens": 50,
+                "temperature": 0,
+                "stream": True,
+            }
+            with pytest.raises(httpx.ReadTimeout):
+                with httpx.stream(
+                    "POST",
+                    cluster.url + "/v1/completions",
+                    json=body,
+                    timeout=httpx.Timeout(30, read=1.0),
+                ) as r:
+                    for _ in r.iter_lines():
+                        pass
+            # the client is gone: the decode worker's reservation must be released already
+            state = cluster.wait_blocks_free(["decode-0"])
+            assert all(f == t for f, t in state.values()), state
+        finally:
+            prefill.send_signal(signal.SIGCONT)
+        # the prefill worker then finds the Abort behind the Prefill and frees what it took
+        cluster.wait_workers(1, 1, timeout_s=30)
+        state = cluster.wait_blocks_free(["prefill-0", "decode-0"])
+        assert all(f == t for f, t in state.values()), state
+        r = client(cluster).completions.create(model=model, prompt="Hi", max_tokens=3)
+        assert r.usage.completion_tokens >= 1

@@ -1,0 +1,79 @@
+"""`pdserve up`: one command brings up router + workers, prints the URL, and stops them all."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import openai
+
+from tests.e2e.cluster import free_port
+
+
+def children_alive(marker: str) -> list[str]:
+    """Command lines of live processes that carry `marker` (the control port)."""
+    alive = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if marker in cmd and "common.cli" in cmd and state != "Z":
+            alive.append(cmd)
+    return alive
+
+
+def test_up_serves_and_stops_everything(chat_model_dir):
+    port, control = free_port(), free_port()
+    marker = str(control)  # in the command line of up, the router and both workers
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "common.cli",
+            "up",
+            "--model",
+            str(chat_model_dir),
+            "--dtype",
+            "float32",
+            "--port",
+            str(port),
+            "--control-port",
+            str(control),
+            "--prefill",
+            "1",
+            "--decode",
+            "1",
+            "--",
+            "--kv-cache-memory",
+            "64MiB",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=dict(os.environ, PDSERVE_LOCAL_PREFILL_MAX_TOKENS="0"),
+    )
+    try:
+        line = proc.stdout.readline()
+        assert f"http://127.0.0.1:{port}/v1" in line, line
+        assert len(children_alive(marker)) == 4
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+        r = c.chat.completions.create(
+            model=str(chat_model_dir), max_tokens=4, messages=[{"role": "user", "content": "Hi"}]
+        )
+        assert r.usage.completion_tokens >= 1
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    deadline = time.monotonic() + 5
+    while children_alive(marker) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert children_alive(marker) == []
