@@ -107,7 +107,7 @@ def time_transfer(sender: KVSender, address: str, transport: str, ids: list[int]
 
 
 def time_memcpy(cache: torch.Tensor, ids: list[int]) -> float:
-    gathered = cache.index_select(2, torch.tensor(ids))
+    gathered = payload.gather(cache, torch.tensor(ids))
     start = time.perf_counter()
     copy = gathered.clone()
     seconds = time.perf_counter() - start

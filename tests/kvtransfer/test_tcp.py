@@ -104,3 +104,18 @@ def test_crc32_equals_zlib(size, fast, monkeypatch):
     assert payload.crc32(data) == zlib.crc32(data)
     a, b = data[: size // 3], data[size // 3 :]
     assert payload.crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(data)
+
+
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_gather_and_scatter_match_plain_indexing(contiguous):
+    cache = make_cache(torch.bfloat16, seed=3)
+    if not contiguous:  # a cache that is a slice of a bigger one
+        cache = torch.cat([cache, cache], dim=2)[:, :, 4:12]
+        assert not cache.is_contiguous()
+    index = torch.tensor(SRC_BLOCKS)
+    assert torch.equal(payload.gather(cache, index), cache[:, :, SRC_BLOCKS])
+    out = torch.empty_like(cache[:, :, SRC_BLOCKS])
+    assert torch.equal(payload.gather(cache, index, out=out), cache[:, :, SRC_BLOCKS])
+    target = torch.zeros_like(cache)
+    payload.scatter(target, torch.tensor(DST_BLOCKS), out)
+    assert torch.equal(target[:, :, DST_BLOCKS], cache[:, :, SRC_BLOCKS])
