@@ -66,7 +66,7 @@ def cmd_prefill(args: argparse.Namespace) -> int:
         args.worker_id or default_worker_id("prefill"),
         kv_transport=args.kv_transport,
     )
-    _stop_on_signals(worker)
+    worker.stop_on_signals()
     worker.run()
     return 0
 
@@ -84,17 +84,9 @@ def cmd_decode(args: argparse.Namespace) -> int:
         kv_bind=f"tcp://{args.kv_host}:{args.kv_port or '*'}",
         kv_advertise_host=args.kv_advertise_host or None,
     )
-    _stop_on_signals(worker)
+    worker.stop_on_signals()
     worker.run()
     return 0
-
-
-def _stop_on_signals(worker) -> None:
-    def stop(signum, frame):
-        worker.running = False
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
 
 
 def _wait_healthy(url: str, procs: list[subprocess.Popen], timeout_s: float) -> bool:
@@ -113,9 +105,12 @@ def _wait_healthy(url: str, procs: list[subprocess.Popen], timeout_s: float) -> 
 
 
 def _stop_all(procs: list[subprocess.Popen]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()
+    # Everything stops together, router included: a second SIGTERM skips the workers' drain.
+    for _ in range(2):
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+        time.sleep(0.1)
     deadline = time.monotonic() + 10
     for p in procs:
         try:

@@ -1,14 +1,18 @@
-"""What prefill and decode workers share: the control connection to the router and heartbeats.
+"""What prefill and decode workers share: the router connection, heartbeats, the main loop.
 
 Owns the worker's DEALER socket to the router's control socket (register, receive commands, send
-replies and token outputs) and a heartbeat thread with its own socket, so heartbeats keep flowing
-while a long prefill step holds the main thread. Used by prefill/worker.py and decode/worker.py.
+replies and token outputs), a heartbeat thread with its own socket (so heartbeats keep flowing
+while a long prefill step holds the main thread), re-registration when the router forgets the
+worker, and draining: on the first SIGTERM a worker stops taking new work (its heartbeats say so,
+and the router stops dispatching to it), finishes what it has, then exits; a second signal exits
+at once. `WorkerBase` is subclassed by prefill/worker.py and decode/worker.py.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 import threading
 import time
@@ -137,3 +141,112 @@ def register(conn: ControlConnection, message: Register, timeout_s: float = 60.0
                 log.info("registered with %s as %s", conn.router_address, message.worker_id)
                 return
     raise RuntimeError(f"no answer from the router at {conn.router_address}")
+
+
+class WorkerBase:
+    """The loop around one engine: commands in, `step()` work, heartbeats, drain on SIGTERM."""
+
+    role: protocol.Role
+
+    def __init__(
+        self, engine: Engine, router_address: str, worker_id: str, context: zmq.Context | None
+    ) -> None:
+        self.engine = engine
+        self.worker_id = worker_id
+        self.context = context or zmq.Context.instance()
+        self.control = ControlConnection(router_address, worker_id, self.context)
+        self.kv_address = ""
+        self.kv_failures = 0
+        self.running = True
+        self.draining = False
+        self.drain_started = 0.0
+        self.heartbeat = Heartbeater(router_address, worker_id, self.context, self._heartbeat)
+
+    def _heartbeat(self) -> Heartbeat:
+        beat = engine_heartbeat(self.worker_id, self.engine, self.counters)
+        beat.draining = self.draining
+        return beat
+
+    def counters(self) -> dict[str, float]:
+        return {"kv_transfer_failures_total": self.kv_failures}
+
+    def registration(self) -> Register:
+        transports = ["tcp", "shm"]
+        if self.engine.runner.device.type == "cuda":
+            transports.append("cuda_ipc")
+        return Register(
+            version=protocol.PROTOCOL_VERSION,
+            role=self.role,
+            worker_id=self.worker_id,
+            model=str(self.engine.config.model),
+            block_size=self.engine.config.block_size,
+            num_blocks=self.engine.pool.num_blocks,
+            max_model_len=self.engine.max_model_len,
+            dtype=self.engine.config.dtype,
+            host=socket.gethostname(),
+            kv_address=self.kv_address,
+            transports=transports,
+        )
+
+    def stop_on_signals(self) -> None:
+        """First SIGTERM/SIGINT: drain; second: stop now."""
+
+        def on_signal(signum, frame):
+            if self.draining:
+                self.running = False
+            else:
+                log.info("draining: finishing in-flight requests, taking no new ones")
+                self.draining = True
+                self.drain_started = time.monotonic()
+
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+
+    def run(self) -> None:
+        register(self.control, self.registration())
+        self.heartbeat.start()
+        try:
+            while self.running and not self._drained():
+                if self.heartbeat.reregister.is_set():  # router restarted or declared us dead
+                    self.heartbeat.reregister.clear()
+                    self.control.send(self.registration())
+                for message in self.control.poll(timeout_ms=10 if self.is_idle() else 0):
+                    self._dispatch(message)
+                self.step()
+        finally:
+            self.close()
+
+    def _drained(self) -> bool:
+        # Work sent before the router saw a draining heartbeat may still arrive: wait a grace.
+        grace_s = 2.5 * protocol.HEARTBEAT_INTERVAL_S
+        return self.draining and self.is_idle() and time.monotonic() - self.drain_started > grace_s
+
+    def _dispatch(self, message: protocol.ControlMessage) -> None:
+        if isinstance(message, RegisterAck):
+            if not message.accepted and message.reason != protocol.REREGISTER_REASON:
+                log.error("the router dropped this worker: %s", message.reason)
+                self.running = False
+            elif not message.accepted:
+                self.control.send(self.registration())
+        elif isinstance(message, protocol.Abort):
+            self.abort(message.request_id)
+        else:
+            self.handle(message)
+
+    def handle(self, message: protocol.ControlMessage) -> None:
+        """One router command (not Abort or RegisterAck, handled above)."""
+        raise NotImplementedError
+
+    def abort(self, request_id: str) -> None:
+        raise NotImplementedError
+
+    def step(self) -> None:
+        """Transfers and one engine step; called in a loop."""
+        raise NotImplementedError
+
+    def is_idle(self) -> bool:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        self.heartbeat.stop()
+        self.control.close()

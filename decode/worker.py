@@ -10,7 +10,6 @@ Started by `pdserve decode` (and `pdserve up`).
 from __future__ import annotations
 
 import logging
-import socket
 import time
 
 import zmq
@@ -18,17 +17,14 @@ import zmq
 from common import protocol
 from common.engine import Engine, RequestOutput
 from common.protocol import (
-    Abort,
     Generate,
     KVHeader,
-    Register,
-    RegisterAck,
     RequestFailed,
     Reserve,
     ReserveReply,
     TokenOutput,
 )
-from common.worker import ControlConnection, Heartbeater, engine_heartbeat, register
+from common.worker import WorkerBase
 from kvtransfer import KVReceiver
 
 log = logging.getLogger(__name__)
@@ -49,8 +45,10 @@ def token_output(out: RequestOutput) -> TokenOutput:
     )
 
 
-class DecodeWorker:
+class DecodeWorker(WorkerBase):
     """One engine, one control connection, one KV receiver; `run` loops until stopped."""
+
+    role = "decode"
 
     def __init__(
         self,
@@ -61,10 +59,7 @@ class DecodeWorker:
         kv_advertise_host: str | None = None,
         context: zmq.Context | None = None,
     ) -> None:
-        self.engine = engine
-        self.worker_id = worker_id
-        self.context = context or zmq.Context.instance()
-        self.control = ControlConnection(router_address, worker_id, self.context)
+        super().__init__(engine, router_address, worker_id, context)
         self.receiver = KVReceiver(engine.runner.kv_cache, bind=kv_bind, context=self.context)
         address = self.receiver.address
         if kv_advertise_host:
@@ -72,57 +67,19 @@ class DecodeWorker:
             address = f"tcp://{kv_advertise_host}:{port}"
         self.kv_address = address
         self.reserved_at: dict[str, float] = {}
-        self.kv_failures = 0
         self.kv_bytes = 0
-        self.running = True
-        self.heartbeat = Heartbeater(
-            router_address,
-            worker_id,
-            self.context,
-            lambda: engine_heartbeat(worker_id, engine, self._counters),
-        )
 
-    def _counters(self) -> dict[str, float]:
+    def counters(self) -> dict[str, float]:
         return {
             "kv_transfer_failures_total": self.kv_failures,
             "kv_transfer_received_bytes_total": self.kv_bytes,
         }
 
-    def registration(self) -> Register:
-        transports = ["tcp", "shm"]
-        if self.engine.runner.device.type == "cuda":
-            transports.append("cuda_ipc")
-        return Register(
-            version=protocol.PROTOCOL_VERSION,
-            role="decode",
-            worker_id=self.worker_id,
-            model=str(self.engine.config.model),
-            block_size=self.engine.config.block_size,
-            num_blocks=self.engine.pool.num_blocks,
-            max_model_len=self.engine.max_model_len,
-            dtype=self.engine.config.dtype,
-            host=socket.gethostname(),
-            kv_address=self.kv_address,
-            transports=transports,
-        )
-
-    def run(self) -> None:
-        register(self.control, self.registration())
-        self.heartbeat.start()
-        try:
-            while self.running:
-                self.step()
-        finally:
-            self.close()
+    def is_idle(self) -> bool:
+        return not self.engine.has_unfinished() and not self.engine.reserved
 
     def step(self) -> None:
-        """Handle commands and arrived KV, then run one engine step (or wait if idle)."""
-        if self.heartbeat.reregister.is_set():  # the router lost us (restart, or declared dead)
-            self.heartbeat.reregister.clear()
-            self.control.send(self.registration())
-        idle = not self.engine.has_unfinished()
-        for message in self.control.poll(timeout_ms=10 if idle else 0):
-            self._handle(message)
+        """Write arrived KV, drop overdue reservations, run one engine step."""
         for received in self.receiver.poll(self._resolve):
             self._on_kv(received.header, received.ok, received.reason)
         self._expire_reservations()
@@ -130,8 +87,15 @@ class DecodeWorker:
             for out in self.engine.step():
                 self.control.send(token_output(out))
 
-    def _handle(self, message: protocol.ControlMessage) -> None:
+    def abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+        self.reserved_at.pop(request_id, None)
+
+    def handle(self, message: protocol.ControlMessage) -> None:
         if isinstance(message, Reserve):
+            if self.draining:  # the router then asks another decode worker
+                self.control.send(ReserveReply(message.request_id, ok=False, reason="draining"))
+                return
             try:
                 cached = self.engine.reserve(
                     message.request_id, message.prompt_token_ids, message.params
@@ -152,15 +116,6 @@ class DecodeWorker:
                 )
             except ValueError as exc:
                 self.control.send(RequestFailed(message.request_id, "decode", str(exc)))
-        elif isinstance(message, Abort):
-            self.engine.abort(message.request_id)
-            self.reserved_at.pop(message.request_id, None)
-        elif isinstance(message, RegisterAck):
-            if not message.accepted and message.reason != protocol.REREGISTER_REASON:
-                log.error("the router dropped this worker: %s", message.reason)
-                self.running = False
-            elif not message.accepted:
-                self.control.send(self.registration())
         else:
             log.warning("unexpected %s from the router", type(message).__name__)
 
@@ -199,6 +154,5 @@ class DecodeWorker:
                     self.control.send(RequestFailed(rid, "transfer", "KV did not arrive in time"))
 
     def close(self) -> None:
-        self.heartbeat.stop()
+        super().close()
         self.receiver.close()
-        self.control.close()

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import socket
 import time
 from dataclasses import dataclass
 
@@ -18,8 +17,8 @@ import zmq
 
 from common import protocol
 from common.engine import Engine
-from common.protocol import Abort, KVHeader, Prefill, Register, RegisterAck, RequestFailed
-from common.worker import ControlConnection, Heartbeater, engine_heartbeat, register
+from common.protocol import KVHeader, Prefill, RequestFailed
+from common.worker import WorkerBase
 from kvtransfer import KVSender
 
 log = logging.getLogger(__name__)
@@ -31,8 +30,10 @@ class _Job:
     received_at: float
 
 
-class PrefillWorker:
+class PrefillWorker(WorkerBase):
     """One engine, one control connection, one KV sender; `run` loops until stopped."""
+
+    role = "prefill"
 
     def __init__(
         self,
@@ -42,64 +43,25 @@ class PrefillWorker:
         context: zmq.Context | None = None,
         kv_transport: str = "auto",
     ) -> None:
-        self.engine = engine
+        super().__init__(engine, router_address, worker_id, context)
         self.kv_transport = kv_transport  # anything but auto overrides the router's choice
-        self.worker_id = worker_id
-        self.context = context or zmq.Context.instance()
-        self.control = ControlConnection(router_address, worker_id, self.context)
         self.sender = KVSender(engine.runner.kv_cache, context=self.context)
         self.jobs: dict[str, _Job] = {}
-        self.kv_failures = 0
         self.kv_bytes = 0
         self.kv_seconds = 0.0
-        self.running = True
-        self.heartbeat = Heartbeater(
-            router_address,
-            worker_id,
-            self.context,
-            lambda: engine_heartbeat(worker_id, engine, self._counters),
-        )
 
-    def _counters(self) -> dict[str, float]:
+    def counters(self) -> dict[str, float]:
         return {
             "kv_transfer_failures_total": self.kv_failures,
             "kv_transfer_bytes_total": self.kv_bytes,
             "kv_transfer_seconds_total": self.kv_seconds,
         }
 
-    def registration(self) -> Register:
-        transports = ["tcp", "shm"]
-        if self.engine.runner.device.type == "cuda":
-            transports.append("cuda_ipc")
-        return Register(
-            version=protocol.PROTOCOL_VERSION,
-            role="prefill",
-            worker_id=self.worker_id,
-            model=str(self.engine.config.model),
-            block_size=self.engine.config.block_size,
-            num_blocks=self.engine.pool.num_blocks,
-            max_model_len=self.engine.max_model_len,
-            dtype=self.engine.config.dtype,
-            host=socket.gethostname(),
-            transports=transports,
-        )
-
-    def run(self) -> None:
-        register(self.control, self.registration())
-        self.heartbeat.start()
-        try:
-            while self.running:
-                self.step()
-        finally:
-            self.close()
+    def is_idle(self) -> bool:
+        return not self.jobs and not self.engine.has_unfinished()
 
     def step(self) -> None:
-        if self.heartbeat.reregister.is_set():  # the router lost us (restart, or declared dead)
-            self.heartbeat.reregister.clear()
-            self.control.send(self.registration())
-        idle = not self.engine.has_unfinished() and self.sender.num_pending() == 0
-        for message in self.control.poll(timeout_ms=10 if idle else 0):
-            self._handle(message)
+        """One engine step; push the KV of finished prompts; settle finished transfers."""
         if self.engine.has_unfinished():
             for out in self.engine.step():
                 if out.finished:
@@ -114,7 +76,7 @@ class PrefillWorker:
                 self.kv_failures += 1
                 self.control.send(RequestFailed(result.request_id, "transfer", result.reason))
 
-    def _handle(self, message: protocol.ControlMessage) -> None:
+    def handle(self, message: protocol.ControlMessage) -> None:
         if isinstance(message, Prefill):
             params = dataclasses.replace(
                 message.params, max_tokens=1, min_tokens=min(message.params.min_tokens, 1)
@@ -127,18 +89,13 @@ class PrefillWorker:
                 self.control.send(RequestFailed(message.request_id, "prefill", str(exc)))
                 return
             self.jobs[message.request_id] = _Job(message, time.monotonic())
-        elif isinstance(message, Abort):
-            self.engine.abort(message.request_id)
-            if self.jobs.pop(message.request_id, None) is not None:
-                self.sender.abort(message.request_id)
-        elif isinstance(message, RegisterAck):
-            if not message.accepted and message.reason != protocol.REREGISTER_REASON:
-                log.error("the router dropped this worker: %s", message.reason)
-                self.running = False
-            elif not message.accepted:
-                self.control.send(self.registration())
         else:
             log.warning("unexpected %s from the router", type(message).__name__)
+
+    def abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+        if self.jobs.pop(request_id, None) is not None:
+            self.sender.abort(request_id)
 
     def _send_kv(self, request_id: str) -> None:
         job = self.jobs.get(request_id)
@@ -178,6 +135,5 @@ class PrefillWorker:
             self.control.send(RequestFailed(request_id, "transfer", str(exc)))
 
     def close(self) -> None:
-        self.heartbeat.stop()
+        super().close()
         self.sender.close()
-        self.control.close()

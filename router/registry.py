@@ -158,7 +158,12 @@ class Registry:
         return self.workers.get(worker_id)
 
     def live(self, role: Role) -> list[Worker]:
-        return [w for w in self.workers.values() if w.role == role]
+        """Workers of `role` that take new work (a draining worker only finishes what it has)."""
+        return [
+            w
+            for w in self.workers.values()
+            if w.role == role and not (w.heartbeat is not None and w.heartbeat.draining)
+        ]
 
     def max_model_len(self) -> int | None:
         """The longest prompt + output every live worker can hold; None with no workers."""

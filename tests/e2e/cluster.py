@@ -115,6 +115,10 @@ class Cluster:
         for proc in self.procs.values():
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
+        time.sleep(0.1)
+        for proc in self.procs.values():  # a second SIGTERM: workers skip draining
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
         for proc in self.procs.values():
             try:
                 proc.wait(timeout=10)

@@ -322,3 +322,50 @@ def test_abort_before_prefill_frees_blocks_on_both_workers(chat_model_dir, tmp_p
         assert all(f == t for f, t in state.values()), state
         r = client(cluster).completions.create(model=model, prompt="Hi", max_tokens=3)
         assert r.usage.completion_tokens >= 1
+
+
+def test_scale_out_and_drain_without_losing_requests(chat_model_dir, tmp_path):
+    """What scripts/scale.sh does to compose, with processes: add workers, then remove one."""
+    model = str(chat_model_dir)
+    with Cluster(
+        model, tmp_path, prefill=1, decode=1, router_flags=("--local-prefill-max-tokens", "0")
+    ) as cluster:
+        cluster.start_worker("decode", "decode-1")
+        cluster.start_worker("prefill", "prefill-1")
+        cluster.wait_workers(2, 2, timeout_s=60)
+
+        def queries(worker: str) -> float:
+            return cluster.worker_gauge("prefix_cache_queries_total", worker) or 0.0
+
+        async def burst(n: int, max_tokens: int) -> list[int]:
+            c = openai.AsyncOpenAI(
+                base_url=cluster.url + "/v1", api_key="x", max_retries=0, timeout=120
+            )
+            rs = await asyncio.gather(
+                *(
+                    c.completions.create(
+                        model=model,
+                        prompt=f"Request number {i} says",
+                        max_tokens=max_tokens,
+                        temperature=0,
+                        extra_body={"ignore_eos": True},
+                    )
+                    for i in range(n)
+                )
+            )
+            return [r.usage.completion_tokens for r in rs]
+
+        assert asyncio.run(burst(8, 8)) == [8] * 8
+        time.sleep(1.5)  # next heartbeat carries the counters
+        assert all(queries(w) > 0 for w in ("decode-0", "decode-1", "prefill-0", "prefill-1"))
+
+        # remove a decode worker while requests run on it: it drains, nothing is lost
+        results: list[list[int]] = []
+        runner = threading.Thread(target=lambda: results.append(asyncio.run(burst(8, 400))))
+        runner.start()
+        time.sleep(1.0)
+        cluster.procs["decode-1"].send_signal(signal.SIGTERM)
+        runner.join(120)
+        assert results == [[400] * 8]
+        assert cluster.procs["decode-1"].wait(timeout=30) == 0  # exits by itself once drained
+        assert asyncio.run(burst(4, 4)) == [4] * 4  # the rest keep serving
