@@ -1,0 +1,176 @@
+"""The decode worker against a real ZeroMQ control socket and real KV transfers.
+
+The test plays the router (a ROUTER socket speaking the real protocol) and the prefill side (an
+in-process prefill engine with a real KVSender, or hand-made frames for the fault cases).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+import zlib
+
+import msgspec
+import pytest
+import zmq
+
+from common import protocol
+from common.protocol import (
+    Abort,
+    KVHeader,
+    RegisterAck,
+    RequestFailed,
+    Reserve,
+    ReserveReply,
+    TokenOutput,
+)
+from decode.worker import DecodeWorker
+from kvtransfer import KVSender, kv_layout
+from tests.common.test_engine import GREEDY, make_engine, prompts
+
+
+class FakeRouter:
+    """The router's control socket, driven by the test."""
+
+    def __init__(self, ctx: zmq.Context) -> None:
+        self.sock = ctx.socket(zmq.ROUTER)
+        self.sock.bind("tcp://127.0.0.1:*")
+        self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.worker_identity = b""
+
+    def recv(self, kind: type, timeout_s: float = 20.0):
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not self.sock.poll(100):
+                continue
+            identity, frame = self.sock.recv_multipart()
+            msg = protocol.decode_control(frame)
+            if isinstance(msg, protocol.Register):
+                self.worker_identity = identity
+                self.send(RegisterAck(accepted=True))
+            if isinstance(msg, kind):
+                return msg
+        raise TimeoutError(f"no {kind.__name__} from the worker")
+
+    def send(self, msg) -> None:
+        self.sock.send_multipart([self.worker_identity, protocol.encode(msg)])
+
+
+@pytest.fixture()
+def cluster(tiny_llama):
+    hf_model, _ = tiny_llama
+    ctx = zmq.Context()
+    router = FakeRouter(ctx)
+    decode_engine = make_engine(hf_model)
+    worker = DecodeWorker(
+        decode_engine, router.address, "decode-t", "tcp://127.0.0.1:*", context=ctx
+    )
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    router.recv(protocol.Register)
+    prefill_engine = make_engine(hf_model)
+    sender = KVSender(prefill_engine.runner.kv_cache, context=ctx)
+    yield router, worker, prefill_engine, sender
+    worker.running = False
+    thread.join(10)
+    sender.close()
+    router.sock.close(0)
+    ctx.term()
+
+
+def prefill(engine, rid: str, prompt: list[int]):
+    engine.add_request(rid, prompt, dataclasses.replace(GREEDY, max_tokens=1), hold_blocks=True)
+    while rid not in engine.held:
+        engine.step()
+    return engine.held[rid]
+
+
+def header_for(engine, rid: str, seq, transport: str = "tcp") -> KVHeader:
+    return KVHeader(
+        request_id=rid,
+        start_block=0,
+        num_blocks=len(seq.block_table),
+        **kv_layout(engine.runner.kv_cache),
+        nbytes=0,
+        checksum=0,
+        transport=transport,
+        first_token_id=seq.output_token_ids[0],
+    )
+
+
+def reserve(router: FakeRouter, rid: str, prompt: list[int]) -> None:
+    router.send(Reserve(request_id=rid, prompt_token_ids=prompt, params=GREEDY))
+    reply = router.recv(ReserveReply)
+    assert reply.request_id == rid and reply.ok
+
+
+def wait_free(engine, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while engine.pool.num_free != engine.pool.num_blocks and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert engine.pool.num_free == engine.pool.num_blocks
+
+
+def test_corrupt_frame_fails_that_request_and_worker_keeps_serving(cluster, tiny_llama):
+    router, worker, prefill_engine, sender = cluster
+    bad, good = prompts(2, seed=9, lengths=(20, 27))
+    # 1. a corrupted KV frame, sent by hand: checksum off by one
+    reserve(router, "bad", bad)
+    seq = prefill(prefill_engine, "bad", bad)
+    payload = prefill_engine.runner.kv_cache[:, :, seq.block_table].contiguous()
+    raw = payload.numpy().tobytes()  # float32 cache
+    head = msgspec.structs.replace(
+        header_for(prefill_engine, "bad", seq),
+        nbytes=len(raw),
+        checksum=(zlib.crc32(raw) + 1) & 0xFFFFFFFF,
+    )
+    dealer = router.sock.context.socket(zmq.DEALER)
+    dealer.connect(worker.kv_address)
+    dealer.send_multipart([protocol.encode(head), raw])
+    assert dealer.poll(10_000)
+    ack = protocol.decode_kv(dealer.recv_multipart()[0])
+    assert not ack.ok and "checksum" in ack.reason
+    failed = router.recv(RequestFailed)
+    assert (failed.request_id, failed.stage) == ("bad", "transfer")
+    prefill_engine.release("bad")
+    dealer.close(0)
+    wait_free(worker.engine)
+    # 2. the next request goes through and decodes the same tokens as one engine alone
+    reserve(router, "good", good)
+    seq = prefill(prefill_engine, "good", good)
+    sender.send(worker.kv_address, header_for(prefill_engine, "good", seq), seq.block_table, 10.0)
+    tokens: list[int] = []
+    while True:
+        out = router.recv(TokenOutput)
+        tokens += out.token_ids
+        if out.finished:
+            break
+    expected = make_engine(tiny_llama[0]).generate([good], GREEDY)[0].output_token_ids
+    assert tokens == expected
+    results = []
+    while not results:
+        results = sender.poll()
+    assert results[0].ok
+    prefill_engine.release("good")
+    wait_free(worker.engine)
+    wait_free(prefill_engine)
+
+
+def test_abort_during_transfer_frees_both_sides(cluster):
+    router, worker, prefill_engine, sender = cluster
+    p = prompts(1, seed=10, lengths=(33,))[0]
+    reserve(router, "gone", p)
+    seq = prefill(prefill_engine, "gone", p)
+    router.send(Abort(request_id="gone"))  # the client left while the KV is on its way
+    time.sleep(0.3)
+    sender.send(worker.kv_address, header_for(prefill_engine, "gone", seq), seq.block_table, 10.0)
+    results = []
+    deadline = time.monotonic() + 10
+    while not results and time.monotonic() < deadline:
+        results = sender.poll()
+        time.sleep(0.02)
+    assert results and not results[0].ok  # refused: the reservation is gone
+    prefill_engine.release("gone")
+    wait_free(worker.engine)
+    wait_free(prefill_engine)
