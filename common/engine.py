@@ -94,17 +94,23 @@ class Engine:
 
         With `hold_blocks` the finished sequence keeps its KV blocks (see `held`) until `release`.
         """
+        seq = self._new_sequence(request_id, prompt_token_ids, params)
+        seq.hold_blocks = hold_blocks
+        self.seqs[request_id] = seq
+        self.scheduler.add(seq)
+
+    def _new_sequence(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> Sequence:
+        """A validated new sequence (ValueError naming the problem otherwise)."""
         self._check_new(request_id, prompt_token_ids, params)
-        seq = Sequence(
+        return Sequence(
             request_id=request_id,
             token_ids=list(prompt_token_ids),
             num_prompt_tokens=len(prompt_token_ids),
             params=params,
             generator=make_generator(params),
-            hold_blocks=hold_blocks,
         )
-        self.seqs[request_id] = seq
-        self.scheduler.add(seq)
 
     def _check_new(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
@@ -152,14 +158,7 @@ class Engine:
         Returns how many leading prompt tokens this engine already holds (prefix-cache hit, a
         multiple of the block size): the sender need not send those blocks.
         """
-        self._check_new(request_id, prompt_token_ids, params)
-        seq = Sequence(
-            request_id=request_id,
-            token_ids=list(prompt_token_ids),
-            num_prompt_tokens=len(prompt_token_ids),
-            params=params,
-            generator=make_generator(params),
-        )
+        seq = self._new_sequence(request_id, prompt_token_ids, params)
         cached = self.block_manager.match_prefix(seq)
         # room for the prompt and the first token, plus the running sequences' next tokens
         if not self.block_manager.ensure_slots(seq, seq.num_tokens + 1):
