@@ -7,7 +7,9 @@ source blocks into scattered destination blocks) to a `KVReceiver` in a separate
 scatter, the ack). The baseline is a plain memory copy of the same bytes, `clone()` of the
 gathered tensor, timed right before each transfer (so both see the same load on a shared
 machine). Medians over `--repeats` after one warm-up transfer; % of memcpy is the median copy
-time over the median transfer time.
+time over the median transfer time. The warm-up also creates the sender's pooled shm segment and
+the receiver's mapping of it, so the timed transfers are the steady state of a running server
+(a first transfer of a new size pays for creating and faulting in the segment, like the clone).
 
     python benchmarks/kv_transfer.py [--tokens 1024,8192] [--dtypes bfloat16,float32]
         [--transports shm,tcp] [--repeats 5] [--json PATH]

@@ -7,12 +7,16 @@ checks out: layout and dtype, sizes, destination blocks, checksum. Whatever happ
 gets a `KVAck` and the worker a `ReceivedKV`; a frame too broken to name its request is dropped.
 Nothing a peer sends can raise out of `poll`.
 
-Socket: a ROUTER bound at `bind`; senders (`kvtransfer.sender`) connect DEALERs.
+Socket: a ROUTER bound at `bind`; senders (`kvtransfer.sender`) connect DEALERs. shm segments
+stay mapped between transfers (`shm.SegmentCache`, at most `shm_cache_segments`): a sender reuses
+its segments, and a mapping is dropped once its file is unlinked.
 """
 
 from __future__ import annotations
 
 import logging
+import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -27,6 +31,7 @@ log = logging.getLogger(__name__)
 
 MAX_HEADER_BYTES = 1 << 20  # a header is a few hundred bytes; anything this big is garbage
 MAX_MESSAGES_PER_POLL = 64  # keep one poll short even under a flood
+SHM_SWEEP_EVERY_S = 1.0  # how often to drop the mappings of segments their senders unlinked
 
 
 @dataclass
@@ -50,6 +55,7 @@ class KVReceiver:
         kv_cache: torch.Tensor,
         bind: str = "tcp://127.0.0.1:*",
         context: zmq.Context | None = None,
+        shm_cache_segments: int = shm.CACHE_SEGMENTS,
     ) -> None:
         payload.kv_layout(kv_cache)  # asserts the cache layout
         self.kv_cache = kv_cache
@@ -63,11 +69,17 @@ class KVReceiver:
         self.socket.bind(bind)
         self.address: str = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self._ipc = cuda_ipc.CudaIpcImporter()
+        self.segments = shm.SegmentCache(shm_cache_segments)
+        self._last_sweep = 0.0
 
     def poll(
         self, resolve: Callable[[KVHeader], list[int] | None], timeout_ms: int = 0
     ) -> list[ReceivedKV]:
         """Handle the transfers that have arrived (waiting up to timeout_ms for the first)."""
+        now = time.monotonic()
+        if now - self._last_sweep >= SHM_SWEEP_EVERY_S:
+            self.segments.sweep()
+            self._last_sweep = now
         if timeout_ms > 0 and not self.socket.poll(timeout_ms):
             return []
         received = []
@@ -100,7 +112,8 @@ class KVReceiver:
         except _Refused as exc:
             reason = str(exc)
         except Exception as exc:  # a bug or a broken resolve must not take the receiver down
-            log.exception("kv transfer of %s failed", header.request_id)
+            # The traceback as text: a record holding the frames would keep a segment mapped.
+            log.error("kv transfer of %s failed:\n%s", header.request_id, traceback.format_exc())
             reason = f"receiver error: {exc}"
         if reason:
             log.warning("refused kv of %s: %s", header.request_id, reason)
@@ -136,14 +149,11 @@ class KVReceiver:
                 self._write(header, b"", self._destination(header, resolve))
                 return
             try:
-                segment = shm.open_readonly(header.shm_name, header.nbytes)
+                segment = self.segments.map(header.shm_name, header.nbytes)
             except shm.SegmentError as exc:
                 raise _Refused(str(exc)) from None
-            try:
-                dst = self._destination(header, resolve)
-                self._write(header, segment, dst)
-            finally:
-                shm.close_quietly(segment)
+            dst = self._destination(header, resolve)
+            self._write(header, memoryview(segment)[: header.nbytes], dst)
         elif header.transport == "cuda_ipc":
             if frames:
                 raise _Refused("cuda_ipc transfer with a payload frame")
@@ -180,5 +190,6 @@ class KVReceiver:
     def close(self) -> None:
         self.socket.close(linger=0)
         self._ipc.close()
+        self.segments.close()
         if self._own_context:
             self.context.term()

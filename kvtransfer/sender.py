@@ -8,8 +8,9 @@ the worker keeps the blocks pinned; after it, it may release them whatever the o
 One DEALER socket per decode worker address, created on first use. Transports:
 - tcp: frames [encode(header), payload]; the payload is the gathered blocks, sent zero-copy and
   held until the transfer ends.
-- shm: the payload goes into a new shared-memory segment (`kvtransfer.shm`) and only the header
-  travels; the segment is unlinked when the transfer ends.
+- shm: the payload is gathered straight into a shared-memory segment from the sender's pool
+  (`kvtransfer.shm`) and only the header travels; when the receiver replies the segment goes
+  back to the pool, still mapped; after a deadline, abort or failed send it is unlinked.
 - cuda_ipc: the cache is exported once per peer (`kvtransfer.cuda_ipc`); the header names the
   source blocks and the peer copies them on its GPU.
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
+import traceback
 from dataclasses import dataclass
 
 import torch
@@ -50,13 +52,19 @@ class _Transfer:
     started: float
     deadline: float
     payload: torch.Tensor | None = None  # tcp: what zmq may still be reading
-    shm_name: str = ""  # shm: the segment we own until the transfer ends
+    segment: shm.Segment | None = None  # shm: lent by the pool until the transfer ends
 
 
 class KVSender:
-    """Sends the KV of block lists to decode workers; single-threaded, never blocks on a peer."""
+    """Sends the KV of block lists to decode workers; single-threaded, never blocks on a peer.
+    `shm_pool_bytes` caps the shm segments kept mapped for reuse (`shm.SegmentPool`)."""
 
-    def __init__(self, kv_cache: torch.Tensor, context: zmq.Context | None = None) -> None:
+    def __init__(
+        self,
+        kv_cache: torch.Tensor,
+        context: zmq.Context | None = None,
+        shm_pool_bytes: int = shm.POOL_BYTES,
+    ) -> None:
         payload.kv_layout(kv_cache)  # asserts the cache layout
         self.kv_cache = kv_cache
         self._own_context = context is None
@@ -65,6 +73,7 @@ class KVSender:
         self._pending: dict[str, _Transfer] = {}
         self._done: list[TransferResult] = []
         self._ipc_exports: dict[str, cuda_ipc.CudaIpcExport] = {}
+        self.segments = shm.SegmentPool(shm_pool_bytes)
         if shm.remove_stale():
             log.warning("removed stale KV segments from %s", shm.SHM_DIR)
 
@@ -97,7 +106,8 @@ class KVSender:
         except (zmq.ZMQError, OSError, cuda_ipc.CudaIpcError) as exc:
             self._finish(rid, False, f"send failed: {exc}")
         except Exception as exc:  # still exactly one result, and no segment left behind
-            log.exception("kv send of %s failed", rid)
+            # The traceback as text: a record holding the frames would keep the segment mapped.
+            log.error("kv send of %s failed:\n%s", rid, traceback.format_exc())
             self._finish(rid, False, f"send failed: {exc}")
 
     def _prepare(self, transfer: _Transfer, index: torch.Tensor, block_ids: list[int]) -> list:
@@ -114,14 +124,11 @@ class KVSender:
         if header.transport == "shm":
             header.shm_name = ""
             if header.nbytes:
-                transfer.shm_name = shm.new_name()
-                segment = shm.create(transfer.shm_name, header.nbytes)
-                try:
-                    payload.gather(self.kv_cache, index, out=payload.from_bytes(segment, header))
-                    header.checksum = payload.crc32(segment)
-                finally:
-                    shm.close_quietly(segment)
-                header.shm_name = transfer.shm_name
+                transfer.segment = self.segments.acquire(header.nbytes)
+                data = memoryview(transfer.segment.mapping)[: header.nbytes]
+                payload.gather(self.kv_cache, index, out=payload.from_bytes(data, header))
+                header.checksum = payload.crc32(data)
+                header.shm_name = transfer.segment.name
             return []
         if self.kv_cache.is_cuda:
             # The peer reads our memory directly: the prefill that wrote it must have finished.
@@ -174,7 +181,7 @@ class KVSender:
         transfer = self._pending.get(ack.request_id)
         if transfer is None or transfer.address != address:
             return  # a late ack for a transfer that already ended (deadline or abort)
-        self._finish(ack.request_id, ack.ok, ack.reason)
+        self._finish(ack.request_id, ack.ok, ack.reason, replied=True)
 
     def abort(self, request_id: str) -> None:
         """End a transfer now (result 'aborted' on the next poll); unknown ids are ignored."""
@@ -184,10 +191,14 @@ class KVSender:
     def num_pending(self) -> int:
         return len(self._pending)
 
-    def _finish(self, request_id: str, ok: bool, reason: str) -> None:
+    def _finish(self, request_id: str, ok: bool, reason: str, replied: bool = False) -> None:
         transfer = self._pending.pop(request_id)
-        if transfer.shm_name:
-            shm.unlink(transfer.shm_name)
+        if transfer.segment is not None:
+            # Only a reply proves the receiver is done reading: else it may be reading still.
+            if replied:
+                self.segments.release(transfer.segment)
+            else:
+                self.segments.discard(transfer.segment)
         seconds = time.monotonic() - transfer.started
         self._done.append(TransferResult(request_id, ok, reason, transfer.header.nbytes, seconds))
         if not ok and reason in ("deadline", "aborted"):
@@ -203,10 +214,9 @@ class KVSender:
             socket.close(linger=0)
 
     def close(self) -> None:
-        """Unlink every segment still owned and close the sockets; pending transfers just end."""
-        for transfer in self._pending.values():
-            if transfer.shm_name:
-                shm.unlink(transfer.shm_name)
+        """Unlink every segment, pooled or lent, and close the sockets; pending transfers just
+        end."""
+        self.segments.close()
         self._pending.clear()
         for socket in self._peers.values():
             socket.close(linger=0)

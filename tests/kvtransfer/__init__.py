@@ -103,6 +103,17 @@ def own_segments() -> set[str]:
     return {name for name in os.listdir(shm.SHM_DIR) if name.startswith(mine)}
 
 
+def mapped_segments() -> set[str]:
+    """Segments this process still maps, unlinked or not (their memory is in use until unmapped);
+    empty where /proc is missing."""
+    try:
+        with open("/proc/self/maps") as f:
+            lines = f.read().splitlines()
+    except FileNotFoundError:
+        return set()
+    return {line.split("/")[-1].split()[0] for line in lines if f"/{shm.PREFIX}" in line}
+
+
 def serve_in_child(conn, dtype: str, device: str, dst: list[int]) -> None:
     """Receiver process (spawn): take one transfer into blocks `dst` of a zeroed cache, then send
     back the outcome and the raw bytes of those blocks (no pickle: raw byte messages)."""
@@ -137,10 +148,10 @@ def run_child_transfer(transport: str, dtype: torch.dtype, device: str = "cpu") 
         expected = sender.kv_cache[:, :, SRC_BLOCKS].cpu().contiguous()
         assert written == bytes(payload.as_bytes(expected))
         assert [(r.ok, r.nbytes) for r in results] == [(True, expected.nbytes)]
-        assert not own_segments()
     finally:
-        sender.close()
+        sender.close()  # the segment stays pooled until here
         process.join(30)
         if process.is_alive():
             process.kill()
+    assert not own_segments()
     assert process.exitcode == 0
