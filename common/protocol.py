@@ -67,8 +67,8 @@ class Heartbeat(msgspec.Struct, tag="heartbeat", forbid_unknown_fields=True):
     num_free_blocks: int
     num_blocks: int
     queued_prefill_tokens: int = 0
-    draining: bool = False  # finishing in-flight work before exiting: send it nothing new
     counters: dict[str, float] = {}  # cumulative stats for /metrics (preemptions, cache hits, ...)
+    draining: bool = False  # finishing in-flight work before exiting: send it nothing new
 
 
 class Reserve(msgspec.Struct, tag="reserve", forbid_unknown_fields=True):
