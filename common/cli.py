@@ -31,6 +31,12 @@ def cmd_router(args: argparse.Namespace) -> int:
     return run_router(args)
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from common.bench import run_bench_command
+
+    return run_bench_command(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pdserve", description="Disaggregated prefill/decode LLM serving."
@@ -68,6 +74,14 @@ def build_parser() -> argparse.ArgumentParser:
     from common.stages import add_stage_parsers
 
     add_stage_parsers(commands)
+
+    bench = commands.add_parser(
+        "bench", help="benchmark an OpenAI-compatible endpoint (latency, throughput, plots)"
+    )
+    from common.bench.command import add_bench_args
+
+    add_bench_args(bench)
+    bench.set_defaults(func=cmd_bench)
 
     return parser
 
