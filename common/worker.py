@@ -210,7 +210,10 @@ class WorkerBase:
                 if self.heartbeat.reregister.is_set():  # router restarted or declared us dead
                     self.heartbeat.reregister.clear()
                     self.control.send(self.registration())
-                for message in self.control.poll(timeout_ms=10 if self.is_idle() else 0):
+                # Nothing to compute (maybe KV or acks in flight): wait briefly instead of spinning,
+                # so a worker waiting for a transfer leaves the cores to the others.
+                wait_ms = 0 if self.engine.has_unfinished() else (10 if self.is_idle() else 2)
+                for message in self.control.poll(timeout_ms=wait_ms):
                     self._dispatch(message)
                 self.step()
         finally:
