@@ -475,7 +475,7 @@ def completion_body(
             {
                 "index": c.index,
                 "text": c.text,
-                "logprobs": _completion_logprobs(request, c, tokenizer),
+                "logprobs": completion_logprobs(request, c, tokenizer),
                 "finish_reason": c.finish_reason,
             }
             for c in choices
@@ -502,7 +502,7 @@ def chat_body(
             {
                 "index": c.index,
                 "message": {"role": "assistant", "content": c.text},
-                "logprobs": _chat_logprobs(request, c, tokenizer),
+                "logprobs": chat_logprobs(request, c, tokenizer),
                 "finish_reason": c.finish_reason,
             }
             for c in choices
@@ -521,9 +521,10 @@ def _token_str(request: GenerationRequest, tokenizer: Tokenizer, token_id: int) 
     return token_text(tokenizer, token_id)
 
 
-def _completion_logprobs(
+def completion_logprobs(
     request: GenerationRequest, c: ChoiceResult, tokenizer: Tokenizer
 ) -> dict[str, list] | None:
+    """A choice's `logprobs` in the /v1/completions format, or None when not asked for."""
     if request.num_top_logprobs is None or c.logprobs is None:
         return None
     tokens, top_logprobs, text_offset, offset = [], [], [], 0
@@ -545,9 +546,10 @@ def _completion_logprobs(
     }
 
 
-def _chat_logprobs(
+def chat_logprobs(
     request: GenerationRequest, c: ChoiceResult, tokenizer: Tokenizer
 ) -> dict[str, list] | None:
+    """A choice's `logprobs` in the /v1/chat/completions format, or None when not asked for."""
     if request.num_top_logprobs is None or c.logprobs is None:
         return None
 

@@ -20,8 +20,8 @@ from common.openai_protocol import (
     ChoiceResult,
     GenerationRequest,
     RequestError,
-    _chat_logprobs,
-    _completion_logprobs,
+    chat_logprobs,
+    completion_logprobs,
     usage_body,
 )
 from common.protocol import TokenOutput
@@ -153,11 +153,11 @@ def delta_chunk(
         body = {
             "index": choice.index,
             "delta": {"content": delta.text} if delta.text or not delta.finish_reason else {},
-            "logprobs": _chat_logprobs(request, part, tokenizer),
+            "logprobs": chat_logprobs(request, part, tokenizer),
             "finish_reason": delta.finish_reason,
         }
     else:
-        logprobs = _completion_logprobs(request, part, tokenizer)
+        logprobs = completion_logprobs(request, part, tokenizer)
         if logprobs is not None:
             logprobs["text_offset"] = [o + choice.token_text_len for o in logprobs["text_offset"]]
             choice.token_text_len += sum(len(t) for t in logprobs["tokens"])
