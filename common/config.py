@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # torch is imported lazily so that `pdserve --help` stays fast
@@ -108,30 +108,46 @@ _HELP = {
 }
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """Add one flag per EngineConfig field, each defaulting to $PDSERVE_<NAME> when set."""
-    for f in fields(EngineConfig):
+def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, helps: dict[str, str]) -> None:
+    """One flag per field of the dataclass `cls`, each defaulting to $PDSERVE_<NAME> when set.
+
+    Field types understood: bool (--x/--no-x), int, float, str, `int | None`, `list[str]` (nargs +,
+    space-separated in the environment).
+    """
+    for f in fields(cls):
         flag = "--" + f.name.replace("_", "-")
         env = "PDSERVE_" + f.name.upper()
-        default = os.environ.get(env, f.default)
-        if f.type in ("bool",):
-            default = (
-                default if isinstance(default, bool) else default.lower() in ("1", "true", "yes")
-            )
+        raw = os.environ.get(env)
+        default = f.default_factory() if f.default_factory is not MISSING else f.default
+        if f.type == "bool":
+            value = raw.lower() in ("1", "true", "yes") if raw is not None else default
             parser.add_argument(
                 flag,
                 action=argparse.BooleanOptionalAction,
-                default=default,
-                help=f"{_HELP[f.name]} (env {env})",
+                default=value,
+                help=f"{helps[f.name]} (env {env})",
             )
-            continue
-        kind = {"int": int, "float": float, "int | None": int}.get(f.type, str)
-        parser.add_argument(
-            flag,
-            type=kind,
-            default=None if default is None else kind(default),
-            help=f"{_HELP[f.name]} (env {env}; default {f.default})",
-        )
+        elif f.type == "list[str]":
+            parser.add_argument(
+                flag,
+                nargs="+",
+                default=raw.split() if raw else default,
+                help=f"{helps[f.name]} (env {env})",
+            )
+        else:
+            kind = {"int": int, "float": float, "int | None": int}.get(f.type, str)
+            value = kind(raw) if raw is not None else default
+            parser.add_argument(
+                flag,
+                type=kind,
+                default=value,
+                help=f"{helps[f.name]} (env {env}; default {default})",
+            )
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Add one flag per EngineConfig field, each defaulting to $PDSERVE_<NAME> when set."""
+    add_dataclass_args(parser, EngineConfig, _HELP)
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:

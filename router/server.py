@@ -84,31 +84,9 @@ _HELP = {
 
 def add_router_args(parser: argparse.ArgumentParser) -> None:
     """One flag per RouterConfig field, each defaulting to $PDSERVE_<NAME> when set."""
-    for f in fields(RouterConfig):
-        flag = "--" + f.name.replace("_", "-")
-        env = "PDSERVE_" + f.name.upper()
-        raw = os.environ.get(env)
-        default = RouterConfig.__dataclass_fields__[f.name].default
-        if f.name == "served_model_name":
-            parser.add_argument(
-                flag, nargs="+", default=raw.split() if raw else [], help=f"{_HELP[f.name]} ({env})"
-            )
-        elif f.type == "bool":
-            value = raw.lower() in ("1", "true", "yes") if raw else default
-            parser.add_argument(
-                flag,
-                action=argparse.BooleanOptionalAction,
-                default=value,
-                help=f"{_HELP[f.name]} (env {env})",
-            )
-        else:
-            kind = {"int": int, "float": float}.get(f.type, str)
-            parser.add_argument(
-                flag,
-                type=kind,
-                default=kind(raw) if raw is not None else default,
-                help=f"{_HELP[f.name]} (env {env}; default {default})",
-            )
+    from common.config import add_dataclass_args
+
+    add_dataclass_args(parser, RouterConfig, _HELP)
 
 
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
