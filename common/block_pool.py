@@ -37,8 +37,8 @@ class BlockPool:
         self._cached: dict[bytes, int] = {}
         self.query_tokens = 0  # prefix-cache queries, counted in tokens (as vLLM)
         self.hit_tokens = 0
-        self.track_events = track_events
-        self.evicted_keys: list[bytes] = []  # drained by whoever reports KV events
+        self.track_events = track_events  # record `events` (a worker reports them to the router)
+        self._events: dict[bytes, bool] = {}  # key -> stored (True) or evicted, net since drained
 
     @property
     def num_blocks(self) -> int:
@@ -64,7 +64,7 @@ class BlockPool:
                 if self._cached.get(block.key) == block_id:
                     del self._cached[block.key]
                     if self.track_events:
-                        self.evicted_keys.append(block.key)
+                        self._record(block.key, stored=False)
                 block.key = None
                 block.tokens = None
             block.ref_count = 1
@@ -111,7 +111,21 @@ class BlockPool:
         block.key = key
         block.tokens = tuple(tokens)
         # An equal prefix computed twice keeps the first block as the cached one.
-        self._cached.setdefault(key, block_id)
+        if self._cached.setdefault(key, block_id) == block_id and self.track_events:
+            self._record(key, stored=True)
+
+    def _record(self, key: bytes, stored: bool) -> None:
+        # Only the net change matters: stored then evicted (or the reverse) since the last drain
+        # is the same as the last of the two.
+        self._events.pop(key, None)
+        self._events[key] = stored
+
+    def drain_events(self) -> tuple[list[bytes], list[bytes]]:
+        """Keys stored and keys evicted since the last drain (disjoint); clears the record."""
+        events, self._events = self._events, {}
+        stored = [k for k, s in events.items() if s]
+        evicted = [k for k, s in events.items() if not s]
+        return stored, evicted
 
     def cached_keys(self) -> list[bytes]:
         """Every key currently reusable (for a full resync of the router's index)."""

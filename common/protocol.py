@@ -8,7 +8,8 @@ Sockets (all ZeroMQ):
 - control: the router binds a ROUTER socket; every worker connects a DEALER (identity = worker id)
   and sends `Register`, then `Heartbeat` every `HEARTBEAT_INTERVAL_S`. Router -> worker: `Reserve`,
   `Prefill`, `Generate`, `Abort`. Worker -> router: `RegisterAck` replies, `ReserveReply`,
-  `TokenOutput`, `RequestFailed`.
+  `TokenOutput`, `RequestFailed`, `KVEvents` (prefix-cache changes; the router may answer
+  `KVResync`).
 - kv: each decode worker binds a ROUTER socket at its `kv_address`; prefill workers connect DEALERs
   and send `KVHeader` (+ one raw payload frame for tcp); the decode worker answers `KVAck`.
 
@@ -26,7 +27,7 @@ import msgspec
 
 from common.sampling_params import SamplingParams
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAX_CONTROL_MESSAGE_BYTES = 64 * 2**20  # a 128k-token prompt of int ids fits with room to spare
 HEARTBEAT_INTERVAL_S = 1.0
 HEARTBEAT_TIMEOUT_S = 3.0  # a worker silent this long is dead (its requests fail within 5 s)
@@ -48,6 +49,7 @@ class Register(msgspec.Struct, tag="register", forbid_unknown_fields=True):
     host: str  # hostname, to pick same-host transports
     kv_address: str = ""  # decode workers: where prefill workers push KV
     transports: list[str] = []  # kv transports this worker can use
+    kv_salt: bytes = b""  # the salt of its prefix block keys (common.prefix_hash), for the index
 
 
 class RegisterAck(msgspec.Struct, tag="register_ack", forbid_unknown_fields=True):
@@ -60,6 +62,19 @@ class RegisterAck(msgspec.Struct, tag="register_ack", forbid_unknown_fields=True
 REREGISTER_REASON = "unknown worker: register again"
 
 
+class HistogramSnapshot(msgspec.Struct, forbid_unknown_fields=True):
+    """A cumulative histogram a worker keeps (e.g. KV transfer seconds), for the router's /metrics.
+
+    `counts[i]` observations fell at or below `buckets[i]` and above the bucket before; the last
+    entry of `counts` (one more than `buckets`) is the +Inf bucket.
+    """
+
+    buckets: list[float]
+    counts: list[int]
+    sum: float
+    count: int
+
+
 class Heartbeat(msgspec.Struct, tag="heartbeat", forbid_unknown_fields=True):
     worker_id: str
     num_running: int
@@ -69,6 +84,30 @@ class Heartbeat(msgspec.Struct, tag="heartbeat", forbid_unknown_fields=True):
     queued_prefill_tokens: int = 0
     counters: dict[str, float] = {}  # cumulative stats for /metrics (preemptions, cache hits, ...)
     draining: bool = False  # finishing in-flight work before exiting: send it nothing new
+    kv_events_seq: int = -1  # the last KVEvents seq sent (-1: none yet), to notice a lost tail
+    histograms: dict[str, HistogramSnapshot] = {}  # cumulative histograms for /metrics
+
+
+class KVEvents(msgspec.Struct, tag="kv_events", forbid_unknown_fields=True):
+    """Worker -> router: prefix block keys that became reusable (`stored`) or were evicted.
+
+    `seq` counts a worker's KVEvents from 0 without gaps: a gap means a message was lost and the
+    router asks for `KVResync`. With `reset` the message is a full snapshot: `stored` is every key
+    the worker holds and replaces what the router knew. The two lists are disjoint (the net effect
+    since the previous message), so their order of application does not matter.
+    """
+
+    worker_id: str
+    seq: int
+    stored: list[bytes]
+    evicted: list[bytes]
+    reset: bool = False
+
+
+class KVResync(msgspec.Struct, tag="kv_resync", forbid_unknown_fields=True):
+    """Router -> worker: send a full `KVEvents` snapshot (reset=True) next."""
+
+    reason: str = ""
 
 
 class Reserve(msgspec.Struct, tag="reserve", forbid_unknown_fields=True):
@@ -176,6 +215,8 @@ ControlMessage = (
     | Abort
     | TokenOutput
     | RequestFailed
+    | KVEvents
+    | KVResync
 )
 KVMessage = KVHeader | KVAck
 

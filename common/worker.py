@@ -23,7 +23,7 @@ import zmq
 
 from common import protocol
 from common.engine import Engine
-from common.protocol import Heartbeat, Register, RegisterAck
+from common.protocol import Heartbeat, KVEvents, Register, RegisterAck
 
 log = logging.getLogger(__name__)
 
@@ -161,11 +161,37 @@ class WorkerBase:
         self.draining = False
         self.drain_started = 0.0
         self.heartbeat = Heartbeater(router_address, worker_id, self.context, self._heartbeat)
+        self.engine.pool.track_events = True
+        self.kv_events_seq = -1  # the last KVEvents seq sent
+        self.kv_snapshot_due = True  # send every held key next (after registering, or asked)
 
     def _heartbeat(self) -> Heartbeat:
         beat = engine_heartbeat(self.worker_id, self.engine, self.counters)
         beat.draining = self.draining
+        beat.kv_events_seq = self.kv_events_seq
+        beat.histograms = self.histograms()
         return beat
+
+    def histograms(self) -> dict[str, protocol.HistogramSnapshot]:
+        """Cumulative histograms for the router's /metrics (none by default)."""
+        return {}
+
+    def publish_kv_events(self) -> None:
+        """Tell the router which prefix blocks this worker gained or lost since the last call."""
+        pool = self.engine.pool
+        stored, evicted = pool.drain_events()
+        reset = self.kv_snapshot_due
+        if reset:
+            stored, evicted = pool.cached_keys(), []
+            self.kv_snapshot_due = False
+        elif not stored and not evicted:
+            return
+        self.kv_events_seq += 1
+        self.control.send(KVEvents(self.worker_id, self.kv_events_seq, stored, evicted, reset))
+
+    def send_registration(self) -> None:
+        self.control.send(self.registration())
+        self.kv_snapshot_due = True  # the router may have forgotten everything about us
 
     def counters(self) -> dict[str, float]:
         return {"kv_transfer_failures_total": self.kv_failures}
@@ -186,6 +212,7 @@ class WorkerBase:
             host=socket.gethostname(),
             kv_address=self.kv_address,
             transports=transports,
+            kv_salt=self.engine.block_manager.salt,
         )
 
     def stop_on_signals(self) -> None:
@@ -209,13 +236,14 @@ class WorkerBase:
             while self.running and not self._drained():
                 if self.heartbeat.reregister.is_set():  # router restarted or declared us dead
                     self.heartbeat.reregister.clear()
-                    self.control.send(self.registration())
+                    self.send_registration()
                 # Nothing to compute (maybe KV or acks in flight): wait briefly instead of spinning,
                 # so a worker waiting for a transfer leaves the cores to the others.
                 wait_ms = 0 if self.engine.has_unfinished() else (10 if self.is_idle() else 2)
                 for message in self.control.poll(timeout_ms=wait_ms):
                     self._dispatch(message)
                 self.step()
+                self.publish_kv_events()
         finally:
             self.close()
 
@@ -230,7 +258,9 @@ class WorkerBase:
                 log.error("the router dropped this worker: %s", message.reason)
                 self.running = False
             elif not message.accepted:
-                self.control.send(self.registration())
+                self.send_registration()
+        elif isinstance(message, protocol.KVResync):
+            self.kv_snapshot_due = True
         elif isinstance(message, protocol.Abort):
             self.abort(message.request_id)
         else:

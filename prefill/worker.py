@@ -17,6 +17,7 @@ import zmq
 
 from common import protocol
 from common.engine import Engine
+from common.histogram import KV_TRANSFER_BUCKETS, Histogram
 from common.protocol import KVHeader, Prefill, RequestFailed
 from common.worker import WorkerBase
 from kvtransfer import KVSender
@@ -48,14 +49,16 @@ class PrefillWorker(WorkerBase):
         self.sender = KVSender(engine.runner.kv_cache, context=self.context)
         self.jobs: dict[str, _Job] = {}
         self.kv_bytes = 0
-        self.kv_seconds = 0.0
+        self.kv_seconds = Histogram(KV_TRANSFER_BUCKETS)  # send to ack, successful transfers
 
     def counters(self) -> dict[str, float]:
         return {
             "kv_transfer_failures_total": self.kv_failures,
             "kv_transfer_bytes_total": self.kv_bytes,
-            "kv_transfer_seconds_total": self.kv_seconds,
         }
+
+    def histograms(self) -> dict[str, protocol.HistogramSnapshot]:
+        return {"kv_transfer_seconds": self.kv_seconds.snapshot()}
 
     def is_idle(self) -> bool:
         return not self.jobs and not self.engine.has_unfinished()
@@ -71,7 +74,7 @@ class PrefillWorker(WorkerBase):
             job = self.jobs.pop(result.request_id, None)
             if result.ok:
                 self.kv_bytes += result.nbytes
-                self.kv_seconds += result.seconds
+                self.kv_seconds.observe(result.seconds)
             elif job is not None:
                 self.kv_failures += 1
                 self.control.send(RequestFailed(result.request_id, "transfer", result.reason))

@@ -160,6 +160,7 @@ def create_app(state: RouterState) -> FastAPI:
             state.dispatcher.num_running,
             state.dispatcher.num_waiting,
             state.registry.workers.values(),
+            state.dispatcher.prefix_index,
         )
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 

@@ -35,7 +35,8 @@ from common.protocol import (
     TokenOutput,
 )
 from common.sampling_params import SamplingParams
-from router.policy import PrefillPolicy, choose_transport, pick_decode
+from router.kv_index import PrefixIndex
+from router.policy import PrefillPolicy, PrefixParams, choose_transport, pick_decode
 from router.registry import Registry, Worker
 
 log = logging.getLogger(__name__)
@@ -94,11 +95,14 @@ class Dispatcher:
         queue_timeout_s: float = 10.0,
         reserve_timeout_s: float = 5.0,
         prefill_deadline_s: float = 120.0,
+        prefix_index: PrefixIndex | None = None,
+        prefix_params: PrefixParams | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.registry = registry
         self.send = send  # False when the message could not be queued for the worker
-        self.prefill_policy = PrefillPolicy(routing)
+        self.prefill_policy = PrefillPolicy(routing, prefix_index, prefix_params)
+        self.prefix_index = self.prefill_policy.index
         self.local_prefill_max_tokens = local_prefill_max_tokens
         self.queue_timeout_s = queue_timeout_s
         self.reserve_timeout_s = reserve_timeout_s
@@ -178,16 +182,22 @@ class Dispatcher:
         """Ask a prefill worker to compute the flight's KV and push it to its decode worker."""
         decode = flight.decode
         assert decode is not None
-        prefill = self.prefill_policy.pick(
+        choice = self.prefill_policy.choose(
             self.registry.live("prefill"), flight.prompt_token_ids, exclude
         )
-        if prefill is None:
+        if choice is None:
             self._prefill_locally(flight)
             return
-        num_tokens = len(flight.prompt_token_ids) - flight.num_decode_cached_tokens
+        prefill = choice.worker
+        # What the worker has to compute: the prompt less the prefix it holds (at least one token).
+        num_tokens = max(len(flight.prompt_token_ids) - choice.matched_tokens, 1)
         flight.prefill, flight.num_prefill_tokens = prefill, num_tokens
         prefill.num_in_flight += 1
         prefill.queued_prefill_tokens += num_tokens
+        prefill.num_prefill_dispatched += 1
+        prefill.prefix_matched_tokens += choice.matched_tokens
+        if choice.keys:  # a second prompt with this prefix should find it here, even right now
+            self.prefix_index.add_pending(prefill.worker_id, choice.keys)
         message = Prefill(
             request_id=flight.request_id,
             prompt_token_ids=flight.prompt_token_ids,

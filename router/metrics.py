@@ -2,16 +2,16 @@
 
 Owns the router-side series (request latencies as histograms, token and request counters) and the
 rendering of everything `/metrics` shows, including per-worker series from the workers' heartbeats
-(labelled worker="id"): block gauges, KV cache usage, and every counter a worker reports in
-`Heartbeat.counters`, passed through as `pdserve:<name>`. Names are `pdserve:` + vLLM's suffix where
-vLLM has one. No prometheus_client dependency: the text format is small.
+(labelled worker="id"): block gauges, KV cache usage, routing counts and the prefix index size,
+every counter a worker reports in `Heartbeat.counters` and every histogram in
+`Heartbeat.histograms`, passed through as `pdserve:<name>`. Names are `pdserve:` + vLLM's
+suffix where vLLM has one. No prometheus_client dependency: the text format is small.
 
 Called by `router.app` (a `RequestTimer` per request, `render` for /metrics).
 """
 
 from __future__ import annotations
 
-import bisect
 import math
 import re
 import time
@@ -19,33 +19,21 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from common.histogram import Histogram
+from common.protocol import HistogramSnapshot
+from router.kv_index import PrefixIndex
 from router.registry import Worker
 
 PREFIX = "pdserve:"
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)  # fmt: skip
-ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-               10.0, 20.0, 40.0, 80.0)  # fmt: skip
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
+               0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
 _NAME_BAD_CHARS = re.compile(r"[^a-zA-Z0-9_:]")
 
 Labels = tuple[tuple[str, str], ...]
-
-
-class Histogram:
-    """Cumulative-bucket histogram, Prometheus style (`le` upper bounds)."""
-
-    def __init__(self, buckets: Iterable[float]) -> None:
-        self.buckets = tuple(buckets)
-        self.counts = [0] * (len(self.buckets) + 1)  # per bucket, the last one is +Inf
-        self.sum = 0.0
-        self.count = 0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.buckets, value)] += 1
-        self.sum += value
-        self.count += 1
 
 
 @dataclass
@@ -72,21 +60,29 @@ class RouterMetrics:
     def start_request(self) -> RequestTimer:
         return RequestTimer(self, self.clock())
 
-    def render(self, num_running: int, num_waiting: int, workers: Iterable[Worker]) -> str:
+    def render(
+        self,
+        num_running: int,
+        num_waiting: int,
+        workers: Iterable[Worker],
+        index: PrefixIndex | None = None,
+    ) -> str:
         families: dict[str, _Family] = {}
 
         def add(name: str, type_: str, help_: str, value: float, labels: Labels = ()) -> None:
             family = families.setdefault(name, _Family(type_, help_))
             family.samples.append(("", labels, value))
 
-        def add_histogram(name: str, help_: str, h: Histogram) -> None:
+        def add_histogram(
+            name: str, help_: str, h: Histogram | HistogramSnapshot, labels: Labels = ()
+        ) -> None:
             family = families.setdefault(name, _Family("histogram", help_))
             cumulative = 0
             for bound, count in zip((*h.buckets, math.inf), h.counts):
                 cumulative += count
-                family.samples.append(("_bucket", (("le", _number(bound)),), cumulative))
-            family.samples.append(("_sum", (), h.sum))
-            family.samples.append(("_count", (), h.count))
+                family.samples.append(("_bucket", (*labels, ("le", _number(bound))), cumulative))
+            family.samples.append(("_sum", labels, h.sum))
+            family.samples.append(("_count", labels, h.count))
 
         add("num_requests_running", "gauge", "Choices being served by workers.", num_running)
         add("num_requests_waiting", "gauge", "Choices waiting for a decode worker.", num_waiting)
@@ -107,11 +103,20 @@ class RouterMetrics:
         for code, n in sorted(self.request_errors_total.items()):
             add("request_errors_total", "counter", "Requests answered with an error.", n,
                 (("code", str(code)),))  # fmt: skip
-        _add_workers(add, list(workers))
+        if index is not None:
+            add("kv_index_resyncs_total", "counter",
+                "Full KV snapshots the router asked workers for (lost KV events).",
+                index.num_resyncs_asked)  # fmt: skip
+        _add_workers(add, add_histogram, list(workers), index)
         return _render(families)
 
 
-def _add_workers(add: Callable[..., None], workers: list[Worker]) -> None:
+def _add_workers(
+    add: Callable[..., None],
+    add_histogram: Callable[..., None],
+    workers: list[Worker],
+    index: PrefixIndex | None,
+) -> None:
     for role in ("prefill", "decode"):
         n = sum(w.role == role for w in workers)
         add("num_workers", "gauge", "Live workers by role.", n, (("role", role),))
@@ -119,6 +124,18 @@ def _add_workers(add: Callable[..., None], workers: list[Worker]) -> None:
         labels = (("worker", w.worker_id), ("role", w.role))
         add("worker_num_requests_in_flight", "gauge", "Requests the router has on the worker.",
             w.num_in_flight, labels)  # fmt: skip
+        if w.role == "prefill":
+            add("prefill_dispatched_total", "counter", "Prompts the router sent to the worker.",
+                w.num_prefill_dispatched, labels)  # fmt: skip
+            add("prefix_routing_matched_tokens_total", "counter",
+                "Prompt tokens the router's index said the worker held when it got the prompt.",
+                w.prefix_matched_tokens, labels)  # fmt: skip
+            add("prefill_queued_tokens", "gauge",
+                "Prompt tokens dispatched to the worker, first token not yet back (routing load).",
+                w.queued_prefill_tokens, labels)  # fmt: skip
+        if index is not None:
+            add("kv_index_blocks", "gauge", "Prefix blocks the router's index holds for a worker.",
+                index.num_keys(w.worker_id), labels)  # fmt: skip
         hb = w.heartbeat
         if hb is None:
             continue
@@ -139,6 +156,10 @@ def _add_workers(add: Callable[..., None], workers: list[Worker]) -> None:
                 continue
             kind = "counter" if name.endswith("_total") else "gauge"
             add(name, kind, "Reported by workers.", value, labels)
+        for name, snapshot in sorted(hb.histograms.items()):
+            name = _NAME_BAD_CHARS.sub("_", name)
+            if name and not name[0].isdigit() and len(snapshot.counts) == len(snapshot.buckets) + 1:
+                add_histogram(name, "Reported by workers.", snapshot, labels)
 
 
 def _render(families: dict[str, _Family]) -> str:

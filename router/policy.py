@@ -2,15 +2,33 @@
 
 Owns the routing decisions and nothing else: decode workers are chosen least loaded (running plus
 reserved sequences), skipping any that refused a reservation moments ago; prefill workers by the
-`--routing` policy (round_robin, least_loaded by prompt tokens queued since dispatch, or prefix,
-which for now behaves as least_loaded); the transport by locality. Called by `router.dispatch`.
+`--routing` policy; the transport by locality. Called by `router.dispatch`.
+
+Prefill policies (load = prompt tokens a worker still has to compute, counted by the router from
+the moment it dispatches a prompt until the first token comes back, so a burst cannot pile onto
+one worker before its heartbeats catch up):
+- `round_robin`: in turn.
+- `least_loaded`: the smallest load.
+- `prefix` (default): score = tokens of the prompt's leading blocks the worker holds (its KV
+  events, `router.kv_index`) - `load_weight` x load; the highest score wins. Both terms are tokens
+  of compute; with the default weight 0.5 a worker holding a 1,024-token prefix keeps getting it
+  until it has 2,048 more tokens queued than another worker. A weight above 1 spreads a burst of
+  one prefix over workers sooner (each then computes and caches it); below 1 keeps it together.
+  When load is badly imbalanced (the most loaded worker has more than `balance_abs_tokens` over
+  the least loaded AND more than `balance_rel` times its load), only the workers at or below the
+  midpoint of the two are candidates, still chosen by score. Ties go to the lower load, then in
+  turn, so cold prefixes spread over the workers.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Collection, Sequence
+from dataclasses import dataclass
 
+from common.prefix_hash import block_keys
 from common.protocol import Register
+from router.kv_index import PrefixIndex
 from router.registry import Worker
 
 ROUTING_POLICIES = ("round_robin", "least_loaded", "prefix")
@@ -24,14 +42,37 @@ def pick_decode(workers: Sequence[Worker], now_s: float) -> Worker | None:
     return min(ready, key=lambda w: (w.decode_load, w.worker_id))
 
 
+@dataclass
+class PrefixParams:
+    """The prefix policy's knobs (router flags --prefix-load-weight, --balance-*)."""
+
+    load_weight: float = 0.5  # score = matched tokens - load_weight * queued prefill tokens
+    balance_abs_tokens: int = 4096  # imbalance: max load - min load above this ...
+    balance_rel: float = 2.0  # ... and max load above this times min load
+
+
+@dataclass
+class PrefillChoice:
+    worker: Worker
+    matched_tokens: int  # leading prompt tokens the worker holds (prefix policy; else 0)
+    keys: list[bytes]  # the prompt's block keys under the worker's salt (prefix policy; else [])
+
+
 class PrefillPolicy:
     """Chooses a prefill worker for a prompt; holds the round-robin position."""
 
-    def __init__(self, routing: str = "least_loaded") -> None:
+    def __init__(
+        self,
+        routing: str = "least_loaded",
+        index: PrefixIndex | None = None,
+        params: PrefixParams | None = None,
+    ) -> None:
         if routing not in ROUTING_POLICIES:
             raise ValueError(f"--routing must be one of {', '.join(ROUTING_POLICIES)}")
         self.routing = routing
-        self._next = 0
+        self.index = index if index is not None else PrefixIndex()
+        self.params = params or PrefixParams()
+        self._turn = itertools.count()
 
     def pick(
         self,
@@ -39,17 +80,52 @@ class PrefillPolicy:
         prompt_token_ids: Sequence[int],
         exclude: Collection[str] = (),
     ) -> Worker | None:
+        choice = self.choose(workers, prompt_token_ids, exclude)
+        return choice.worker if choice is not None else None
+
+    def choose(
+        self,
+        workers: Sequence[Worker],
+        prompt_token_ids: Sequence[int],
+        exclude: Collection[str] = (),
+    ) -> PrefillChoice | None:
+        """The worker for this prompt (None if no candidate), with what it already holds."""
         candidates = sorted(
             (w for w in workers if w.worker_id not in exclude), key=lambda w: w.worker_id
         )
         if not candidates:
             return None
+        turn = next(self._turn)
         if self.routing == "round_robin":
-            worker = candidates[self._next % len(candidates)]
-            self._next += 1
-            return worker
-        # least_loaded, and prefix until the block-key index exists (then: match minus load).
-        return min(candidates, key=lambda w: (w.prefill_load, w.num_in_flight))
+            return PrefillChoice(candidates[turn % len(candidates)], 0, [])
+        if self.routing == "least_loaded":
+            best = min(candidates, key=lambda w: (w.prefill_load, w.num_in_flight))
+            return PrefillChoice(best, 0, [])
+        return self._by_prefix(candidates, prompt_token_ids, turn)
+
+    def _by_prefix(
+        self, candidates: list[Worker], prompt: Sequence[int], turn: int
+    ) -> PrefillChoice:
+        p = self.params
+        loads = {w.worker_id: w.prefill_load for w in candidates}
+        low, high = min(loads.values()), max(loads.values())
+        if high - low > p.balance_abs_tokens and high > p.balance_rel * low:
+            midpoint = (low + high) / 2
+            candidates = [w for w in candidates if loads[w.worker_id] <= midpoint]
+        keys_by_salt: dict[bytes, list[bytes]] = {}
+        scored = []
+        n = len(candidates)
+        for i, w in enumerate(candidates):
+            salt = w.info.kv_salt
+            keys = keys_by_salt.get(salt)
+            if keys is None:
+                keys = keys_by_salt[salt] = block_keys(prompt, w.info.block_size, salt)
+            matched = self.index.match(w.worker_id, keys) * w.info.block_size if salt else 0
+            score = matched - p.load_weight * loads[w.worker_id]
+            # Highest score, then lowest load, then in turn (rotating with each request).
+            scored.append(((-score, loads[w.worker_id], (i - turn) % n), w, matched, keys))
+        _, worker, matched, keys = min(scored, key=lambda t: t[0])
+        return PrefillChoice(worker, matched, keys)
 
 
 def choose_transport(prefill: Register, decode: Register) -> str:

@@ -41,6 +41,8 @@ class Worker:
     num_in_flight: int = 0  # requests dispatched here, not yet finished (the router's count)
     queued_prefill_tokens: int = 0  # prefill: prompt tokens dispatched, first token not yet seen
     refused_until_s: float = 0.0  # decode: skipped for new requests until then (it refused one)
+    num_prefill_dispatched: int = 0  # prefill: prompts sent here (for /metrics)
+    prefix_matched_tokens: int = 0  # prefill: prompt tokens the index said it held at dispatch
 
     @property
     def worker_id(self) -> str:
@@ -59,9 +61,12 @@ class Worker:
 
     @property
     def prefill_load(self) -> int:
-        """Prompt tokens waiting for prefill, counted from dispatch (not from the first token)."""
-        reported = self.heartbeat.queued_prefill_tokens if self.heartbeat is not None else 0
-        return max(self.queued_prefill_tokens, reported)
+        """Prompt tokens left to compute, counted from dispatch until the first token.
+
+        The router's own count: a heartbeat is up to a second old and cannot know which of its
+        waiting prompts will hit the prefix cache.
+        """
+        return self.queued_prefill_tokens
 
     @property
     def kv_cache_usage(self) -> float | None:

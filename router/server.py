@@ -46,6 +46,9 @@ class RouterConfig:
     served_model_name: list[str] = field(default_factory=list)
     api_key: str = ""
     routing: str = "prefix"
+    prefix_load_weight: float = 0.5
+    balance_abs_tokens: int = 4096
+    balance_rel: float = 2.0
     local_prefill_max_tokens: int = 256
     colocated: bool = False
     request_timeout_s: float = 600.0
@@ -66,8 +69,13 @@ _HELP = {
     "model": "the model workers serve: 'default', a .gguf file or an HF directory (tokenizer only)",
     "served_model_name": "model names the API lists and accepts (default: --model as given)",
     "api_key": "require 'Authorization: Bearer KEY' on /v1/*",
-    "routing": "prefill worker choice: prefix | round_robin | least_loaded (prefix = least "
-    "loaded until the prefix index exists)",
+    "routing": "prefill worker choice: prefix (cached prefix vs load) | round_robin | least_loaded",
+    "prefix_load_weight": "prefix routing: score = cached prompt tokens - this x queued prefill "
+    "tokens",
+    "balance_abs_tokens": "prefix routing: load counts as imbalanced when the busiest worker has "
+    "this many more queued tokens than the idlest ...",
+    "balance_rel": "... and more than this times its load; then only lightly loaded workers "
+    "are candidates",
     "local_prefill_max_tokens": "prompts up to this many tokens are prefilled on the decode "
     "worker (0 = always on a prefill worker)",
     "colocated": "serve with decode workers only (/health needs no prefill worker)",
@@ -107,14 +115,19 @@ class RouterServer:
     def __init__(self, config: RouterConfig, tokenizer: Tokenizer, model_max_len: int) -> None:
         from router.app import RouterState
         from router.dispatch import Dispatcher
+        from router.kv_index import PrefixIndex
         from router.metrics import RouterMetrics
-        from router.policy import ROUTING_POLICIES
+        from router.policy import ROUTING_POLICIES, PrefixParams
         from router.registry import Registry
 
         if config.routing not in ROUTING_POLICIES:
             raise ValueError(f"--routing must be one of {', '.join(ROUTING_POLICIES)}")
         if config.local_prefill_max_tokens < 0:
             raise ValueError("--local-prefill-max-tokens must be >= 0")
+        if config.prefix_load_weight < 0 or config.balance_abs_tokens < 0 or config.balance_rel < 1:
+            raise ValueError(
+                "--prefix-load-weight and --balance-abs-tokens must be >= 0, --balance-rel >= 1"
+            )
         self.config = config
         self.registry = Registry(
             model_names(config.model),
@@ -129,7 +142,12 @@ class RouterServer:
             queue_timeout_s=config.queue_timeout_s,
             reserve_timeout_s=config.reserve_timeout_s,
             prefill_deadline_s=config.prefill_deadline_s,
+            prefix_index=PrefixIndex(),
+            prefix_params=PrefixParams(
+                config.prefix_load_weight, config.balance_abs_tokens, config.balance_rel
+            ),
         )
+        self.prefix_index = self.dispatcher.prefix_index
         self.state: RouterState = RouterState(
             tokenizer=tokenizer,
             registry=self.registry,
@@ -220,6 +238,7 @@ class RouterServer:
         while True:
             await asyncio.sleep(period_s)
             for worker in self.registry.expire():
+                self.prefix_index.remove(worker.worker_id)
                 try:
                     self.dispatcher.on_worker_dead(worker)
                 except Exception:  # the next worker's requests must still be failed over
@@ -246,18 +265,32 @@ class RouterServer:
                 log.exception("handling %s failed", type(msg).__name__)
 
     def on_control_message(self, identity: bytes, msg: msgspec.Struct) -> None:
-        from common.protocol import REREGISTER_REASON, Heartbeat, Register, RegisterAck
+        from common.protocol import (
+            REREGISTER_REASON,
+            Heartbeat,
+            KVEvents,
+            KVResync,
+            Register,
+            RegisterAck,
+        )
 
         if isinstance(msg, Register):
+            if self.registry.get(msg.worker_id) is None:
+                self.prefix_index.remove(msg.worker_id)  # a fresh start: its snapshot follows
             self._send_to(identity, self.registry.register(identity, msg))
             return
         if isinstance(msg, Heartbeat):  # heartbeats may come from a socket of their own
             worker = self.registry.on_heartbeat(msg)
             worker_id = msg.worker_id
+            if worker is not None and self.prefix_index.on_heartbeat(worker_id, msg.kv_events_seq):
+                self._send(worker, KVResync("a KV events message was lost"))
         else:
             worker_id = identity.decode(errors="replace")
             worker = self.registry.touch(worker_id)
-            if worker is not None:
+            if worker is not None and isinstance(msg, KVEvents):
+                if msg.worker_id == worker_id and self.prefix_index.apply(msg):
+                    self._send(worker, KVResync(f"KV events gap before seq {msg.seq}"))
+            elif worker is not None:
                 self.dispatcher.on_message(worker, msg)
         if worker is None:
             # A worker we do not know (router restarted, or it was declared dead): ask it to

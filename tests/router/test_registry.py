@@ -137,7 +137,9 @@ def test_prefill_policies(registry: Registry) -> None:
     assert [rr.pick(workers, [1]).worker_id for _ in range(4)] == ["p0", "p1", "p2", "p0"]
     ll = PrefillPolicy("least_loaded")
     registry.get("p0").queued_prefill_tokens = 500
-    registry.get("p1").heartbeat = hb("p1", queued=300)
+    registry.get("p1").queued_prefill_tokens = 300
+    # A heartbeat's count is not the load: the router counts from dispatch.
+    registry.get("p1").heartbeat = hb("p1", queued=900)
     registry.get("p2").queued_prefill_tokens = 100
     assert ll.pick(workers, [1]).worker_id == "p2"
     assert ll.pick(workers, [1], exclude={"p2"}).worker_id == "p1"

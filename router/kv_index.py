@@ -1,0 +1,149 @@
+"""The router's index of which worker holds which prefix blocks, fed by the workers' KV events.
+
+Owns, per worker, the set of block keys (common.prefix_hash) its prefix cache holds, as its
+`KVEvents` messages report them, plus the keys of prompts dispatched to it whose blocks are not
+reported yet ("pending": a second request for a prefix that is still being computed should go to
+the same worker). Pending keys expire after `pending_ttl_s` unless a stored event confirms them, so
+a failed prefill leaves no phantom entries behind.
+
+Sequence numbers: each worker numbers its messages from 0. A message older than the last applied
+one is a duplicate and is ignored; a newer one after a gap means something was lost: the index
+applies it (best effort) and asks the worker for a full snapshot (`KVResync`), at most once per
+`resync_interval_s`. A snapshot (reset=True) replaces the worker's set. A heartbeat reports the
+last seq sent, so a lost final message is noticed too (one heartbeat later, to let a message in
+flight on the other socket arrive). A dead worker's entries are dropped (`remove`).
+
+Called by `router.server` (events, heartbeats, removal) and `router.policy` (matching).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from common.protocol import KVEvents
+
+PENDING_TTL_S = 30.0
+RESYNC_INTERVAL_S = 2.0
+MAX_PENDING = 1 << 16  # pending keys per worker before expired ones are swept
+
+
+@dataclass
+class _WorkerIndex:
+    keys: set[bytes] = field(default_factory=set)
+    pending: dict[bytes, float] = field(default_factory=dict)  # key -> expiry (clock seconds)
+    seq: int = -1  # last applied seq; -1 before the first message
+    synced: bool = False  # a snapshot arrived since the last known loss (or start)
+    resync_asked_s: float = -1e9
+    hb_seq: int = -1  # kv_events_seq of the previous heartbeat
+
+
+class PrefixIndex:
+    """Block keys per worker. Not thread-safe: used from the router's event loop only."""
+
+    def __init__(
+        self,
+        pending_ttl_s: float = PENDING_TTL_S,
+        resync_interval_s: float = RESYNC_INTERVAL_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.pending_ttl_s = pending_ttl_s
+        self.resync_interval_s = resync_interval_s
+        self.clock = clock
+        self._workers: dict[str, _WorkerIndex] = {}
+        self.num_resyncs_asked = 0
+        self.num_events_applied = 0
+
+    def apply(self, msg: KVEvents) -> bool:
+        """Apply one message; True when the worker should be asked for a snapshot now."""
+        w = self._workers.setdefault(msg.worker_id, _WorkerIndex())
+        if msg.reset:
+            if msg.seq < w.seq:
+                return False  # an older snapshot overtaken by newer news
+            w.keys = set(msg.stored)
+            for key in msg.stored:
+                w.pending.pop(key, None)
+            w.seq, w.synced = msg.seq, True
+            self.num_events_applied += 1
+            return False
+        if msg.seq <= w.seq:
+            return False  # a duplicate, or a message from before the last snapshot
+        gap = msg.seq != w.seq + 1
+        w.keys.difference_update(msg.evicted)
+        w.keys.update(msg.stored)
+        for key in msg.evicted:
+            w.pending.pop(key, None)
+        for key in msg.stored:
+            w.pending.pop(key, None)
+        self.num_events_applied += 1
+        if gap:
+            # Keep the old seq: until a snapshot comes, every later message is also "after a gap".
+            w.synced = False
+            return self._should_ask(w)
+        w.seq = msg.seq
+        return False
+
+    def on_heartbeat(self, worker_id: str, kv_events_seq: int) -> bool:
+        """True when the worker should be asked for a snapshot (a lost message, or never synced).
+
+        A seq the previous heartbeat already reported but no applied message has reached means the
+        message was lost (a heartbeat later is plenty for one in flight to arrive).
+        """
+        w = self._workers.setdefault(worker_id, _WorkerIndex())
+        lost = w.hb_seq > w.seq
+        w.hb_seq = kv_events_seq
+        if lost or (not w.synced and kv_events_seq >= 0):
+            return self._should_ask(w)
+        return False
+
+    def _should_ask(self, w: _WorkerIndex) -> bool:
+        now = self.clock()
+        if now - w.resync_asked_s < self.resync_interval_s:
+            return False
+        w.resync_asked_s = now
+        self.num_resyncs_asked += 1
+        return True
+
+    def add_pending(self, worker_id: str, keys: Sequence[bytes]) -> None:
+        """Keys of a prompt just dispatched to the worker: count them as held for a while."""
+        w = self._workers.setdefault(worker_id, _WorkerIndex())
+        now = self.clock()
+        if len(w.pending) > MAX_PENDING:
+            w.pending = {k: e for k, e in w.pending.items() if e >= now}
+        expiry = now + self.pending_ttl_s
+        for key in keys:
+            if key not in w.keys:
+                w.pending[key] = expiry
+
+    def remove(self, worker_id: str) -> None:
+        """Forget a worker (dead, or registering afresh: its snapshot follows)."""
+        self._workers.pop(worker_id, None)
+
+    def match(self, worker_id: str, keys: Sequence[bytes]) -> int:
+        """How many leading `keys` the worker holds (reported or pending)."""
+        w = self._workers.get(worker_id)
+        if w is None:
+            return 0
+        now = self.clock()
+        n = 0
+        for key in keys:
+            if key in w.keys:
+                n += 1
+                continue
+            expiry = w.pending.get(key)
+            if expiry is None:
+                break
+            if expiry < now:
+                del w.pending[key]
+                break
+            n += 1
+        return n
+
+    def num_keys(self, worker_id: str) -> int:
+        """Reported keys held by the worker (pending ones not counted)."""
+        w = self._workers.get(worker_id)
+        return len(w.keys) if w is not None else 0
+
+    def worker_ids(self) -> list[str]:
+        return sorted(self._workers)

@@ -1,0 +1,122 @@
+"""router/policy.py: the prefix policy on synthetic cache and load states."""
+
+from __future__ import annotations
+
+from common.prefix_hash import block_keys, model_salt
+from common.protocol import PROTOCOL_VERSION, KVEvents, Register
+from router.kv_index import PrefixIndex
+from router.policy import PrefillPolicy, PrefixParams
+from router.registry import Worker
+
+BS = 16
+SALT = model_salt("default", "auto", BS)
+
+
+def worker(worker_id: str, load: int = 0, salt: bytes = SALT) -> Worker:
+    info = Register(
+        PROTOCOL_VERSION, "prefill", worker_id, "default", BS, 1000, 4096, "auto", "h", "",
+        ["tcp"], salt,
+    )  # fmt: skip
+    w = Worker(info=info, identity=worker_id.encode(), last_seen_s=0.0)
+    w.queued_prefill_tokens = load
+    return w
+
+
+def tenant(t: int, n_blocks: int = 64) -> list[int]:
+    """A tenant's system prompt: n_blocks full blocks of tokens unique to it."""
+    return [1000 * (t + 1) + i for i in range(n_blocks * BS)]
+
+
+def hold(index: PrefixIndex, worker_id: str, tokens: list[int], seq: int = 0) -> None:
+    index.apply(KVEvents(worker_id, seq, block_keys(tokens, BS, SALT), [], reset=True))
+
+
+def test_holder_of_the_prefix_wins_at_equal_load() -> None:
+    index = PrefixIndex()
+    hold(index, "p1", tenant(0))
+    policy = PrefillPolicy("prefix", index)
+    workers = [worker("p0"), worker("p1"), worker("p2")]
+    prompt = tenant(0) + [7, 8, 9]
+    for _ in range(3):  # not round robin: every time
+        choice = policy.choose(workers, prompt)
+        assert choice.worker.worker_id == "p1"
+        assert choice.matched_tokens == 64 * BS
+        assert len(choice.keys) == 64
+
+
+def test_longer_match_beats_shorter() -> None:
+    index = PrefixIndex()
+    hold(index, "p0", tenant(0)[: 10 * BS])
+    hold(index, "p1", tenant(0)[: 40 * BS])
+    choice = PrefillPolicy("prefix", index).choose([worker("p0"), worker("p1")], tenant(0))
+    assert (choice.worker.worker_id, choice.matched_tokens) == ("p1", 40 * BS)
+
+
+def test_load_outweighs_a_match_only_beyond_its_size() -> None:
+    index = PrefixIndex()
+    hold(index, "p0", tenant(0))  # 1,024 tokens cached on p0
+    policy = PrefillPolicy("prefix", index)
+    prompt = tenant(0) + [1, 2]
+    # Default weight 0.5: a cached 1,024-token prefix is worth 2,048 queued tokens.
+    assert policy.pick([worker("p0", 1900), worker("p1", 0)], prompt).worker_id == "p0"
+    assert policy.pick([worker("p0", 2200), worker("p1", 0)], prompt).worker_id == "p1"
+    # Weight 1: worth exactly its own size in queued tokens.
+    even = PrefillPolicy("prefix", index, PrefixParams(load_weight=1.0))
+    assert even.pick([worker("p0", 900), worker("p1", 0)], prompt).worker_id == "p0"
+    assert even.pick([worker("p0", 1100), worker("p1", 0)], prompt).worker_id == "p1"
+
+
+def test_imbalance_restricts_to_lightly_loaded_workers_preferring_their_match() -> None:
+    index = PrefixIndex()
+    hold(index, "p0", tenant(0))
+    hold(index, "p2", tenant(0)[: 8 * BS])
+    # Even a weight of 0 (match only) cannot pile onto an overloaded holder.
+    params = PrefixParams(load_weight=0.0, balance_abs_tokens=4096, balance_rel=2.0)
+    policy = PrefillPolicy("prefix", index, params)
+    workers = [worker("p0", 20000), worker("p1", 100), worker("p2", 300)]
+    choice = policy.choose(workers, tenant(0))
+    assert choice.worker.worker_id == "p2"  # lightly loaded, and holds part of the prefix
+    assert choice.matched_tokens == 8 * BS
+    # Not imbalanced by the relative test (20000 < 2 x 12000): the best match wins.
+    workers = [worker("p0", 20000), worker("p1", 12000), worker("p2", 12000)]
+    assert policy.pick(workers, tenant(0)).worker_id == "p0"
+    # Not imbalanced by the absolute test (difference under 4,096 tokens).
+    workers = [worker("p0", 4000), worker("p1", 0), worker("p2", 0)]
+    assert policy.pick(workers, tenant(0)).worker_id == "p0"
+
+
+def test_ties_spread_cold_prompts_and_prefer_lower_load() -> None:
+    policy = PrefillPolicy("prefix", PrefixIndex())
+    workers = [worker("p0"), worker("p1"), worker("p2")]
+    picked = [policy.pick(workers, tenant(t)).worker_id for t in range(6)]
+    assert sorted(picked) == ["p0", "p0", "p1", "p1", "p2", "p2"]  # no match anywhere: spread
+    workers = [worker("p0", 50), worker("p1", 10), worker("p2", 50)]
+    assert {policy.pick(workers, tenant(9)).worker_id for _ in range(3)} == {"p1"}
+
+
+def test_dispatched_prompt_counts_as_held_before_its_events_arrive() -> None:
+    index = PrefixIndex()
+    policy = PrefillPolicy("prefix", index)
+    workers = [worker("p0"), worker("p1")]
+    first = policy.choose(workers, tenant(3) + [1])
+    index.add_pending(first.worker.worker_id, first.keys)  # what the dispatcher does
+    first.worker.queued_prefill_tokens += 1025
+    # The second request of the tenant follows the first, although p0 is now busier.
+    second = policy.choose(workers, tenant(3) + [2])
+    assert second.worker is first.worker
+    assert second.matched_tokens == 64 * BS
+
+
+def test_workers_with_another_salt_never_match() -> None:
+    index = PrefixIndex()
+    hold(index, "p0", tenant(0))  # keys under SALT, but p0 now says it uses another salt
+    other = worker("p0", salt=model_salt("other", "auto", BS))
+    choice = PrefillPolicy("prefix", index).choose([other], tenant(0))
+    assert choice.matched_tokens == 0
+
+
+def test_exclude_and_empty() -> None:
+    policy = PrefillPolicy("prefix", PrefixIndex())
+    assert policy.pick([worker("p0")], [1, 2], exclude={"p0"}) is None
+    assert policy.pick([], [1, 2]) is None
+    assert policy.pick([worker("p0")], [1, 2]).worker_id == "p0"  # shorter than a block
