@@ -2,7 +2,7 @@
 
 Called by the scheduler: match a new sequence's prefix against cached blocks, grow its block table
 before each step, register blocks as they fill, and give everything back when it ends or is
-preempted.
+preempted. The engine also trims the slots of rejected draft tokens after a speculative step.
 """
 
 from __future__ import annotations
@@ -71,9 +71,20 @@ class BlockManager:
             seq.block_keys.append(parent)
             self.pool.register(seq.block_table[b], parent, tokens)
 
+    def trim(self, seq: Sequence) -> None:
+        """Free the blocks past those holding `seq`'s computed tokens (slots of rejected drafts).
+
+        Trailing blocks are never registered: `commit` only registers blocks of computed tokens.
+        """
+        keep = self.blocks_needed(seq.num_computed_tokens)
+        if len(seq.block_table) > keep:
+            self.pool.free(seq.block_table[keep:])
+            del seq.block_table[keep:]
+
     def free(self, seq: Sequence) -> None:
         """Release all of `seq`'s blocks (they stay in the prefix cache until evicted)."""
         self.pool.free(seq.block_table)
         seq.block_table = []
         seq.block_keys = []
         seq.num_computed_tokens = 0
+        seq.num_draft_computed_tokens = 0

@@ -58,6 +58,13 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto | torch | triton
     num_threads: int = 0  # CPU threads for torch; 0 = torch's default
     seed: int = 0
+    speculative: str = "none"  # none | ngram | draft
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    draft_model: str | None = None
+    draft_layers: int = 0
+    enforce_eager: bool = False
 
     def resolved_device(self) -> torch.device:
         import torch
@@ -89,6 +96,30 @@ class EngineConfig:
             raise ValueError("--gpu-memory-utilization must be in (0, 1]")
         self.resolved_dtype()
         parse_size(self.kv_cache_memory)
+        self._validate_speculative()
+
+    def _validate_speculative(self) -> None:
+        if self.speculative not in ("none", "ngram", "draft"):
+            raise ValueError(
+                f"--speculative must be none, ngram or draft, not {self.speculative!r}"
+            )
+        if self.draft_layers < 0:
+            raise ValueError("--draft-layers must be >= 0")
+        if self.speculative == "none":
+            return
+        if not 1 <= self.num_speculative_tokens <= 32:
+            raise ValueError("--num-speculative-tokens must be in [1, 32]")
+        if self.speculative == "ngram":
+            if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+                raise ValueError(
+                    "--prompt-lookup-min must be >= 1 and <= --prompt-lookup-max "
+                    f"(got {self.prompt_lookup_min} and {self.prompt_lookup_max})"
+                )
+        elif (self.draft_model is None) == (self.draft_layers == 0):
+            raise ValueError(
+                "--speculative draft needs exactly one of --draft-model PATH (a separate model "
+                "sharing the vocabulary) or --draft-layers N (the target's first N layers)"
+            )
 
 
 _HELP = {
@@ -105,6 +136,13 @@ _HELP = {
     "attention_backend": "auto (triton on GPU, torch on CPU), torch or triton",
     "num_threads": "CPU threads for torch (0 = torch default)",
     "seed": "seed of the sampler's shared random generator",
+    "speculative": "speculative decoding: none, ngram (prompt lookup) or draft",
+    "num_speculative_tokens": "tokens drafted per sequence and step",
+    "prompt_lookup_min": "ngram: shortest suffix to look up in the sequence's own tokens",
+    "prompt_lookup_max": "ngram: longest suffix to look up",
+    "draft_model": "draft: a separate model sharing the target's vocabulary (path or 'default')",
+    "draft_layers": "draft: early exit, the target's first N layers plus its norm and head",
+    "enforce_eager": "never capture CUDA graphs (the CPU path is always eager)",
 }
 
 

@@ -1,8 +1,10 @@
 """The engine: requests in, tokens out, one scheduled step at a time.
 
-Owns the live sequences and the stop rules (eos, stop token ids, max_tokens, context length). The
-scheduler decides what runs, the model runner computes it. Used in-process by `pdserve run-batch`
-and the benchmarks, and inside the prefill/decode workers.
+Owns the live sequences and the stop rules (eos, stop token ids, max_tokens, context length), and
+with speculative decoding the bookkeeping of each verify step: appending the accepted tokens (cut at
+a stop), rolling the KV of rejected drafts back and counting drafts. The scheduler decides what
+runs, the proposer (common.spec_decode) drafts, the model runner computes it. Used in-process by
+`pdserve run-batch` and the benchmarks, and inside the prefill/decode workers.
 """
 
 from __future__ import annotations
@@ -18,10 +20,11 @@ from common.block_pool import BlockPool
 from common.config import EngineConfig
 from common.model_runner import ModelRunner
 from common.prefix_hash import model_salt
-from common.sampler import make_generator
+from common.sampler import SampleResult, make_generator
 from common.sampling_params import SamplingParams
-from common.scheduler import Scheduler
+from common.scheduler import ScheduledSeq, Scheduler
 from common.sequence import Sequence, SequenceStatus
+from common.spec_decode import Verifier, make_proposer
 
 
 @dataclass
@@ -74,9 +77,18 @@ class Engine:
         self.pool = BlockPool(self.runner.num_blocks, config.block_size)
         salt = model_salt(str(config.model), config.dtype, config.block_size)
         self.block_manager = BlockManager(self.pool, salt, config.enable_prefix_caching)
+        self.proposer = make_proposer(config, self.runner)
+        self.verifier = Verifier(self.eos_token_ids)
         self.scheduler = Scheduler(
-            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens
+            self.block_manager,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            num_lookahead_tokens=config.num_speculative_tokens if self.proposer else 0,
+            max_model_len=self.max_model_len,
         )
+        self.num_drafts = 0  # verify rows with at least one draft token
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
         self.seqs: dict[str, Sequence] = {}  # waiting or running
         self.held: dict[str, Sequence] = {}  # finished, blocks kept until their KV is sent
         self.reserved: dict[str, Sequence] = {}  # blocks held for KV that is on its way
@@ -195,6 +207,11 @@ class Engine:
         batch = self.scheduler.schedule()
         if not batch:
             return []
+        if self.proposer is not None:
+            drafting = [item for item in batch if item.num_lookahead_tokens]
+            if drafting:
+                self.proposer.propose(drafting)
+                return self._speculative_step(batch)
         results = self.runner.execute(batch)
         outputs = []
         for item, result in zip(batch, results):
@@ -208,6 +225,69 @@ class Engine:
             )
         return outputs
 
+    def _speculative_step(self, batch: list[ScheduledSeq]) -> list[RequestOutput]:
+        """Verify the drafts, keep the accepted tokens and give back the slots of the rest."""
+        results = self.runner.execute_speculative(batch, self.verifier)
+        outputs = []
+        for item, samples in zip(batch, results):
+            seq = item.seq
+            num_drafts = len(item.draft_token_ids)
+            num_accepted = len(samples) - 1 if num_drafts else 0
+            if num_drafts:
+                self.num_drafts += 1
+                self.num_draft_tokens += num_drafts
+                self.num_accepted_tokens += num_accepted
+            # KV is valid up to the last accepted draft (the new token's is computed next step)
+            computed = seq.num_computed_tokens + item.num_new_tokens + num_accepted
+            if samples:
+                outputs.append(self._append_tokens(seq, samples))
+                computed = min(computed, seq.num_tokens - 1)
+            if seq.is_finished and seq.request_id not in self.held:
+                continue  # its blocks are already freed
+            seq.num_computed_tokens = computed
+            self.block_manager.commit(seq)  # only computed, accepted tokens' blocks
+            self.block_manager.trim(seq)
+            seq.num_draft_computed_tokens = min(seq.num_draft_computed_tokens, computed)
+        return outputs
+
+    def _append_tokens(self, seq: Sequence, samples: list[SampleResult]) -> RequestOutput:
+        """Append a verify step's tokens, stopping at the first that finishes the sequence."""
+        reason = None
+        kept = []
+        for sample in samples:
+            seq.token_ids.append(sample.token_id)
+            seq.output_logprobs.append(sample.logprob)
+            seq.output_top_logprobs.append(sample.top_logprobs)
+            kept.append(sample)
+            reason = self._finish_reason(seq, sample.token_id)
+            if reason is not None:
+                self._finish(seq, reason)
+                break
+        return RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=[s.token_id for s in kept],
+            new_logprobs=[s.logprob for s in kept],
+            new_top_logprobs=[s.top_logprobs for s in kept],
+            finished=reason is not None,
+            finish_reason=reason,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_output_tokens=seq.num_output_tokens,
+            num_cached_tokens=seq.num_cached_tokens,
+        )
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        seq.finish_reason = reason
+        del self.seqs[seq.request_id]
+        if seq.hold_blocks:
+            if seq in self.scheduler.running:
+                self.scheduler.running.remove(seq)
+            else:
+                self.scheduler.waiting.remove(seq)
+            self.held[seq.request_id] = seq
+        else:
+            self.scheduler.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+
     def _append_token(
         self,
         seq: Sequence,
@@ -220,17 +300,7 @@ class Engine:
         seq.output_top_logprobs.append(top_logprobs)
         reason = self._finish_reason(seq, token_id)
         if reason is not None:
-            seq.finish_reason = reason
-            del self.seqs[seq.request_id]
-            if seq.hold_blocks:
-                if seq in self.scheduler.running:
-                    self.scheduler.running.remove(seq)
-                else:
-                    self.scheduler.waiting.remove(seq)
-                self.held[seq.request_id] = seq
-            else:
-                self.scheduler.remove(seq)
-            seq.status = SequenceStatus.FINISHED
+            self._finish(seq, reason)
         return RequestOutput(
             request_id=seq.request_id,
             new_token_ids=[token_id],
@@ -279,4 +349,7 @@ class Engine:
             "num_preemptions_total": self.scheduler.num_preemptions,
             "prefix_cache_queries_total": self.pool.query_tokens,
             "prefix_cache_hits_total": self.pool.hit_tokens,
+            "spec_decode_num_drafts_total": self.num_drafts,
+            "spec_decode_num_draft_tokens_total": self.num_draft_tokens,
+            "spec_decode_num_accepted_tokens_total": self.num_accepted_tokens,
         }

@@ -197,11 +197,17 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        num_layers: int | None = None,
     ) -> torch.Tensor:
+        """Hidden states after the final norm; `num_layers` stops early (the early-exit draft)."""
         x = self.embed_tokens(input_ids)
         self.rotary.set_positions(positions, x.dtype)
-        for layer in self.layers:
+        layers = self.layers if num_layers is None else self.layers[:num_layers]
+        for layer in layers:
             x = layer(x, meta)
         return self.norm(x)
 

@@ -1,13 +1,16 @@
 """Runs the model for one scheduled step: builds the flat batch, runs the forward, samples.
 
 Owns the model weights on their device, the KV cache tensors (sized from the memory budget) and the
-sampler. Called by the engine once per step with the scheduler's decision.
+sampler; with `--draft-model` also the draft model and its KV cache, laid out like the target's and
+addressed by the same block tables. Called by the engine once per step with the scheduler's decision
+(`execute`, or `execute_speculative` when the step verifies draft tokens).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -17,6 +20,12 @@ from common.config import EngineConfig, parse_size
 from common.model import CausalLM, head_dim_of, set_attention_backend
 from common.sampler import Sampler, SampleResult, SamplingState
 from common.scheduler import ScheduledSeq
+
+if TYPE_CHECKING:
+    from common.spec_decode import Verifier
+
+# One row of a forward: input token ids, the position of the first, the sequence's block table.
+Row = tuple[list[int], int, list[int]]
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +77,11 @@ class ModelRunner:
         if self.device.type == "cpu" and torch.backends.mkldnn.is_available():
             self.model.pack_for_cpu()
         self.model.rotary.to_device(self.device)
+        self.draft_model: CausalLM | None = None
+        if config.speculative == "draft":
+            self._check_draft_layers(hf_config)
+        if config.speculative == "draft" and config.draft_model is not None:
+            self.draft_model = self._load_draft(config.draft_model, hf_config)
         self.num_blocks = self._num_blocks(hf_config)
         if self.num_blocks * self.block_size < self.max_model_len:
             raise ValueError(
@@ -88,6 +102,21 @@ class ModelRunner:
         for i, layer in enumerate(self.model.layers):
             layer.self_attn.k_cache = self.kv_cache[i, 0]
             layer.self_attn.v_cache = self.kv_cache[i, 1]
+        if self.draft_model is not None:
+            draft_config = self.draft_model.config
+            self.draft_kv_cache = torch.zeros(
+                draft_config.num_hidden_layers,
+                2,
+                self.num_blocks,
+                self.block_size,
+                draft_config.num_key_value_heads,
+                head_dim_of(draft_config),
+                dtype=self.dtype,
+                device=self.device,
+            )
+            for i, layer in enumerate(self.draft_model.layers):
+                layer.self_attn.k_cache = self.draft_kv_cache[i, 0]
+                layer.self_attn.v_cache = self.draft_kv_cache[i, 1]
         self.sampler = Sampler()
         log.info(
             "model ready: %d KV blocks of %d tokens (%s, %s)",
@@ -97,8 +126,37 @@ class ModelRunner:
             self.device,
         )
 
+    def _check_draft_layers(self, hf_config) -> None:
+        layers = self.config.draft_layers
+        if layers >= hf_config.num_hidden_layers:
+            raise ValueError(
+                f"--draft-layers {layers} must be less than the target's "
+                f"{hf_config.num_hidden_layers} layers"
+            )
+
+    def _load_draft(self, path: str, hf_config) -> CausalLM:
+        """The separate draft model, on the target's device and dtype; same vocabulary required."""
+        from common.model_files import resolve_model
+        from common.weights import iter_weights
+
+        source = resolve_model(path)
+        if int(source.hf_config.vocab_size) != int(hf_config.vocab_size):
+            raise ValueError(
+                f"--draft-model has a vocabulary of {source.hf_config.vocab_size} tokens, the "
+                f"target {hf_config.vocab_size}: they must share one vocabulary"
+            )
+        draft = CausalLM(source.hf_config, max_positions=self.max_model_len)
+        draft.load_weights(iter_weights(source))
+        draft = draft.to(device=self.device, dtype=self.dtype).eval()
+        if self.device.type == "cpu" and torch.backends.mkldnn.is_available():
+            draft.pack_for_cpu()
+        draft.rotary.to_device(self.device)
+        return draft
+
     def _num_blocks(self, hf_config) -> int:
         per_block = kv_bytes_per_block(hf_config, self.block_size, self.dtype)
+        if self.draft_model is not None:  # the draft's cache has as many blocks as the target's
+            per_block += kv_bytes_per_block(self.draft_model.config, self.block_size, self.dtype)
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             used = total - free
@@ -108,19 +166,28 @@ class ModelRunner:
         return max(budget // per_block, 0)
 
     def _prepare(self, batch: list[ScheduledSeq]):
+        rows = []
+        for item in batch:
+            seq, start = item.seq, item.seq.num_computed_tokens
+            tokens = seq.token_ids[start : start + item.num_new_tokens]
+            rows.append((tokens, start, seq.block_table))
+        return self.prepare_rows(rows)
+
+    def prepare_rows(self, rows: list[Row]):
+        """(input ids, positions, attention metadata) of a forward over `rows`."""
         bs = self.block_size
         input_ids: list[int] = []
         slots: list[np.ndarray] = []
         positions: list[np.ndarray] = []
         query_lens: list[int] = []
         seq_lens: list[int] = []
-        max_blocks = max(len(s.seq.block_table) for s in batch)
-        tables = np.zeros((len(batch), max_blocks), dtype=np.int32)
-        for i, item in enumerate(batch):
-            seq, start, n = item.seq, item.seq.num_computed_tokens, item.num_new_tokens
-            input_ids.extend(seq.token_ids[start : start + n])
+        max_blocks = max(len(row[2]) for row in rows)
+        tables = np.zeros((len(rows), max_blocks), dtype=np.int32)
+        for i, (tokens, start, block_table) in enumerate(rows):
+            n = len(tokens)
+            input_ids.extend(tokens)
             pos = np.arange(start, start + n)
-            table = np.asarray(seq.block_table, dtype=np.int64)
+            table = np.asarray(block_table, dtype=np.int64)
             tables[i, : len(table)] = table
             positions.append(pos)
             slots.append(table[pos // bs] * bs + pos % bs)
@@ -172,4 +239,57 @@ class ModelRunner:
         ]
         for i, result in zip(ends, self.sampler(logits, states)):
             results[i] = result
+        return results
+
+    @torch.inference_mode()
+    def execute_speculative(
+        self, batch: list[ScheduledSeq], verifier: Verifier
+    ) -> list[list[SampleResult]]:
+        """Like `execute`, in the same single forward, with each row's draft tokens appended.
+
+        A row with drafts gets logits at every one of its last k+1 positions and `verifier` keeps
+        the accepted drafts plus one token; other rows sample as in `execute`. Returns each row's
+        new tokens (none for a prefill chunk short of the prompt's end).
+        """
+        rows = []
+        for item in batch:
+            seq, start = item.seq, item.seq.num_computed_tokens
+            tokens = seq.token_ids[start : start + item.num_new_tokens] + item.draft_token_ids
+            rows.append((tokens, start, seq.block_table))
+        ids, pos, meta = self.prepare_rows(rows)
+        hidden = self.model(ids, pos, meta)
+        ends = np.cumsum(meta.query_lens_cpu).tolist()
+        plain: list[int] = []  # batch rows sampling one token
+        verify: list[int] = []  # batch rows verifying drafts
+        plain_index: list[int] = []  # hidden rows whose logits are needed
+        verify_index: list[int] = []
+        for i, item in enumerate(batch):
+            if item.draft_token_ids:
+                verify.append(i)
+                verify_index.extend(range(ends[i] - len(item.draft_token_ids) - 1, ends[i]))
+            elif item.seq.num_computed_tokens + item.num_new_tokens == item.seq.num_tokens:
+                plain.append(i)
+                plain_index.append(ends[i] - 1)
+        index = plain_index + verify_index
+        results: list[list[SampleResult]] = [[] for _ in batch]
+        if not index:
+            return results
+        logits = self.model.compute_logits(hidden[torch.tensor(index, device=hidden.device)])
+        if plain:
+            states = [
+                SamplingState(
+                    params=batch[i].seq.params,
+                    prompt_token_ids=batch[i].seq.prompt_token_ids,
+                    output_token_ids=batch[i].seq.output_token_ids,
+                    generator=batch[i].seq.generator,
+                    eos_token_ids=self.eos_token_ids,
+                )
+                for i in plain
+            ]
+            for i, result in zip(plain, self.sampler(logits[: len(plain)], states)):
+                results[i] = [result]
+        if verify:
+            accepted = verifier.verify(logits[len(plain) :], [batch[i] for i in verify])
+            for i, samples in zip(verify, accepted):
+                results[i] = samples
         return results

@@ -95,6 +95,27 @@ class Sampler:
                 token_ids[i] = t
         return _results(logits, token_ids, states, raw)
 
+    def process_logits(self, logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
+        """The float32 scores each row's token is drawn from, as a new tensor.
+
+        min_tokens masking and penalties for every row; for random rows also temperature and
+        top-k/top-p/min-p (dropped tokens at -inf). A greedy row's token is the argmax, a random
+        row's distribution is the softmax: what speculative decoding verifies drafts against.
+        """
+        x = logits.float().clone()
+        blocked = [_min_tokens_blocked(s) for s in states]
+        if any(blocked) or any(s.params.has_penalties for s in states):
+            _mask_min_tokens(x, blocked)
+            _apply_penalties(x, states)
+        random_rows = [i for i, s in enumerate(states) if not s.params.greedy]
+        if random_rows:
+            scratch = self._buffer("scratch", logits.shape, logits.device)
+            sub = _take_rows(x, random_rows)
+            _scale_and_truncate(sub, [states[i].params for i in random_rows], scratch)
+            if sub is not x:
+                x[torch.tensor(random_rows, device=x.device)] = sub
+        return x
+
     def _buffer(self, name: str, shape: torch.Size, device: torch.device) -> torch.Tensor:
         rows, vocab = shape
         buf = self._buffers.get(name)
@@ -107,16 +128,7 @@ class Sampler:
 
 def _sample(x: torch.Tensor, states: list[SamplingState], scratch: torch.Tensor) -> list[int]:
     """Random sampling; x [R, V] is float32, owned by the sampler and overwritten."""
-    params = [s.params for s in states]
-    x.div_(_column([p.temperature for p in params], x))
-    cutoff = _truncation_cutoffs(x, params, scratch)
-    cut_rows = torch.isfinite(cutoff.squeeze(1)).nonzero().squeeze(1)
-    if len(cut_rows) == len(states):
-        x.masked_fill_(x < cutoff, -math.inf)
-    elif len(cut_rows) > 0:
-        sub = x[cut_rows]
-        x[cut_rows] = sub.masked_fill_(sub < cutoff[cut_rows], -math.inf)
-
+    _scale_and_truncate(x, [s.params for s in states], scratch)
     # Exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) picks token i with probability p_i.
     # In log space that is argmax(logit_i - log E_i), with E = -log U, U ~ Uniform[0, 1): no
     # softmax, and U = 0 gives E = inf, which can only lose (never a NaN).
@@ -130,6 +142,20 @@ def _sample(x: torch.Tensor, states: list[SamplingState], scratch: torch.Tensor)
                 noise[i].copy_(torch.rand(x.shape[1], generator=s.generator))
     noise.log_().neg_().log_()
     return _argmax(x.sub_(noise))
+
+
+def _scale_and_truncate(
+    x: torch.Tensor, params: list[SamplingParams], scratch: torch.Tensor
+) -> None:
+    """Temperature, then top-k/top-p/min-p as -inf, in place on x [R, V] (float32)."""
+    x.div_(_column([p.temperature for p in params], x))
+    cutoff = _truncation_cutoffs(x, params, scratch)
+    cut_rows = torch.isfinite(cutoff.squeeze(1)).nonzero().squeeze(1)
+    if len(cut_rows) == len(params):
+        x.masked_fill_(x < cutoff, -math.inf)
+    elif len(cut_rows) > 0:
+        sub = x[cut_rows]
+        x[cut_rows] = sub.masked_fill_(sub < cutoff[cut_rows], -math.inf)
 
 
 def _min_tokens_blocked(state: SamplingState) -> list[int]:

@@ -31,6 +31,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     min_tokens: int = 0
+    disable_speculation: bool = False  # decode this request one token a step even when drafting
 
     @property
     def greedy(self) -> bool:

@@ -2,33 +2,49 @@
 
 One step mixes decode tokens of running sequences with (chunked) prefill of new ones under a token
 budget, as vLLM v1 does. Running sequences go first, oldest first; when blocks run out the newest
-running sequence is preempted (its blocks freed, its tokens recomputed later). Called by the engine.
+running sequence is preempted (its blocks freed, its tokens recomputed later). With speculative
+decoding a decoding sequence also gets slots (and budget) for up to `num_lookahead_tokens` draft
+tokens, when they fit without preempting anyone. Called by the engine.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from common.block_manager import BlockManager
 from common.sequence import Sequence, SequenceStatus
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
 class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int  # tokens whose KV this step computes, starting at seq.num_computed_tokens
+    num_lookahead_tokens: int = 0  # slots reserved past them for draft tokens to verify
+    draft_token_ids: list[int] = field(default_factory=list)  # set by the proposer, then verified
+    draft_probs: torch.Tensor | None = None  # [k, vocab] the drafts were sampled from; None: fixed
 
 
 class Scheduler:
     """Waiting queue, running set and the per-step admission decision."""
 
     def __init__(
-        self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        num_lookahead_tokens: int = 0,
+        max_model_len: int | None = None,
     ) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.num_lookahead_tokens = num_lookahead_tokens
+        self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -54,6 +70,22 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
+    def _lookahead(self, seq: Sequence, n: int, budget: int) -> int:
+        """How many draft tokens a decoding sequence may verify this step (0: plain decode)."""
+        if (
+            self.num_lookahead_tokens == 0
+            or n != 1
+            or seq.num_tokens - seq.num_computed_tokens != 1
+            or seq.params.disable_speculation
+            or seq.hold_blocks
+        ):
+            return 0
+        # every accepted draft is an output token: stay within max_tokens and the context
+        room = seq.params.max_tokens - seq.num_output_tokens - 1
+        if self.max_model_len is not None:
+            room = min(room, self.max_model_len - seq.num_tokens - 1)
+        return max(0, min(self.num_lookahead_tokens, budget - 1, room))
+
     def schedule(self) -> list[ScheduledSeq]:
         """Pick this step's work; every returned sequence has blocks for its new tokens."""
         budget = self.max_num_batched_tokens
@@ -65,6 +97,13 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            lookahead = self._lookahead(seq, n, budget)
+            if lookahead and self.block_manager.ensure_slots(
+                seq, seq.num_computed_tokens + n + lookahead
+            ):
+                scheduled.append(ScheduledSeq(seq, n, lookahead))
+                budget -= n + lookahead
+                continue
             while not self.block_manager.ensure_slots(seq, seq.num_computed_tokens + n):
                 victim = self.running[-1]
                 self._preempt(victim)
