@@ -83,15 +83,19 @@ def shared_prefix_dataset(
         f"You are the assistant of tenant {t}. " + _text(rng, system_prompt_tokens)
         for t in range(tenants)
     ]
+    # Tenants in random order (each at least once when n allows): a fixed cycle would line up
+    # with round-robin routing and hand every tenant to the same worker by accident.
+    order = [i % tenants for i in range(n)]
+    rng.shuffle(order)
     return [
         BenchRequest(
             output_tokens,
             messages=[
-                {"role": "system", "content": systems[i % tenants]},
+                {"role": "system", "content": systems[tenant]},
                 {"role": "user", "content": _text(rng, question_tokens) + "?"},
             ],
         )
-        for i in range(n)
+        for tenant in order
     ]
 
 
