@@ -120,18 +120,27 @@ class DraftProposer:
         items: list[ScheduledSeq],
         probs: dict[int, list[torch.Tensor]],
     ) -> list[int]:
-        """Greedy rows: the draft's argmax. Random rows: a draw from the draft's processed
-        distribution, kept for the rejection sampler."""
+        """The draft's next token per row, chosen as the target's sampler would from the draft's
+        logits: argmax for greedy rows, a draw (its distribution kept) for random rows."""
         tokens = logits.max(dim=-1).indices.tolist()
-        rows = [i for i, item in enumerate(items) if not item.seq.params.greedy]
-        if not rows:
+        states = {
+            i: _state(item, len(item.draft_token_ids), self.eos_token_ids)
+            for i, item in enumerate(items)
+            if not item.seq.params.greedy
+            or item.seq.params.has_penalties
+            or item.seq.params.min_tokens > item.seq.num_output_tokens
+        }
+        if not states:
             return tokens
-        states = [_state(items[i], len(items[i].draft_token_ids), self.eos_token_ids) for i in rows]
-        scores = self.sampler.process_logits(logits[torch.tensor(rows)], states)
-        dist = torch.softmax(scores, dim=-1)
+        rows = list(states)
+        scores = self.sampler.process_logits(logits[torch.tensor(rows)], list(states.values()))
         for j, i in enumerate(rows):
-            tokens[i] = draw(dist[j], items[i].seq.generator)
-            probs[id(items[i])].append(dist[j])
+            if items[i].seq.params.greedy:
+                tokens[i] = int(scores[j].argmax())
+            else:
+                dist = torch.softmax(scores[j], dim=-1)
+                tokens[i] = draw(dist, items[i].seq.generator)
+                probs[id(items[i])].append(dist)
         return tokens
 
 
