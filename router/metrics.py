@@ -29,8 +29,9 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
                 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)  # fmt: skip
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
                0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
-E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
-               120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+# Seconds, from a GPU's few milliseconds per token to a 2-core CPU's minutes per long request.
+E2E_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
+               40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
 _NAME_BAD_CHARS = re.compile(r"[^a-zA-Z0-9_:]")
 
 Labels = tuple[tuple[str, str], ...]
@@ -51,7 +52,7 @@ class RouterMetrics:
         self.ttft = Histogram(TTFT_BUCKETS)
         self.itl = Histogram(ITL_BUCKETS)
         self.e2e = Histogram(E2E_BUCKETS)
-        self.queue_time = Histogram(E2E_BUCKETS)
+        self.queue_time = Histogram(TTFT_BUCKETS)
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.request_success_total: dict[str, int] = defaultdict(int)  # by finish reason
