@@ -147,6 +147,10 @@ def cmd_up(args: argparse.Namespace) -> int:
     ]
     if args.prefill == 0:
         router_cmd.append("--colocated")
+    if args.routing:
+        router_cmd += ["--routing", args.routing]
+    if args.local_prefill_max_tokens is not None:
+        router_cmd += ["--local-prefill-max-tokens", str(args.local_prefill_max_tokens)]
     if args.api_key:
         router_cmd += ["--api-key", args.api_key]
     if args.served_model_name:
@@ -236,6 +240,19 @@ def add_stage_parsers(commands) -> None:
         type=int,
         default=int(_env("NUM_THREADS", "0")),
         help="torch threads per worker (default: cores / workers)",
+    )
+    up.add_argument(
+        "--routing",
+        choices=("prefix", "round_robin", "least_loaded"),
+        default=None,
+        help="the router's prefill worker choice (default: the router's, prefix; env "
+        "PDSERVE_ROUTING). Other router flags: their PDSERVE_* variables",
+    )
+    up.add_argument(
+        "--local-prefill-max-tokens",
+        type=int,
+        default=None,
+        help="prompts up to this many tokens prefill on the decode worker (router default 256)",
     )
     up.add_argument("--api-key", default=_env("API_KEY", ""))
     up.add_argument("--served-model-name", nargs="+", default=None)

@@ -52,6 +52,10 @@ def test_up_serves_and_stops_everything(chat_model_dir):
             "1",
             "--decode",
             "1",
+            "--routing",
+            "round_robin",
+            "--local-prefill-max-tokens",
+            "0",
             "--",
             "--kv-cache-memory",
             "64MiB",
@@ -59,12 +63,15 @@ def test_up_serves_and_stops_everything(chat_model_dir):
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
-        env=dict(os.environ, PDSERVE_LOCAL_PREFILL_MAX_TOKENS="0"),
     )
     try:
         line = proc.stdout.readline()
         assert f"http://127.0.0.1:{port}/v1" in line, line
-        assert len(children_alive(marker)) == 4
+        children = children_alive(marker)
+        assert len(children) == 4
+        router = [c for c in children if " router " in c]
+        assert len(router) == 1
+        assert "--routing round_robin --local-prefill-max-tokens 0" in router[0]
         c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
         r = c.chat.completions.create(
             model=str(chat_model_dir), max_tokens=4, messages=[{"role": "user", "content": "Hi"}]
