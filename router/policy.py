@@ -116,11 +116,12 @@ class PrefillPolicy:
         scored = []
         n = len(candidates)
         for i, w in enumerate(candidates):
-            salt = w.info.kv_salt
+            salt = w.info.kv_salt  # empty: a worker that reports no KV events
             keys = keys_by_salt.get(salt)
             if keys is None:
-                keys = keys_by_salt[salt] = block_keys(prompt, w.info.block_size, salt)
-            matched = self.index.match(w.worker_id, keys) * w.info.block_size if salt else 0
+                keys = block_keys(prompt, w.info.block_size, salt) if salt else []
+                keys_by_salt[salt] = keys
+            matched = self.index.match(w.worker_id, keys) * w.info.block_size
             score = matched - p.load_weight * loads[w.worker_id]
             # Highest score, then lowest load, then in turn (rotating with each request).
             scored.append(((-score, loads[w.worker_id], (i - turn) % n), w, matched, keys))

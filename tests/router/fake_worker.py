@@ -88,6 +88,7 @@ class FakeWorker:
         token_delay_s: float = 0.01,
         heartbeat_interval_s: float = 0.2,
         register: bool = True,
+        kv_salt: bytes = b"",  # prefix-key salt; a test sends KVEvents itself (`send`)
     ) -> None:
         self.role, self.worker_id = role, worker_id
         self.reserve_mode, self.generate_mode, self.prefill_mode = reserve, generate, prefill
@@ -109,7 +110,9 @@ class FakeWorker:
             host=host,
             kv_address=self.kv_address,
             transports=list(transports),
+            kv_salt=kv_salt,
         )
+        self.kv_events_seq = -1  # what heartbeats report as the last KVEvents seq sent
         self.received: list[Any] = []  # every control message from the router, in order
         self.acks: list[RegisterAck] = []
         self.heartbeats_on = True
@@ -176,7 +179,8 @@ class FakeWorker:
                 now = time.monotonic()
                 if self.heartbeats_on and now >= next_heartbeat:
                     self._send(Heartbeat(self.worker_id, len(self._streams), 0, 900, 1000, 0,
-                                         {"fake_steps_total": 3.0}))  # fmt: skip
+                                         {"fake_steps_total": 3.0},
+                                         kv_events_seq=self.kv_events_seq))  # fmt: skip
                     next_heartbeat = now + self.heartbeat_interval_s
                 while True:
                     try:

@@ -12,10 +12,13 @@ import time
 import httpx
 import pytest
 
+from common.prefix_hash import block_keys, model_salt
 from common.protocol import (
     HEARTBEAT_TIMEOUT_S,
     Abort,
     Generate,
+    KVEvents,
+    KVResync,
     Prefill,
     Reserve,
 )
@@ -250,3 +253,35 @@ def test_client_gone_before_a_whole_response_aborts(router: RouterThread) -> Non
         complete(router, SHORT, max_tokens=1000, timeout=0.5)
     rid = d0.wait_for(Generate).request_id
     d0.wait_for(Abort, lambda m: m.request_id == rid, timeout_s=3)
+
+
+def test_prefix_index_routes_resyncs_and_forgets_dead_workers() -> None:
+    salt = model_salt("default", "float32", 16)
+    keys = block_keys(LONG, 16, salt)  # LONG's 2 full blocks
+    with RouterThread(local_prefill_max_tokens=8, heartbeat_timeout_s=1.0) as router:
+        index = router.server.prefix_index
+        router.worker("decode", "d0")
+        p0 = router.worker("prefill", "p0", kv_salt=salt)
+        p1 = router.worker("prefill", "p1", kv_salt=salt)
+        p1.send(KVEvents("p1", 0, keys, [], reset=True))
+        deadline = time.monotonic() + 5
+        while index.match("p1", keys) < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        for _ in range(3):  # the holder gets the prompt every time
+            assert complete(router, LONG).status_code == 200
+        assert len(p1.messages(Prefill)) == 3 and not p0.messages(Prefill)
+        assert index.match("p0", keys) == 0  # pending keys went to p1 only
+        # A gap in p1's events (seq 1 lost): the router asks for a snapshot.
+        p1.send(KVEvents("p1", 2, [], keys[1:]))
+        assert "gap" in p1.wait_for(KVResync).reason
+        # p0's heartbeats say it sent seq 4, none of which arrived: a lost tail, same answer.
+        p0.kv_events_seq = 4
+        p0.wait_for(KVResync, timeout_s=3)
+        # p1 dies: its index entries go with it.
+        p1.die()
+        deadline = time.monotonic() + 5
+        while "p1" in index.worker_ids():
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert 'worker="p1"' not in httpx.get(router.url + "/metrics").text
