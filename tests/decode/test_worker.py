@@ -16,6 +16,7 @@ import pytest
 import zmq
 
 from common import protocol
+from common.prefix_hash import block_keys
 from common.protocol import (
     Abort,
     KVHeader,
@@ -174,3 +175,28 @@ def test_abort_during_transfer_frees_both_sides(cluster):
     prefill_engine.release("gone")
     wait_free(worker.engine)
     wait_free(prefill_engine)
+
+
+def test_worker_reports_kv_events_and_snapshots_on_request(cluster) -> None:
+    router, worker, _, _ = cluster
+    first = router.recv(protocol.KVEvents)  # right after registering: a full snapshot
+    assert first.reset and first.seq == 0 and first.worker_id == "decode-t"
+    prompt = prompts(7)[6][:20]  # 2 full blocks of 8
+    router.send(protocol.Generate("g1", prompt, dataclasses.replace(GREEDY, max_tokens=2)))
+    stored: list[bytes] = []
+    seq = first.seq
+    while len(stored) < 2:
+        ev = router.recv(protocol.KVEvents)
+        assert ev.seq == seq + 1 and not ev.reset  # numbered without gaps
+        seq = ev.seq
+        stored += ev.stored
+    keys = block_keys(prompt, 8, worker.engine.block_manager.salt)
+    assert stored[:2] == keys
+    router.send(protocol.KVResync("test"))
+    snap = router.recv(protocol.KVEvents)
+    assert snap.reset and snap.seq == seq + 1 and set(keys) <= set(snap.stored)
+    # Forgotten by the router: it registers again, and a snapshot follows.
+    router.send(RegisterAck(accepted=False, reason=protocol.REREGISTER_REASON))
+    router.recv(protocol.Register)
+    again = router.recv(protocol.KVEvents)
+    assert again.reset and set(keys) <= set(again.stored)
