@@ -91,13 +91,15 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
         preempted = False
-        for seq in list(self.running):
+        running = list(self.running)
+        for index, seq in enumerate(running):
             if budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            lookahead = self._lookahead(seq, n, budget)
+            # drafts only from budget the running sequences behind this one do not need
+            lookahead = self._lookahead(seq, n, budget - (len(running) - index - 1))
             if lookahead and self.block_manager.ensure_slots(
                 seq, seq.num_computed_tokens + n + lookahead
             ):
