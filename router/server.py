@@ -275,9 +275,12 @@ class RouterServer:
         )
 
         if isinstance(msg, Register):
-            if self.registry.get(msg.worker_id) is None:
-                self.prefix_index.remove(msg.worker_id)  # a fresh start: its snapshot follows
-            self._send_to(identity, self.registry.register(identity, msg))
+            ack = self.registry.register(identity, msg)
+            if ack.accepted:
+                # A worker sends a full KV snapshot after every Register (maybe as a new process
+                # whose seq starts again at 0): start its index afresh.
+                self.prefix_index.remove(msg.worker_id)
+            self._send_to(identity, ack)
             return
         if isinstance(msg, Heartbeat):  # heartbeats may come from a socket of their own
             worker = self.registry.on_heartbeat(msg)
