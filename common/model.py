@@ -123,7 +123,7 @@ class Attention(nn.Module):
             qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
         qk = self.rotary(qk)  # q and k rotated in one go
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        kv_writer(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         out = attention_backend(q, self.k_cache, self.v_cache, meta, self.scale, k, v)
         return self.o_proj(out.flatten(1))
 
@@ -138,14 +138,23 @@ def _triton_backend(q, k_cache, v_cache, meta, scale, new_k, new_v):
     return paged_attention_triton(q, k_cache, v_cache, meta, scale)
 
 
+def _triton_kv_writer(k, v, k_cache, v_cache, slot_mapping):
+    from common.triton_attention import write_kv_cache_triton
+
+    write_kv_cache_triton(k, v, k_cache, v_cache, slot_mapping)  # skips negative (padding) slots
+
+
 ATTENTION_BACKENDS = {"torch": _torch_backend, "triton": _triton_backend}
+KV_WRITERS = {"torch": write_kv_cache, "triton": _triton_kv_writer}
 attention_backend = _torch_backend
+kv_writer = write_kv_cache
 
 
 def set_attention_backend(name: str) -> None:
     """Choose the paged-attention implementation ('torch' on CPU, 'triton' on GPU)."""
-    global attention_backend
+    global attention_backend, kv_writer
     attention_backend = ATTENTION_BACKENDS[name]
+    kv_writer = KV_WRITERS[name]
 
 
 class MLP(nn.Module):
