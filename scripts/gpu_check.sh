@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Runs every test that needs CUDA (each skips on a machine without it) and reports the GPU seen.
+# Runs every test that needs CUDA (each skips on a machine without it), then a short GPU
+# benchmark (eager vs CUDA-graph decode steps, Triton paged attention vs SDPA) that prints tables.
 # Usage: scripts/gpu_check.sh [extra pytest args]. Uses .venv/bin/python if present, else python3.
+# Under 8 minutes on one H100/H200-class GPU (mostly Triton compiling).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=python3
@@ -11,9 +13,13 @@ if not torch.cuda.is_available():
     raise SystemExit("gpu_check: no CUDA device visible; nothing to check")
 print(f"gpu_check: {torch.cuda.get_device_name(0)}, torch {torch.__version__}")
 PYEOF
-# CUDA-only tests: Triton kernels compiled on the device (same tests run interpreted on CPU),
-# CUDA IPC KV transfer between two processes.
-exec "$PY" -m pytest -q -rs \
+# CUDA-only tests: Triton kernels compiled on the device (the same tests run interpreted on the
+# CPU), CUDA graph replay against eager, CUDA IPC KV transfer between two processes.
+status=0
+"$PY" -m pytest -q -rs \
   tests/common/test_attention.py \
+  tests/common/test_cuda_graph.py \
   tests/kvtransfer/test_cuda_ipc.py \
-  "$@"
+  "$@" || status=$?
+"$PY" benchmarks/gpu_decode.py || status=$?
+exit "$status"
