@@ -16,7 +16,8 @@ length (tokens a verifying sequence gains per step: 1 + accepted drafts / drafts
 float32; bfloat16 may flip near-ties).
 
     python benchmarks/spec_decode.py [--model default] [--dtype bfloat16] [--max-tokens 160]
-        [--num-speculative-tokens 4] [--draft-layers 8] [--methods none,ngram,draft]
+        [--num-speculative-tokens 4] [--draft-layers 8] [--speculative-disable-by-batch-size N]
+        [--methods none,ngram,draft]
         [--workloads repetitive,chat] [--batch-sizes 1,8] [--repeats 2] [--threads N] [--quick]
         [--json PATH]
 
@@ -139,6 +140,7 @@ def engine_config(args: argparse.Namespace, method: str) -> EngineConfig:
     extra: dict = {}
     if method == "ngram":
         extra = dict(
+            speculative_disable_by_batch_size=args.speculative_disable_by_batch_size,
             speculative="ngram",
             num_speculative_tokens=args.num_speculative_tokens,
             prompt_lookup_min=args.prompt_lookup_min,
@@ -146,6 +148,7 @@ def engine_config(args: argparse.Namespace, method: str) -> EngineConfig:
         )
     elif method == "draft":
         extra = dict(
+            speculative_disable_by_batch_size=args.speculative_disable_by_batch_size,
             speculative="draft",
             num_speculative_tokens=args.num_speculative_tokens,
             draft_layers=args.draft_layers,
@@ -184,6 +187,12 @@ def main() -> int:
     parser.add_argument("--prompt-lookup-min", type=int, default=2)
     parser.add_argument("--prompt-lookup-max", type=int, default=4)
     parser.add_argument("--draft-layers", type=int, default=8)
+    parser.add_argument(
+        "--speculative-disable-by-batch-size",
+        type=int,
+        default=None,
+        help="the engine flag (default: its own, 2 on CPU; 0 = draft at every batch size)",
+    )
     parser.add_argument("--methods", default="none,ngram,draft")
     parser.add_argument("--workloads", default="repetitive,chat")
     parser.add_argument("--batch-sizes", default="1,8")

@@ -64,7 +64,9 @@ class EngineConfig:
     prompt_lookup_max: int = 4
     draft_model: str | None = None
     draft_layers: int = 0
+    speculative_disable_by_batch_size: int | None = None  # None: auto (see the flag's help)
     enforce_eager: bool = False
+    cuda_graph_max_batch: int = 256
 
     def resolved_device(self) -> torch.device:
         import torch
@@ -96,6 +98,8 @@ class EngineConfig:
             raise ValueError("--gpu-memory-utilization must be in (0, 1]")
         self.resolved_dtype()
         parse_size(self.kv_cache_memory)
+        if self.cuda_graph_max_batch < 1:
+            raise ValueError("--cuda-graph-max-batch must be >= 1")
         self._validate_speculative()
 
     def _validate_speculative(self) -> None:
@@ -105,6 +109,9 @@ class EngineConfig:
             )
         if self.draft_layers < 0:
             raise ValueError("--draft-layers must be >= 0")
+        limit = self.speculative_disable_by_batch_size
+        if limit is not None and limit < 0:
+            raise ValueError("--speculative-disable-by-batch-size must be >= 0")
         if self.speculative == "none":
             return
         if not 1 <= self.num_speculative_tokens <= 32:
@@ -142,7 +149,11 @@ _HELP = {
     "prompt_lookup_max": "ngram: longest suffix to look up",
     "draft_model": "draft: a separate model sharing the target's vocabulary (path or 'default')",
     "draft_layers": "draft: early exit, the target's first N layers plus its norm and head",
+    "speculative_disable_by_batch_size": "no drafting while more than N sequences run (verifying "
+    "costs compute a busy CPU does not have); 0 = never; default: 2 on CPU, 0 on GPU",
     "enforce_eager": "never capture CUDA graphs (the CPU path is always eager)",
+    "cuda_graph_max_batch": "largest decode batch captured as a CUDA graph (sizes 1, 2, 4, 8, "
+    "then every 8); larger batches run eagerly",
 }
 
 

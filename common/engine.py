@@ -42,6 +42,9 @@ class RequestOutput:
     num_cached_tokens: int
 
 
+CPU_SPECULATIVE_MAX_BATCH = 2  # --speculative-disable-by-batch-size's default on a CPU
+
+
 def config_eos_ids(hf_config) -> frozenset[int]:
     eos = getattr(hf_config, "eos_token_id", None)
     if eos is None:
@@ -85,6 +88,7 @@ class Engine:
             config.max_num_batched_tokens,
             num_lookahead_tokens=config.num_speculative_tokens if self.proposer else 0,
             max_model_len=self.max_model_len,
+            speculative_max_batch=self._speculative_max_batch(),
         )
         self.num_drafts = 0  # verify rows with at least one draft token
         self.num_draft_tokens = 0
@@ -94,6 +98,15 @@ class Engine:
         self.reserved: dict[str, Sequence] = {}  # blocks held for KV that is on its way
         self.vocab_size = int(hf_config.vocab_size)
         self._ids = itertools.count()
+
+    def _speculative_max_batch(self) -> int:
+        """Most running sequences that still draft (0: no limit). On a CPU a verify row costs
+        nearly its k+1 tokens of compute, so beyond a couple of sequences drafting only slows the
+        batch; a GPU verifies for almost free."""
+        limit = self.config.speculative_disable_by_batch_size
+        if limit is None:
+            limit = 0 if self.runner.device.type == "cuda" else CPU_SPECULATIVE_MAX_BATCH
+        return limit
 
     def add_request(
         self,

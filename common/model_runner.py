@@ -2,8 +2,10 @@
 
 Owns the model weights on their device, the KV cache tensors (sized from the memory budget) and the
 sampler; with `--draft-model` also the draft model and its KV cache, laid out like the target's and
-addressed by the same block tables. Called by the engine once per step with the scheduler's decision
-(`execute`, or `execute_speculative` when the step verifies draft tokens).
+addressed by the same block tables; on CUDA (unless `--enforce-eager`) the captured decode graphs
+(`common.cuda_graph`) that replay uniform decode and verify steps. Called by the engine once per
+step with the scheduler's decision (`execute`, or `execute_speculative` when the step verifies
+draft tokens).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from common.sampler import Sampler, SampleResult, SamplingState
 from common.scheduler import ScheduledSeq
 
 if TYPE_CHECKING:
+    from common.cuda_graph import DecodeGraphs
     from common.spec_decode import Verifier
 
 # One row of a forward: input token ids, the position of the first, the sequence's block table.
@@ -118,6 +121,9 @@ class ModelRunner:
                 layer.self_attn.k_cache = self.draft_kv_cache[i, 0]
                 layer.self_attn.v_cache = self.draft_kv_cache[i, 1]
         self.sampler = Sampler()
+        self.graphs: dict[int, DecodeGraphs] = {}  # by query tokens per sequence
+        if self.device.type == "cuda" and not config.enforce_eager and backend == "triton":
+            self._capture_graphs()
         log.info(
             "model ready: %d KV blocks of %d tokens (%s, %s)",
             self.num_blocks,
@@ -125,6 +131,37 @@ class ModelRunner:
             self.dtype,
             self.device,
         )
+
+    def _capture_graphs(self) -> None:
+        """CUDA graphs for plain decode steps and, with speculation, for k+1-token verify steps."""
+        from common.cuda_graph import DecodeGraphs
+
+        max_batch = min(self.config.max_num_seqs, self.config.cuda_graph_max_batch)
+        query_lens = [1]
+        if self.config.speculative != "none":
+            query_lens.append(self.config.num_speculative_tokens + 1)
+        for query_len in query_lens:
+            graphs = DecodeGraphs(
+                self.model,
+                max_batch=max_batch,
+                query_len=query_len,
+                max_model_len=self.max_model_len,
+                block_size=self.block_size,
+                device=self.device,
+            )
+            graphs.capture()
+            self.graphs[query_len] = graphs
+
+    def _logits(
+        self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata, index: torch.Tensor
+    ) -> torch.Tensor:
+        """Logits of the flat batch's tokens `index`: a CUDA graph replay when one fits the step
+        (every sequence with the same query length, a captured one), else an eager forward."""
+        graphs = self.graphs.get(meta.query_lens_cpu[0]) if self.graphs else None
+        if graphs is not None and graphs.fits(meta):
+            return graphs.run(ids, pos, meta)[index]
+        hidden = self.model(ids, pos, meta)
+        return self.model.compute_logits(hidden[index])
 
     def _check_draft_layers(self, hf_config) -> None:
         layers = self.config.draft_layers
@@ -216,7 +253,6 @@ class ModelRunner:
         does not reach the end of the prompt yet.
         """
         ids, pos, meta = self._prepare(batch)
-        hidden = self.model(ids, pos, meta)
         ends = [
             i
             for i, s in enumerate(batch)
@@ -224,9 +260,10 @@ class ModelRunner:
         ]
         results: list[SampleResult | None] = [None] * len(batch)
         if not ends:
+            self.model(ids, pos, meta)  # a prefill chunk: only its KV is wanted
             return results
         last = meta.query_start_loc[1:][ends].long() - 1
-        logits = self.model.compute_logits(hidden[last])
+        logits = self._logits(ids, pos, meta, last)
         states = [
             SamplingState(
                 params=batch[i].seq.params,
@@ -257,7 +294,6 @@ class ModelRunner:
             tokens = seq.token_ids[start : start + item.num_new_tokens] + item.draft_token_ids
             rows.append((tokens, start, seq.block_table))
         ids, pos, meta = self.prepare_rows(rows)
-        hidden = self.model(ids, pos, meta)
         ends = np.cumsum(meta.query_lens_cpu).tolist()
         plain: list[int] = []  # batch rows sampling one token
         verify: list[int] = []  # batch rows verifying drafts
@@ -273,8 +309,9 @@ class ModelRunner:
         index = plain_index + verify_index
         results: list[list[SampleResult]] = [[] for _ in batch]
         if not index:
+            self.model(ids, pos, meta)  # prefill chunks only: their KV is what is wanted
             return results
-        logits = self.model.compute_logits(hidden[torch.tensor(index, device=hidden.device)])
+        logits = self._logits(ids, pos, meta, torch.tensor(index, device=ids.device))
         if plain:
             states = [
                 SamplingState(

@@ -208,6 +208,8 @@ def _common(
         stop_token_ids=_stop_token_ids(body.get("stop_token_ids")),
         ignore_eos=_bool(body, "ignore_eos", False),
         min_tokens=min_tokens,
+        # pdserve extension: decode this request without speculation (one token a step).
+        disable_speculation=_bool(body, "disable_speculation", False),
     )
     if max_tokens is not None and params.min_tokens > max_tokens:
         raise RequestError(

@@ -39,11 +39,13 @@ class Scheduler:
         max_num_batched_tokens: int,
         num_lookahead_tokens: int = 0,
         max_model_len: int | None = None,
+        speculative_max_batch: int = 0,
     ) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.num_lookahead_tokens = num_lookahead_tokens
+        self.speculative_max_batch = speculative_max_batch  # no drafts above this many; 0: any
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -74,6 +76,7 @@ class Scheduler:
         """How many draft tokens a decoding sequence may verify this step (0: plain decode)."""
         if (
             self.num_lookahead_tokens == 0
+            or (0 < self.speculative_max_batch < len(self.running))
             or n != 1
             or seq.num_tokens - seq.num_computed_tokens != 1
             or seq.params.disable_speculation

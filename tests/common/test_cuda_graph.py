@@ -130,3 +130,32 @@ def test_graph_replay_matches_eager_for_every_captured_size(tiny_llama, query_le
     graphs.capture()
     assert sorted(graphs.graphs) == [1, 2, 4, 8, 16, 24]
     compare(runner, graphs, [1, 2, 4, 8, 16, 24, 3, 13], query_len)
+
+
+def test_cpu_runner_stays_eager(tiny_llama) -> None:
+    hf_model, _ = tiny_llama
+    assert make_runner(hf_model, "cpu").graphs == {}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("speculative", ["none", "ngram"])
+def test_engine_with_graphs_generates_what_eager_does(tiny_llama, speculative: str) -> None:
+    from common.engine import Engine
+    from common.sampling_params import SamplingParams
+
+    hf_model, _ = tiny_llama
+    outputs = {}
+    for eager in (True, False):
+        cfg = EngineConfig(
+            model="tiny", dtype="float32", device="cuda", block_size=BS, max_model_len=128,
+            gpu_memory_utilization=0.3, enforce_eager=eager, cuda_graph_max_batch=8,
+            speculative=speculative,
+        )  # fmt: skip
+        engine = Engine(cfg, hf_model.config, hf_model.state_dict().items())
+        assert bool(engine.runner.graphs) == (not eager)
+        g = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(2, 250, (n,), generator=g).tolist() for n in (3, 9, 17, 30, 5)]
+        params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+        outputs[eager] = [s.output_token_ids for s in engine.generate(prompts, params)]
+        assert engine.pool.num_free == engine.pool.num_blocks
+    assert outputs[False] == outputs[True]

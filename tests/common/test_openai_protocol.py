@@ -49,6 +49,7 @@ def test_completion_body_to_sampling_params() -> None:
         "stop_token_ids": [7, 9],
         "ignore_eos": True,
         "min_tokens": 4,
+        "disable_speculation": True,
         "logprobs": 5,
         "user": "someone",
         "some_future_field": {"ignored": True},
@@ -71,6 +72,7 @@ def test_completion_body_to_sampling_params() -> None:
         stop_token_ids=[7, 9],
         ignore_eos=True,
         min_tokens=4,
+        disable_speculation=True,
     )
 
 
@@ -197,6 +199,7 @@ BAD_BODIES = [
     (COMPLETIONS_URL, {**COMPLETION, "stop_token_ids": [-1]}, 400, "stop_token_ids", ""),
     (COMPLETIONS_URL, {**COMPLETION, "min_tokens": 20}, 400, "min_tokens", "max_tokens"),
     (COMPLETIONS_URL, {**COMPLETION, "ignore_eos": "yes"}, 400, "ignore_eos", "boolean"),
+    (COMPLETIONS_URL, {**COMPLETION, "disable_speculation": 1}, 400, "disable_speculation", ""),
     (COMPLETIONS_URL, {**COMPLETION, "stream": 1}, 400, "stream", "boolean"),
     (
         COMPLETIONS_URL,

@@ -44,6 +44,7 @@ def make_engine(tiny_llama, mode: str | None = None, **overrides) -> Engine:
     )
     if mode is not None:
         cfg.update(SPEC_MODES[mode])
+        cfg["speculative_disable_by_batch_size"] = 0  # draft in every batch, however large
         if mode == "draft-model":
             cfg["draft_model"] = str(path)
     cfg.update(overrides)
@@ -415,3 +416,25 @@ def test_flags_and_environment(monkeypatch):
         1,
         True,
     )
+
+
+def test_no_drafts_while_more_sequences_run_than_the_limit(tiny_llama) -> None:
+    limited = make_engine(tiny_llama, "ngram", speculative_disable_by_batch_size=2)
+    assert limited.scheduler.speculative_max_batch == 2
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6] for _ in range(3)]  # the output repeats itself
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    three = [s.output_token_ids for s in limited.generate(prompts, params)]
+    assert limited.stats()["spec_decode_num_drafts_total"] == 0  # 3 running > 2
+    two = limited.generate(prompts[:2], params)
+    assert limited.stats()["spec_decode_num_drafts_total"] > 0
+    assert [s.output_token_ids for s in two] == three[:2]
+    assert limited.pool.num_free == limited.pool.num_blocks
+    # The CPU default is 2; a GPU's is no limit.
+    assert make_engine(tiny_llama, "ngram").scheduler.speculative_max_batch == 0  # set to 0 above
+    hf_model, _ = tiny_llama
+    auto = Engine(
+        EngineConfig(model="tiny", dtype="float32", kv_cache_memory="8MiB", speculative="ngram"),
+        hf_model.config,
+        hf_model.state_dict().items(),
+    )
+    assert auto.scheduler.speculative_max_batch == 2

@@ -11,6 +11,8 @@ import time
 import httpx
 import openai
 import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from common.config import EngineConfig
 from common.engine import Engine
@@ -376,3 +378,46 @@ def test_scale_out_and_drain_without_losing_requests(chat_model_dir, tmp_path):
         assert results == [[400] * 8]
         assert cluster.procs["decode-1"].wait(timeout=30) == 0  # exits by itself once drained
         assert asyncio.run(burst(4, 4)) == [4] * 4  # the rest keep serving
+
+
+def test_1p1d_with_ngram_speculation_matches_plain_decoding(tmp_path):
+    """The decode worker drafts with prompt lookup on KV it received; output is unchanged.
+
+    A near-uniform random model (small initial weights) repeats itself, so prompt lookup finds
+    drafts; the reference is the in-process engine without speculation.
+    """
+    tokenizer = Tokenizer.from_source(resolve_model("default"))
+    cfg = AutoConfig.for_model(
+        "llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, vocab_size=len(tokenizer.hf),
+        max_position_embeddings=2048, initializer_range=0.02, tie_word_embeddings=True,
+        bos_token_id=1, eos_token_id=2, pad_token_id=2,
+    )  # fmt: skip
+    torch.manual_seed(1)
+    model_dir = tmp_path / "repeating-llama"
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(model_dir)
+    tokenizer.hf.save_pretrained(model_dir)
+    model = str(model_dir)
+    prompts = [tokenizer.encode(t) for t in [*COMPLETIONS, *QUESTIONS]]
+    engine = Engine(EngineConfig(model=model, dtype="float32", kv_cache_memory="64MiB"))
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    expected = [tokenizer.decode(s.output_token_ids) for s in engine.generate(prompts, params)]
+    flags = ("--speculative", "ngram", "--num-speculative-tokens", "3", "--prompt-lookup-min", "1")
+    with Cluster(
+        model, tmp_path, prefill=1, decode=1, engine_flags=flags,
+        router_flags=("--local-prefill-max-tokens", "0"),
+    ) as cluster:  # fmt: skip
+        c = client(cluster)
+        for prompt, text in zip(prompts, expected):
+            r = c.completions.create(
+                model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                extra_body={"ignore_eos": True},
+            )  # fmt: skip
+            assert r.choices[0].text == text
+        deadline = time.monotonic() + 5  # counters travel with the next heartbeat
+        while not (cluster.worker_gauge("spec_decode_num_drafts_total", "decode-0") or 0) > 0:
+            assert time.monotonic() < deadline, cluster.metrics()
+            time.sleep(0.2)
+        assert (cluster.worker_gauge("spec_decode_num_accepted_tokens_total", "decode-0") or 0) > 0
+        state = cluster.wait_blocks_free(["prefill-0", "decode-0"])
+        assert all(f == t for f, t in state.values()), state
