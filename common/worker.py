@@ -3,9 +3,12 @@
 Owns the worker's DEALER socket to the router's control socket (register, receive commands, send
 replies and token outputs), a heartbeat thread with its own socket (so heartbeats keep flowing
 while a long prefill step holds the main thread), re-registration when the router forgets the
-worker, and draining: on the first SIGTERM a worker stops taking new work (its heartbeats say so,
+worker, draining: on the first SIGTERM a worker stops taking new work (its heartbeats say so,
 and the router stops dispatching to it), finishes what it has, then exits; a second signal exits
-at once. `WorkerBase` is subclassed by prefill/worker.py and decode/worker.py.
+at once. After each step it reports its prefix-cache changes (`KVEvents`: block keys stored and
+evicted, numbered; a full snapshot after registering or when the router asks with `KVResync`),
+which feed the router's prefix-aware routing. `WorkerBase` is subclassed by prefill/worker.py and
+decode/worker.py.
 """
 
 from __future__ import annotations
