@@ -20,9 +20,10 @@ within 2x of its idle value.
         [--mixed-s 48] [--long-every-s 8] [--configs disagg,colocated] [--seed 0]
         [--plot PATH] [--json PATH]
 
-Result: a Markdown table on stdout (config; ITL p50/p99 idle and mixed; p99 mixed / idle; chats
-finished; long-prompt latency p50) and a PNG (`--plot`, default benchmarks/results/
-interference.png): every ITL against time, one panel per configuration, long prompts shaded.
+Result: a Markdown table on stdout (config; ITL p50/p99 idle and mixed; p99 mixed / idle; ITL
+p99.9 and max; gaps over 1 s; chats finished; long-prompt latency p50) and a PNG (`--plot`,
+default benchmarks/results/interference.png): every ITL against time, one panel per
+configuration, long prompts shaded.
 """
 
 from __future__ import annotations
@@ -156,7 +157,9 @@ def summarize(trace: Trace, idle_s: float) -> dict:
         "itl_idle_p99_ms": pct(idle, 99),
         "itl_mixed_p50_ms": pct(mixed, 50),
         "itl_mixed_p99_ms": pct(mixed, 99),
+        "itl_mixed_p999_ms": pct(mixed, 99.9),
         "itl_max_ms": max((g for _, g in trace.gaps), default=0) * 1000,
+        "stalls_over_1s": sum(g > 1.0 for _, g in trace.gaps),
         "chats": trace.chats_done,
         "errors": trace.errors,
         "long_prompts": len(trace.long_spans),
@@ -242,15 +245,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         "| config | ITL p50 idle | ITL p99 idle | ITL p50 mixed | ITL p99 mixed "
-        "| p99 mixed/idle | ITL max | chats | errors | long prompts | long latency p50 |"
+        "| p99 mixed/idle | ITL p99.9 mixed | ITL max | gaps > 1 s | chats | errors "
+        "| long prompts | long latency p50 |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, s in summaries.items():
         ratio = s.get("p99_mixed_over_idle")
         print(
             f"| {name} | {f(s['itl_idle_p50_ms'])} | {f(s['itl_idle_p99_ms'])} "
             f"| {f(s['itl_mixed_p50_ms'])} | {f(s['itl_mixed_p99_ms'])} "
-            f"| {'-' if ratio is None else f'{ratio:.2f}x'} | {f(s['itl_max_ms'])} "
+            f"| {'-' if ratio is None else f'{ratio:.2f}x'} | {f(s['itl_mixed_p999_ms'])} "
+            f"| {f(s['itl_max_ms'])} | {s['stalls_over_1s']} "
             f"| {s['chats']} | {s['errors']} | {s['long_prompts']} "
             f"| {f(s['long_latency_p50_ms'])} |"
         )
