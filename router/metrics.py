@@ -157,6 +157,12 @@ def _add_workers(
                 continue
             kind = "counter" if name.endswith("_total") else "gauge"
             add(name, kind, "Reported by workers.", value, labels)
+        drafts = hb.counters.get("spec_decode_num_drafts_total", 0.0)
+        if drafts > 0:
+            accepted = hb.counters.get("spec_decode_num_accepted_tokens_total", 0.0)
+            add("spec_decode_mean_accepted_length", "gauge",
+                "Tokens a drafting sequence gains per verify step: 1 + accepted / drafts.",
+                1.0 + accepted / drafts, labels)  # fmt: skip
         for name, snapshot in sorted(hb.histograms.items()):
             name = _NAME_BAD_CHARS.sub("_", name)
             if name and not name[0].isdigit() and len(snapshot.counts) == len(snapshot.buckets) + 1:

@@ -157,7 +157,11 @@ def test_transport_by_locality() -> None:
 
 def test_metrics_text_parses(registry: Registry) -> None:
     register(registry, reg("d0"))
-    registry.on_heartbeat(hb("d0", running=1, free=40))
+    beat = hb("d0", running=1, free=40)
+    beat.counters.update(
+        spec_decode_num_drafts_total=4.0, spec_decode_num_accepted_tokens_total=6.0
+    )
+    registry.on_heartbeat(beat)
     metrics = RouterMetrics()
     timer = metrics.start_request()
     timer.dispatched()
@@ -185,3 +189,4 @@ def test_metrics_text_parses(registry: Registry) -> None:
     assert samples[("pdserve:num_blocks", labels)] == 100
     assert samples[("pdserve:kv_cache_usage_perc", labels)] == pytest.approx(0.6)
     assert samples[("pdserve:x_total", labels)] == 1.0
+    assert samples[("pdserve:spec_decode_mean_accepted_length", labels)] == 2.5
