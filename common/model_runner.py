@@ -92,34 +92,9 @@ class ModelRunner:
                 f"--max-model-len {self.max_model_len}: raise --kv-cache-memory / "
                 "--gpu-memory-utilization or lower --max-model-len"
             )
-        self.kv_cache = torch.zeros(
-            hf_config.num_hidden_layers,
-            2,
-            self.num_blocks,
-            self.block_size,
-            hf_config.num_key_value_heads,
-            head_dim_of(hf_config),
-            dtype=self.dtype,
-            device=self.device,
-        )
-        for i, layer in enumerate(self.model.layers):
-            layer.self_attn.k_cache = self.kv_cache[i, 0]
-            layer.self_attn.v_cache = self.kv_cache[i, 1]
+        self.kv_cache = self._allocate_kv_cache(self.model, hf_config)
         if self.draft_model is not None:
-            draft_config = self.draft_model.config
-            self.draft_kv_cache = torch.zeros(
-                draft_config.num_hidden_layers,
-                2,
-                self.num_blocks,
-                self.block_size,
-                draft_config.num_key_value_heads,
-                head_dim_of(draft_config),
-                dtype=self.dtype,
-                device=self.device,
-            )
-            for i, layer in enumerate(self.draft_model.layers):
-                layer.self_attn.k_cache = self.draft_kv_cache[i, 0]
-                layer.self_attn.v_cache = self.draft_kv_cache[i, 1]
+            self.draft_kv_cache = self._allocate_kv_cache(self.draft_model, self.draft_model.config)
         self.sampler = Sampler()
         self.graphs: dict[int, DecodeGraphs] = {}  # by query tokens per sequence
         if self.device.type == "cuda" and not config.enforce_eager and backend == "triton":
@@ -131,6 +106,23 @@ class ModelRunner:
             self.dtype,
             self.device,
         )
+
+    def _allocate_kv_cache(self, model: CausalLM, hf_config) -> torch.Tensor:
+        """[layers, 2 (K, V), blocks, block_size, kv heads, head_dim], bound to model's layers."""
+        cache = torch.zeros(
+            hf_config.num_hidden_layers,
+            2,
+            self.num_blocks,
+            self.block_size,
+            hf_config.num_key_value_heads,
+            head_dim_of(hf_config),
+            dtype=self.dtype,
+            device=self.device,
+        )
+        for i, layer in enumerate(model.layers):
+            layer.self_attn.k_cache = cache[i, 0]
+            layer.self_attn.v_cache = cache[i, 1]
+        return cache
 
     def _capture_graphs(self) -> None:
         """CUDA graphs for plain decode steps and, with speculation, for k+1-token verify steps."""

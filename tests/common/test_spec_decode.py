@@ -22,6 +22,7 @@ from common.spec_decode import (
     ngram_propose,
     rejection_sample,
 )
+from tests.common.test_engine import make_engine as make_plain_engine
 
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
 SPEC_MODES = {
@@ -34,21 +35,15 @@ CHI2_CRITICAL = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 
 
 
 def make_engine(tiny_llama, mode: str | None = None, **overrides) -> Engine:
+    """test_engine's tiny engine, with speculation `mode` drafting at every batch size."""
     hf_model, path = tiny_llama
-    cfg = dict(
-        model="tiny",
-        dtype="float32",
-        kv_cache_memory="8MiB",
-        block_size=8,
-        max_num_batched_tokens=256,
-    )
+    cfg: dict = {}
     if mode is not None:
-        cfg.update(SPEC_MODES[mode])
-        cfg["speculative_disable_by_batch_size"] = 0  # draft in every batch, however large
+        cfg.update(SPEC_MODES[mode], speculative_disable_by_batch_size=0)
         if mode == "draft-model":
             cfg["draft_model"] = str(path)
     cfg.update(overrides)
-    return Engine(EngineConfig(**cfg), hf_model.config, hf_model.state_dict().items())
+    return make_plain_engine(hf_model, **cfg)
 
 
 def prompts(n: int, seed: int = 0, lengths=(3, 7, 8, 9, 17, 31, 40)) -> list[list[int]]:
