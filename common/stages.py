@@ -155,10 +155,17 @@ def cmd_up(args: argparse.Namespace) -> int:
         router_cmd += ["--api-key", args.api_key]
     if args.served_model_name:
         router_cmd += ["--served-model-name", *args.served_model_name]
+    if args.enforce_eager:
+        engine_flags.append("--enforce-eager")
+    decode_flags = list(engine_flags)  # speculation happens where tokens are decoded
+    if args.speculative:
+        decode_flags += ["--speculative", args.speculative]
+    if args.num_speculative_tokens:
+        decode_flags += ["--num-speculative-tokens", str(args.num_speculative_tokens)]
     commands = [router_cmd]
     commands += [exe + ["prefill", "--router", control, *engine_flags] for _ in range(args.prefill)]
     commands += [
-        exe + ["decode", "--router", control, "--kv-host", "127.0.0.1", *engine_flags]
+        exe + ["decode", "--router", control, "--kv-host", "127.0.0.1", *decode_flags]
         for _ in range(args.decode)
     ]
     procs: list[subprocess.Popen] = []
@@ -254,6 +261,15 @@ def add_stage_parsers(commands) -> None:
         default=None,
         help="prompts up to this many tokens prefill on the decode worker (router default 256)",
     )
+    up.add_argument(
+        "--speculative",
+        choices=("none", "ngram", "draft"),
+        default=None,
+        help="speculative decoding on the decode workers (default: theirs, none; draft also "
+        "needs --draft-model or --draft-layers after --)",
+    )
+    up.add_argument("--num-speculative-tokens", type=int, default=None)
+    up.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs on any worker")
     up.add_argument("--api-key", default=_env("API_KEY", ""))
     up.add_argument("--served-model-name", nargs="+", default=None)
     up.add_argument("--startup-timeout-s", type=float, default=600.0)

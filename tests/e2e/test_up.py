@@ -56,6 +56,10 @@ def test_up_serves_and_stops_everything(chat_model_dir):
             "round_robin",
             "--local-prefill-max-tokens",
             "0",
+            "--speculative",
+            "ngram",
+            "--num-speculative-tokens",
+            "2",
             "--",
             "--kv-cache-memory",
             "64MiB",
@@ -72,6 +76,10 @@ def test_up_serves_and_stops_everything(chat_model_dir):
         router = [c for c in children if " router " in c]
         assert len(router) == 1
         assert "--routing round_robin --local-prefill-max-tokens 0" in router[0]
+        (decode,) = [c for c in children if " decode " in c]
+        (prefill,) = [c for c in children if " prefill " in c]
+        assert "--speculative ngram --num-speculative-tokens 2" in decode
+        assert "--speculative" not in prefill
         c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
         r = c.chat.completions.create(
             model=str(chat_model_dir), max_tokens=4, messages=[{"role": "user", "content": "Hi"}]
