@@ -17,6 +17,7 @@ float32; bfloat16 may flip near-ties).
 
     python benchmarks/spec_decode.py [--model default] [--dtype bfloat16] [--max-tokens 160]
         [--num-speculative-tokens 4] [--draft-layers 8] [--speculative-disable-by-batch-size N]
+        [--no-speculative-adaptive]
         [--methods none,ngram,draft]
         [--workloads repetitive,chat] [--batch-sizes 1,8] [--repeats 2] [--threads N] [--quick]
         [--json PATH]
@@ -141,6 +142,7 @@ def engine_config(args: argparse.Namespace, method: str) -> EngineConfig:
     if method == "ngram":
         extra = dict(
             speculative_disable_by_batch_size=args.speculative_disable_by_batch_size,
+            speculative_adaptive=args.speculative_adaptive,
             speculative="ngram",
             num_speculative_tokens=args.num_speculative_tokens,
             prompt_lookup_min=args.prompt_lookup_min,
@@ -149,6 +151,7 @@ def engine_config(args: argparse.Namespace, method: str) -> EngineConfig:
     elif method == "draft":
         extra = dict(
             speculative_disable_by_batch_size=args.speculative_disable_by_batch_size,
+            speculative_adaptive=args.speculative_adaptive,
             speculative="draft",
             num_speculative_tokens=args.num_speculative_tokens,
             draft_layers=args.draft_layers,
@@ -192,6 +195,12 @@ def main() -> int:
         type=int,
         default=None,
         help="the engine flag (default: its own, 2 on CPU; 0 = draft at every batch size)",
+    )
+    parser.add_argument(
+        "--speculative-adaptive",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the engine flag: pause drafting while it measures slower than plain decoding",
     )
     parser.add_argument("--methods", default="none,ngram,draft")
     parser.add_argument("--workloads", default="repetitive,chat")

@@ -65,6 +65,7 @@ class EngineConfig:
     draft_model: str | None = None
     draft_layers: int = 0
     speculative_disable_by_batch_size: int | None = None  # None: auto (see the flag's help)
+    speculative_adaptive: bool = True
     enforce_eager: bool = False
     cuda_graph_max_batch: int = 256
 
@@ -151,6 +152,8 @@ _HELP = {
     "draft_layers": "draft: early exit, the target's first N layers plus its norm and head",
     "speculative_disable_by_batch_size": "no drafting while more than N sequences run (verifying "
     "costs compute a busy CPU does not have); 0 = never; default: 2 on CPU, 0 on GPU",
+    "speculative_adaptive": "pause drafting while it measures slower per token than plain "
+    "decoding (output is the same either way)",
     "enforce_eager": "never capture CUDA graphs (the CPU path is always eager)",
     "cuda_graph_max_batch": "largest decode batch captured as a CUDA graph (sizes 1, 2, 4, 8, "
     "then every 8); larger batches run eagerly",

@@ -10,6 +10,7 @@ runs, the proposer (common.spec_decode) drafts, the model runner computes it. Us
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -24,7 +25,7 @@ from common.sampler import SampleResult, make_generator
 from common.sampling_params import SamplingParams
 from common.scheduler import ScheduledSeq, Scheduler
 from common.sequence import Sequence, SequenceStatus
-from common.spec_decode import Verifier, make_proposer
+from common.spec_decode import SpeculationGovernor, Verifier, make_proposer
 
 
 @dataclass
@@ -89,6 +90,9 @@ class Engine:
             num_lookahead_tokens=config.num_speculative_tokens if self.proposer else 0,
             max_model_len=self.max_model_len,
             speculative_max_batch=self._speculative_max_batch(),
+        )
+        self.governor = (
+            SpeculationGovernor() if self.proposer and config.speculative_adaptive else None
         )
         self.num_drafts = 0  # verify rows with at least one draft token
         self.num_draft_tokens = 0
@@ -217,9 +221,22 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduled step; report each sequence that got a token."""
+        governor = self.governor
+        num_running = len(self.scheduler.running)
+        if governor is not None:
+            self.scheduler.drafting = governor.allow(num_running)
+        start = time.perf_counter()
         batch = self.scheduler.schedule()
         if not batch:
             return []
+        outputs = self._step(batch)
+        if governor is not None and all(item.num_new_tokens == 1 for item in batch):
+            drafted = any(item.draft_token_ids for item in batch)
+            num_tokens = sum(len(out.new_token_ids) for out in outputs)
+            governor.record(len(batch), drafted, time.perf_counter() - start, num_tokens)
+        return outputs
+
+    def _step(self, batch: list[ScheduledSeq]) -> list[RequestOutput]:
         if self.proposer is not None:
             drafting = [item for item in batch if item.num_lookahead_tokens]
             if drafting:

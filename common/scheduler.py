@@ -46,6 +46,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.num_lookahead_tokens = num_lookahead_tokens
         self.speculative_max_batch = speculative_max_batch  # no drafts above this many; 0: any
+        self.drafting = True  # the engine's governor may switch drafting off for a step
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -76,6 +77,7 @@ class Scheduler:
         """How many draft tokens a decoding sequence may verify this step (0: plain decode)."""
         if (
             self.num_lookahead_tokens == 0
+            or not self.drafting
             or (0 < self.speculative_max_batch < len(self.running))
             or n != 1
             or seq.num_tokens - seq.num_computed_tokens != 1

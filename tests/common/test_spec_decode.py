@@ -7,6 +7,7 @@ KV of rejected drafts is rolled back.
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from common.engine import Engine
 from common.sampling_params import SamplingParams
 from common.scheduler import ScheduledSeq
 from common.spec_decode import (
+    SpeculationGovernor,
     greedy_accept,
     mean_accepted_length,
     ngram_propose,
@@ -39,7 +41,10 @@ def make_engine(tiny_llama, mode: str | None = None, **overrides) -> Engine:
     hf_model, path = tiny_llama
     cfg: dict = {}
     if mode is not None:
-        cfg.update(SPEC_MODES[mode], speculative_disable_by_batch_size=0)
+        # draft at every batch size and every step, however the timings come out
+        cfg.update(
+            SPEC_MODES[mode], speculative_disable_by_batch_size=0, speculative_adaptive=False
+        )
         if mode == "draft-model":
             cfg["draft_model"] = str(path)
     cfg.update(overrides)
@@ -433,3 +438,53 @@ def test_no_drafts_while_more_sequences_run_than_the_limit(tiny_llama) -> None:
         hf_model.state_dict().items(),
     )
     assert auto.scheduler.speculative_max_batch == 2
+
+
+def test_governor_pauses_drafting_that_loses_and_keeps_drafting_that_wins() -> None:
+    gov = SpeculationGovernor(pause_steps=10, probe_steps=2, min_steps=3, alpha=1.0)
+    # No plain measurement yet: after min_steps drafting steps, a short probe without drafts.
+    for _ in range(3):
+        assert gov.allow(1)
+        gov.record(1, True, 0.030, 3)  # 10 ms a token
+    assert [gov.allow(1) for _ in range(3)] == [False, False, True]
+    gov.record(1, False, 0.025, 1)  # plain: 25 ms a token, so drafting wins
+    for _ in range(5):
+        gov.record(1, True, 0.030, 3)
+        assert gov.allow(1)
+    assert gov.num_pauses == 0
+    # At batch size 2 drafting is slower: it pauses, and longer after each loss in a row.
+    gov.record(2, False, 0.040, 2)  # 20 ms a token
+    for _ in range(3):
+        gov.record(2, True, 0.050, 2)  # 25 ms a token
+    assert gov.num_pauses == 1
+    assert sum(not gov.allow(2) for _ in range(30)) == 10
+    for _ in range(3):
+        gov.record(2, True, 0.050, 2)
+    assert sum(not gov.allow(2) for _ in range(30)) == 20
+    assert gov.allow(1)  # batch size 1 is unaffected
+
+
+def test_adaptive_engine_stops_a_slow_proposer_and_keeps_the_output(tiny_llama) -> None:
+    class SlowProposer:
+        """Drafts nothing useful, slowly: drafting can only lose."""
+
+        def __init__(self) -> None:
+            self.calls = 0
+
+        def propose(self, items: list[ScheduledSeq]) -> None:
+            self.calls += 1
+            time.sleep(0.02)
+            for item in items:
+                item.draft_token_ids = [0] * item.num_lookahead_tokens
+
+    prompts = [[5, 9, 13, 2, 7], [3, 3, 8]]
+    params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    plain = [s.output_token_ids for s in make_engine(tiny_llama).generate(prompts, params)]
+    engine = make_engine(tiny_llama, "ngram", speculative_adaptive=True)
+    engine.governor.min_steps = 4
+    engine.proposer = proposer = SlowProposer()
+    out = [s.output_token_ids for s in engine.generate(prompts, params)]
+    assert out == plain
+    assert engine.governor.num_pauses >= 1
+    assert proposer.calls < 40  # most of the ~60 steps ran without drafting
+    assert engine.pool.num_free == engine.pool.num_blocks
