@@ -294,24 +294,26 @@ class SpeculationGovernor:
 
     Per number of running sequences it keeps exponential averages of the seconds per output
     token of steps that verified drafts and of plain decode steps (steps with prefill chunks are
-    not counted). After `min_steps` drafting steps it compares: slower than plain decoding means
-    drafting pauses at that batch size for `pause_steps` steps (doubling with each loss in a row,
-    up to 16x), then is tried afresh. With no plain measurement yet it pauses for `probe_steps`
-    steps to take one. Verification is exact
-    either way, so this changes speed only, never output.
+    not counted). After `min_steps` drafting steps it compares: more than `margin` times slower
+    than plain decoding means drafting pauses at that batch size for `pause_steps` steps
+    (doubling with each loss in a row, up to 4x), then is tried afresh. With no plain measurement
+    yet it pauses for `probe_steps` steps to take one. Verification is exact either way, so this
+    changes speed only, never output.
     """
 
     def __init__(
         self,
         pause_steps: int = 64,
         probe_steps: int = 4,
-        min_steps: int = 8,
-        alpha: float = 0.25,
+        min_steps: int = 16,
+        alpha: float = 0.1,
+        margin: float = 1.1,
     ) -> None:
         self.pause_steps = pause_steps
         self.probe_steps = probe_steps
         self.min_steps = min_steps
         self.alpha = alpha
+        self.margin = margin  # drafting must be this much slower to pause: noise is not a loss
         self._pace: dict[int, _Pace] = {}
         self.num_pauses = 0
 
@@ -338,8 +340,8 @@ class SpeculationGovernor:
             return
         if pace.plain is None:
             pause = self.probe_steps
-        elif pace.drafting > pace.plain:
-            pause = self.pause_steps << min(pace.failures, 4)
+        elif pace.drafting > self.margin * pace.plain:
+            pause = self.pause_steps << min(pace.failures, 2)
             pace.failures += 1
             self.num_pauses += 1
         else:

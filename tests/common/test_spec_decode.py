@@ -441,7 +441,7 @@ def test_no_drafts_while_more_sequences_run_than_the_limit(tiny_llama) -> None:
 
 
 def test_governor_pauses_drafting_that_loses_and_keeps_drafting_that_wins() -> None:
-    gov = SpeculationGovernor(pause_steps=10, probe_steps=2, min_steps=3, alpha=1.0)
+    gov = SpeculationGovernor(pause_steps=10, probe_steps=2, min_steps=3, alpha=1.0, margin=1.1)
     # No plain measurement yet: after min_steps drafting steps, a short probe without drafts.
     for _ in range(3):
         assert gov.allow(1)
@@ -462,6 +462,11 @@ def test_governor_pauses_drafting_that_loses_and_keeps_drafting_that_wins() -> N
         gov.record(2, True, 0.050, 2)
     assert sum(not gov.allow(2) for _ in range(30)) == 20
     assert gov.allow(1)  # batch size 1 is unaffected
+    # Within the margin (5% slower): noise, not a loss.
+    gov.record(3, False, 0.060, 3)
+    for _ in range(6):
+        gov.record(3, True, 0.063, 3)
+        assert gov.allow(3)
 
 
 def test_adaptive_engine_stops_a_slow_proposer_and_keeps_the_output(tiny_llama) -> None:
