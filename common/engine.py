@@ -233,7 +233,7 @@ class Engine:
         if governor is not None and all(item.num_new_tokens == 1 for item in batch):
             drafted = any(item.draft_token_ids for item in batch)
             num_tokens = sum(len(out.new_token_ids) for out in outputs)
-            governor.record(len(batch), drafted, time.perf_counter() - start, num_tokens)
+            governor.record(num_running, drafted, time.perf_counter() - start, num_tokens)
         return outputs
 
     def _step(self, batch: list[ScheduledSeq]) -> list[RequestOutput]:
