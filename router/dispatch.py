@@ -36,7 +36,13 @@ from common.protocol import (
 )
 from common.sampling_params import SamplingParams
 from router.kv_index import PrefixIndex
-from router.policy import PrefillPolicy, PrefixParams, choose_transport, pick_decode
+from router.policy import (
+    PrefillPolicy,
+    PrefixParams,
+    choose_transport,
+    pick_decode,
+    pick_decode_by_prefix,
+)
 from router.registry import Registry, Worker
 
 log = logging.getLogger(__name__)
@@ -124,9 +130,11 @@ class Dispatcher:
         self.num_waiting += 1
         try:
             while True:
-                decode = pick_decode(self.registry.live("decode"), self.clock())
+                decode, keys = self._pick_decode(flight)
                 if decode is not None and await self._start_on(flight, decode):
                     flight.dispatched = True
+                    if keys:  # prefilled there: the next prompt with this prefix should follow
+                        self.prefix_index.add_pending(decode.worker_id, keys)
                     return
                 if self.clock() >= deadline:
                     raise RequestError(
@@ -138,6 +146,21 @@ class Dispatcher:
                     await asyncio.sleep(QUEUE_POLL_S)
         finally:
             self.num_waiting -= 1
+
+    def _pick_decode(self, flight: Flight) -> tuple[Worker | None, list[bytes]]:
+        """The decode worker to try, and the prompt's block keys if chosen by prefix."""
+        workers = self.registry.live("decode")
+        prefills_there = len(flight.prompt_token_ids) <= self.local_prefill_max_tokens or not (
+            self.registry.live("prefill")
+        )
+        policy = self.prefill_policy
+        if policy.routing == "prefix" and prefills_there:
+            choice = pick_decode_by_prefix(
+                workers, self.clock(), flight.prompt_token_ids, self.prefix_index,
+                policy.params.decode_slack,
+            )  # fmt: skip
+            return choice if choice is not None else (None, [])
+        return pick_decode(workers, self.clock()), []
 
     def _remote_prefill(self, flight: Flight, decode: Worker) -> bool:
         # The decode worker's cached prefix is not known before Reserve: count the whole prompt.

@@ -4,6 +4,10 @@ Owns the routing decisions and nothing else: decode workers are chosen least loa
 reserved sequences), skipping any that refused a reservation moments ago; prefill workers by the
 `--routing` policy; the transport by locality. Called by `router.dispatch`.
 
+With `prefix` routing, a prompt prefilled on a decode worker (short prompts, colocated mode) goes
+to the decode worker holding the longest prefix of it, among those running at most
+`decode_slack` more sequences than the least loaded; else to the least loaded.
+
 Prefill policies (load = prompt tokens a worker still has to compute, counted by the router from
 the moment it dispatches a prompt until the first token comes back, so a burst cannot pile onto
 one worker before its heartbeats catch up):
@@ -42,6 +46,38 @@ def pick_decode(workers: Sequence[Worker], now_s: float) -> Worker | None:
     return min(ready, key=lambda w: (w.decode_load, w.worker_id))
 
 
+def pick_decode_by_prefix(
+    workers: Sequence[Worker],
+    now_s: float,
+    prompt_token_ids: Sequence[int],
+    index: PrefixIndex,
+    slack: int,
+) -> tuple[Worker, list[bytes]] | None:
+    """For a prompt the decode worker prefills itself: the worker holding the longest prefix of
+    it among those running at most `slack` more sequences than the least loaded (the least
+    loaded when none holds any), with the prompt's block keys under its salt."""
+    least = pick_decode(workers, now_s)
+    if least is None:
+        return None
+    ready = sorted(
+        (w for w in workers if w.refused_until_s <= now_s and w.info.kv_salt),
+        key=lambda w: (w.decode_load, w.worker_id),
+    )
+    best, best_matched = least, 0
+    keys_by_salt: dict[bytes, list[bytes]] = {}
+    for w in ready:
+        if w.decode_load > least.decode_load + slack:
+            break
+        keys = keys_by_salt.get(w.info.kv_salt)
+        if keys is None:
+            keys = block_keys(prompt_token_ids, w.info.block_size, w.info.kv_salt)
+            keys_by_salt[w.info.kv_salt] = keys
+        matched = index.match(w.worker_id, keys)
+        if matched > best_matched:
+            best, best_matched = w, matched
+    return best, keys_by_salt.get(best.info.kv_salt, [])
+
+
 @dataclass
 class PrefixParams:
     """The prefix policy's knobs (router flags --prefix-load-weight, --balance-*)."""
@@ -49,6 +85,7 @@ class PrefixParams:
     load_weight: float = 0.5  # score = matched tokens - load_weight * queued prefill tokens
     balance_abs_tokens: int = 4096  # imbalance: max load - min load above this ...
     balance_rel: float = 2.0  # ... and max load above this times min load
+    decode_slack: int = 4  # decode workers: a prefix holder may run this many more sequences
 
 
 @dataclass

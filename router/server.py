@@ -49,6 +49,7 @@ class RouterConfig:
     prefix_load_weight: float = 0.5
     balance_abs_tokens: int = 4096
     balance_rel: float = 2.0
+    decode_prefix_slack: int = 4
     local_prefill_max_tokens: int = 256
     colocated: bool = False
     request_timeout_s: float = 600.0
@@ -76,6 +77,9 @@ _HELP = {
     "this many more queued tokens than the idlest ...",
     "balance_rel": "... and more than this times its load; then only lightly loaded workers "
     "are candidates",
+    "decode_prefix_slack": "prefix routing of prompts prefilled on a decode worker (short or "
+    "colocated): the holder of the longest prefix wins while it runs at most this many more "
+    "sequences than the least loaded",
     "local_prefill_max_tokens": "prompts up to this many tokens are prefilled on the decode "
     "worker (0 = always on a prefill worker)",
     "colocated": "serve with decode workers only (/health needs no prefill worker)",
@@ -124,9 +128,15 @@ class RouterServer:
             raise ValueError(f"--routing must be one of {', '.join(ROUTING_POLICIES)}")
         if config.local_prefill_max_tokens < 0:
             raise ValueError("--local-prefill-max-tokens must be >= 0")
-        if config.prefix_load_weight < 0 or config.balance_abs_tokens < 0 or config.balance_rel < 1:
+        if (
+            config.prefix_load_weight < 0
+            or config.balance_abs_tokens < 0
+            or config.balance_rel < 1
+            or config.decode_prefix_slack < 0
+        ):
             raise ValueError(
-                "--prefix-load-weight and --balance-abs-tokens must be >= 0, --balance-rel >= 1"
+                "--prefix-load-weight, --balance-abs-tokens and --decode-prefix-slack must be "
+                ">= 0, --balance-rel >= 1"
             )
         self.config = config
         self.registry = Registry(
@@ -144,7 +154,10 @@ class RouterServer:
             prefill_deadline_s=config.prefill_deadline_s,
             prefix_index=PrefixIndex(),
             prefix_params=PrefixParams(
-                config.prefix_load_weight, config.balance_abs_tokens, config.balance_rel
+                config.prefix_load_weight,
+                config.balance_abs_tokens,
+                config.balance_rel,
+                config.decode_prefix_slack,
             ),
         )
         self.prefix_index = self.dispatcher.prefix_index

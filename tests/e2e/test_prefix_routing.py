@@ -163,3 +163,36 @@ def check_metrics(text: str) -> None:
     for w in PREFILL:
         assert value("kv_transfer_seconds_count", worker=w) >= 1
     assert value("kv_cache_usage_perc", worker="decode-0") == 0.0
+
+
+def test_colocated_prefix_goes_to_the_decode_worker_that_holds_it(chat_model_dir, tmp_path):
+    """decode-1 gets the prefix while decode-0 is busy; idle again, decode-0 would win a tie on
+    load, yet the prefix keeps going to decode-1."""
+    model = str(chat_model_dir)
+    with Cluster(model, tmp_path, prefill=0, decode=2) as cluster:
+
+        def queries(w: str) -> float:
+            return cluster.worker_gauge("prefix_cache_queries_total", w) or 0
+
+        body = {"model": model, "prompt": suffix(99, 8), "max_tokens": 2000, "ignore_eos": True,
+                "stream": True}  # fmt: skip
+        with httpx.stream("POST", cluster.url + "/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            next(lines)  # streaming: decode-0 (a tie on load goes to the first id) is busy
+            wait_for(lambda: queries("decode-0") > 0, 10, "the stream never started", cluster)
+            complete(cluster, model, PREFIX + suffix(0, 20))
+        wait_for(lambda: queries("decode-1") > 0, 10, "the prefix did not go to decode-1", cluster)
+        wait_for(
+            lambda: (cluster.worker_gauge("kv_index_blocks", "decode-1") or 0) >= 20
+            and cluster.worker_gauge("worker_num_requests_running", "decode-0") == 0,
+            10, "decode-1's KV events never reached the index, or decode-0 stayed busy", cluster,
+        )  # fmt: skip
+        before = queries("decode-0")
+        for i in range(1, 4):
+            complete(cluster, model, PREFIX + suffix(i, 10 + i))
+        wait_for(
+            lambda: (cluster.worker_gauge("prefix_cache_hits_total", "decode-1") or 0)
+            >= 3 * len(PREFIX),
+            10, "no prefix hits on decode-1", cluster,
+        )  # fmt: skip
+        assert queries("decode-0") == before  # decode-0 saw none of them

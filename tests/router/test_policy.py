@@ -5,7 +5,7 @@ from __future__ import annotations
 from common.prefix_hash import block_keys, model_salt
 from common.protocol import PROTOCOL_VERSION, KVEvents, Register
 from router.kv_index import PrefixIndex
-from router.policy import PrefillPolicy, PrefixParams
+from router.policy import PrefillPolicy, PrefixParams, pick_decode_by_prefix
 from router.registry import Worker
 
 BS = 16
@@ -120,3 +120,28 @@ def test_exclude_and_empty() -> None:
     assert policy.pick([worker("p0")], [1, 2], exclude={"p0"}) is None
     assert policy.pick([], [1, 2]) is None
     assert policy.pick([worker("p0")], [1, 2]).worker_id == "p0"  # shorter than a block
+
+
+def decode_worker(worker_id: str, running: int = 0, salt: bytes = SALT) -> Worker:
+    w = worker(worker_id, salt=salt)
+    w.info.role = "decode"
+    w.num_in_flight = running
+    return w
+
+
+def test_decode_choice_by_prefix_within_the_slack() -> None:
+    index = PrefixIndex()
+    hold(index, "d1", tenant(0))
+    prompt = tenant(0) + [4, 2]
+    d0, d1, d2 = decode_worker("d0", 0), decode_worker("d1", 3), decode_worker("d2", 1)
+    worker_, keys = pick_decode_by_prefix([d0, d1, d2], 0.0, prompt, index, slack=4)
+    assert worker_ is d1 and len(keys) == 64  # 3 more sequences than d0: within the slack
+    worker_, _ = pick_decode_by_prefix([d0, d1, d2], 0.0, prompt, index, slack=2)
+    assert worker_ is d0  # beyond it: the least loaded
+    worker_, keys = pick_decode_by_prefix([d0, d1, d2], 0.0, tenant(5), index, slack=4)
+    assert worker_ is d0 and len(keys) == 64  # nobody holds it: least loaded, keys for pending
+    d1.refused_until_s = 10.0
+    assert pick_decode_by_prefix([d0, d1, d2], 5.0, prompt, index, slack=4)[0] is d0
+    unsalted = decode_worker("d1", 0, salt=b"")
+    assert pick_decode_by_prefix([unsalted], 0.0, prompt, index, slack=4) == (unsalted, [])
+    assert pick_decode_by_prefix([], 0.0, prompt, index, slack=4) is None
