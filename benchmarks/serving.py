@@ -42,7 +42,6 @@ import os
 import platform
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -51,6 +50,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.cluster import free_port  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 MIN_TOKEN_ID, MAX_TOKEN_ID = 100, 40000  # random prompt ids: no special tokens, inside the vocab
@@ -62,12 +65,6 @@ CONFIGS = {
 
 def log(msg: str) -> None:
     print(f"[serving] {msg}", file=sys.stderr, flush=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def percentile(values: list[float], q: float) -> float | None:

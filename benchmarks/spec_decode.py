@@ -139,23 +139,19 @@ def workload_prompts(tokenizer: Tokenizer, name: str, n: int) -> list[list[int]]
 
 def engine_config(args: argparse.Namespace, method: str) -> EngineConfig:
     extra: dict = {}
-    if method == "ngram":
+    if method != "none":
         extra = dict(
+            speculative=method,
+            num_speculative_tokens=args.num_speculative_tokens,
             speculative_disable_by_batch_size=args.speculative_disable_by_batch_size,
             speculative_adaptive=args.speculative_adaptive,
-            speculative="ngram",
-            num_speculative_tokens=args.num_speculative_tokens,
-            prompt_lookup_min=args.prompt_lookup_min,
-            prompt_lookup_max=args.prompt_lookup_max,
+        )
+    if method == "ngram":
+        extra.update(
+            prompt_lookup_min=args.prompt_lookup_min, prompt_lookup_max=args.prompt_lookup_max
         )
     elif method == "draft":
-        extra = dict(
-            speculative_disable_by_batch_size=args.speculative_disable_by_batch_size,
-            speculative_adaptive=args.speculative_adaptive,
-            speculative="draft",
-            num_speculative_tokens=args.num_speculative_tokens,
-            draft_layers=args.draft_layers,
-        )
+        extra.update(draft_layers=args.draft_layers)
     return EngineConfig(
         model=args.model,
         dtype=args.dtype,

@@ -237,6 +237,19 @@ class ModelRunner:
         pos = torch.from_numpy(np.concatenate(positions)).to(dev)
         return ids, pos, meta
 
+    def _states(self, batch: list[ScheduledSeq], rows: list[int]) -> list[SamplingState]:
+        """What the sampler needs to know of each of the batch's `rows`."""
+        return [
+            SamplingState(
+                params=batch[i].seq.params,
+                prompt_token_ids=batch[i].seq.prompt_token_ids,
+                output_token_ids=batch[i].seq.output_token_ids,
+                generator=batch[i].seq.generator,
+                eos_token_ids=self.eos_token_ids,
+            )
+            for i in rows
+        ]
+
     @torch.inference_mode()
     def execute(self, batch: list[ScheduledSeq]) -> list[SampleResult | None]:
         """Compute the batch's KV; sample one token for each sequence whose known tokens are all in.
@@ -256,17 +269,7 @@ class ModelRunner:
             return results
         last = meta.query_start_loc[1:][ends].long() - 1
         logits = self._logits(ids, pos, meta, last)
-        states = [
-            SamplingState(
-                params=batch[i].seq.params,
-                prompt_token_ids=batch[i].seq.prompt_token_ids,
-                output_token_ids=batch[i].seq.output_token_ids,
-                generator=batch[i].seq.generator,
-                eos_token_ids=self.eos_token_ids,
-            )
-            for i in ends
-        ]
-        for i, result in zip(ends, self.sampler(logits, states)):
+        for i, result in zip(ends, self.sampler(logits, self._states(batch, ends))):
             results[i] = result
         return results
 
@@ -305,16 +308,7 @@ class ModelRunner:
             return results
         logits = self._logits(ids, pos, meta, torch.tensor(index, device=ids.device))
         if plain:
-            states = [
-                SamplingState(
-                    params=batch[i].seq.params,
-                    prompt_token_ids=batch[i].seq.prompt_token_ids,
-                    output_token_ids=batch[i].seq.output_token_ids,
-                    generator=batch[i].seq.generator,
-                    eos_token_ids=self.eos_token_ids,
-                )
-                for i in plain
-            ]
+            states = self._states(batch, plain)
             for i, result in zip(plain, self.sampler(logits[: len(plain)], states)):
                 results[i] = [result]
         if verify:

@@ -41,6 +41,13 @@ def make_runner(hf_model, device: str) -> ModelRunner:
     return ModelRunner(cfg, hf_model.config, hf_model.state_dict().items())
 
 
+def make_graphs(runner: ModelRunner, max_batch: int, query_len: int, **kw) -> DecodeGraphs:
+    return DecodeGraphs(
+        runner.model, max_batch=max_batch, query_len=query_len, max_model_len=128,
+        block_size=BS, device=runner.device, **kw,
+    )  # fmt: skip
+
+
 def rows(num_seqs: int, query_len: int, seed: int) -> list:
     """Sequences with distinct blocks and random cached lengths: (tokens, start, block table)."""
     g = torch.Generator().manual_seed(seed)
@@ -77,10 +84,7 @@ def test_padded_buffers_match_eager_on_cpu(tiny_llama, query_len: int) -> None:
     hf_model, _ = tiny_llama
     runner = make_runner(hf_model, "cpu")
     scratch = runner.num_blocks * BS - 1  # the CPU writer needs a real slot for padding rows
-    graphs = DecodeGraphs(
-        runner.model, max_batch=8, query_len=query_len, max_model_len=128, block_size=BS,
-        device=runner.device, capture=False, pad_slot=scratch,
-    )  # fmt: skip
+    graphs = make_graphs(runner, 8, query_len, capture=False, pad_slot=scratch)
     # Sizes that pad (3 -> 4, 5 -> 8), exact sizes, and a smaller batch after a larger one
     # (stale buffer contents must not leak into the result).
     compare(runner, graphs, [1, 3, 8, 5, 2], query_len)
@@ -95,10 +99,7 @@ def test_padding_rows_write_nothing_with_the_triton_path(tiny_llama, query_len: 
     """The GPU configuration on the CPU: Triton kernels (interpreted), padding slot -1 skipped."""
     hf_model, _ = tiny_llama
     runner = make_runner(hf_model, "cpu")
-    graphs = DecodeGraphs(
-        runner.model, max_batch=4, query_len=query_len, max_model_len=128, block_size=BS,
-        device=runner.device, capture=False,
-    )  # fmt: skip
+    graphs = make_graphs(runner, 4, query_len, capture=False)
     model_module.set_attention_backend("triton")
     try:
         compare(runner, graphs, [3, 1], query_len)
@@ -123,10 +124,7 @@ def test_padding_rows_write_nothing_with_the_triton_path(tiny_llama, query_len: 
 def test_graph_replay_matches_eager_for_every_captured_size(tiny_llama, query_len: int) -> None:
     hf_model, _ = tiny_llama
     runner = make_runner(hf_model, "cuda")
-    graphs = DecodeGraphs(
-        runner.model, max_batch=24, query_len=query_len, max_model_len=128, block_size=BS,
-        device=runner.device,
-    )  # fmt: skip
+    graphs = make_graphs(runner, 24, query_len)
     graphs.capture()
     assert sorted(graphs.graphs) == [1, 2, 4, 8, 16, 24]
     compare(runner, graphs, [1, 2, 4, 8, 16, 24, 3, 13], query_len)
