@@ -29,9 +29,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common.attention import AttentionMetadata  # noqa: E402
-from common.cuda_graph import DecodeGraphs  # noqa: E402
-from common.model import CausalLM, set_attention_backend  # noqa: E402
+from common.kernels.attention import AttentionMetadata  # noqa: E402
+from common.model.cuda_graph import DecodeGraphs  # noqa: E402
+from common.model.llama import CausalLM, set_attention_backend  # noqa: E402
 
 BLOCK = 16
 
@@ -128,7 +128,7 @@ def bench_steps(args: argparse.Namespace) -> list[tuple[int, float, float]]:
 def bench_attention(args: argparse.Namespace) -> list[tuple[int, int, float, float]]:
     import torch.nn.functional as F
 
-    from common.triton_attention import paged_attention_triton
+    from common.kernels.triton_attention import paged_attention_triton
 
     heads, kv_heads, head_dim = 32, 4, 64
     rows = []

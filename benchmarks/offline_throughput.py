@@ -37,8 +37,8 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a plain checkout too
 
 from common.config import EngineConfig  # noqa: E402
-from common.engine import Engine  # noqa: E402
-from common.model_files import resolve_model  # noqa: E402
+from common.engine.engine import Engine  # noqa: E402
+from common.model.model_files import resolve_model  # noqa: E402
 from common.sampling_params import SamplingParams  # noqa: E402
 
 HF_STATIC_BATCH = 8

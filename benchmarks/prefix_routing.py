@@ -47,9 +47,9 @@ from benchmarks.cluster import ROOT, ProcCluster, log  # noqa: E402
 
 def achievable(args: argparse.Namespace, block_size: int = 16) -> tuple[int, int, list[int]]:
     """(achievable hit tokens, prompt tokens, prompt lengths) for the bench's exact prompts."""
+    from common.api.tokenizer import Tokenizer
     from common.bench.datasets import shared_prefix_dataset
-    from common.model_files import resolve_model
-    from common.tokenizer import Tokenizer
+    from common.model.model_files import resolve_model
 
     tok = Tokenizer.from_source(resolve_model(args.model))
     requests = shared_prefix_dataset(

@@ -12,7 +12,7 @@ import sys
 
 
 def cmd_models_pull(args: argparse.Namespace) -> int:
-    from common.model_files import pull_default_model
+    from common.model.model_files import pull_default_model
 
     path = pull_default_model(progress=not args.quiet)
     print(path)
@@ -20,7 +20,7 @@ def cmd_models_pull(args: argparse.Namespace) -> int:
 
 
 def cmd_run_batch(args: argparse.Namespace) -> int:
-    from common.run_batch import run_batch_command
+    from common.runtime.run_batch import run_batch_command
 
     return run_batch_command(args)
 
@@ -71,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_router_args(router)
     router.set_defaults(func=cmd_router)
 
-    from common.stages import add_stage_parsers
+    from common.runtime.launcher import add_stage_parsers
 
     add_stage_parsers(commands)
 

@@ -15,7 +15,7 @@ import time
 import zmq
 
 from common import protocol
-from common.engine import Engine, RequestOutput
+from common.engine.engine import Engine, RequestOutput
 from common.protocol import (
     Generate,
     KVHeader,
@@ -24,7 +24,7 @@ from common.protocol import (
     ReserveReply,
     TokenOutput,
 )
-from common.worker import WorkerBase
+from common.runtime.worker import WorkerBase
 from kvtransfer import KVReceiver
 
 log = logging.getLogger(__name__)

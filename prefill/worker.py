@@ -16,10 +16,10 @@ from dataclasses import dataclass
 import zmq
 
 from common import protocol
-from common.engine import Engine
-from common.histogram import KV_TRANSFER_BUCKETS, Histogram
+from common.engine.engine import Engine
 from common.protocol import KVHeader, Prefill, RequestFailed
-from common.worker import WorkerBase
+from common.runtime.histogram import KV_TRANSFER_BUCKETS, Histogram
+from common.runtime.worker import WorkerBase
 from kvtransfer import KVSender
 
 log = logging.getLogger(__name__)

@@ -3,7 +3,8 @@
 Owns the endpoints: `POST /v1/completions` and `POST /v1/chat/completions` (streamed and whole),
 `GET /v1/models`, `GET /health`, `GET /metrics`, `POST /tokenize`, `POST /detokenize`; optional
 Bearer auth on `/v1/*`; and the rule that every error is an OpenAI error body (bad input is a 4xx,
-never a 500). Request validation and response bodies come from `common.openai_protocol`; streaming
+never a 500). Request validation and response bodies come from `common.api.openai_protocol`;
+streaming
 from `router.streaming`; workers are reached only through `router.dispatch`.
 
 `/health` is 200 when at least one decode worker is live and either a prefill worker is live or
@@ -29,7 +30,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from common.openai_protocol import (
+from common.api.openai_protocol import (
     CHAT_URL,
     COMPLETIONS_URL,
     RequestError,
@@ -39,7 +40,7 @@ from common.openai_protocol import (
     engine_inputs,
     parse_request,
 )
-from common.tokenizer import Tokenizer
+from common.api.tokenizer import Tokenizer
 from router.dispatch import Dispatcher, Job
 from router.metrics import RouterMetrics
 from router.registry import Registry

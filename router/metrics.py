@@ -19,8 +19,8 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from common.histogram import Histogram
 from common.protocol import HistogramSnapshot
+from common.runtime.histogram import Histogram
 from router.kv_index import PrefixIndex
 from router.registry import Worker
 

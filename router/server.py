@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     import uvicorn
     import zmq.asyncio
 
-    from common.tokenizer import Tokenizer
+    from common.api.tokenizer import Tokenizer
     from router.app import RouterState
     from router.registry import Worker
 
@@ -343,8 +343,8 @@ class RouterServer:
 
 def run_router(args: argparse.Namespace) -> int:
     """`pdserve router`: load the tokenizer, serve until SIGINT / SIGTERM."""
-    from common.model_files import resolve_model
-    from common.tokenizer import Tokenizer
+    from common.api.tokenizer import Tokenizer
+    from common.model.model_files import resolve_model
 
     config = config_from_args(args)
     logging.basicConfig(

@@ -15,8 +15,8 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from common.detokenizer import Detokenizer
-from common.openai_protocol import (
+from common.api.detokenizer import Detokenizer
+from common.api.openai_protocol import (
     ChoiceResult,
     GenerationRequest,
     RequestError,
@@ -24,9 +24,9 @@ from common.openai_protocol import (
     completion_logprobs,
     usage_body,
 )
+from common.api.tokenizer import Tokenizer
 from common.protocol import TokenOutput
 from common.sampling_params import SamplingParams
-from common.tokenizer import Tokenizer
 from router.dispatch import FlightFailed, Job
 from router.metrics import RequestTimer
 

@@ -17,8 +17,8 @@ PYEOF
 # CPU), CUDA graph replay against eager, CUDA IPC KV transfer between two processes.
 status=0
 "$PY" -m pytest -q -rs \
-  tests/common/test_attention.py \
-  tests/common/test_cuda_graph.py \
+  tests/common/kernels/test_attention.py \
+  tests/common/model/test_cuda_graph.py \
   tests/kvtransfer/test_cuda_ipc.py \
   "$@" || status=$?
 "$PY" benchmarks/gpu_decode.py || status=$?

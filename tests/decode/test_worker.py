@@ -28,7 +28,7 @@ from common.protocol import (
 )
 from decode.worker import DecodeWorker
 from kvtransfer import KVSender, kv_layout
-from tests.common.test_engine import GREEDY, make_engine, prompts
+from tests.common.engine.test_engine import GREEDY, make_engine, prompts
 
 
 class FakeRouter:

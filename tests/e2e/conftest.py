@@ -10,8 +10,8 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from common.model_files import resolve_model
-from common.tokenizer import Tokenizer
+from common.api.tokenizer import Tokenizer
+from common.model.model_files import resolve_model
 
 
 @pytest.fixture(scope="session")

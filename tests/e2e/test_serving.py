@@ -14,11 +14,11 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from common.api.tokenizer import Tokenizer
 from common.config import EngineConfig
-from common.engine import Engine
-from common.model_files import resolve_model
+from common.engine.engine import Engine
+from common.model.model_files import resolve_model
 from common.sampling_params import SamplingParams
-from common.tokenizer import Tokenizer
 from tests.e2e.cluster import Cluster
 
 QUESTIONS = ["What is the capital of France?", "Count from one to ten.", "Say hi."]

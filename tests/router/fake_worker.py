@@ -25,6 +25,7 @@ from typing import Any
 import zmq
 
 from common import protocol
+from common.api.tokenizer import Tokenizer
 from common.protocol import (
     Abort,
     Generate,
@@ -38,7 +39,6 @@ from common.protocol import (
     TokenOutput,
 )
 from common.sampling_params import SamplingParams
-from common.tokenizer import Tokenizer
 from router.server import RouterConfig, RouterServer
 
 KV_BUS: dict[str, FakeWorker] = {}  # kv_address -> fake decode worker
@@ -47,7 +47,7 @@ VOCAB = 49152  # the default model's
 
 @functools.lru_cache(maxsize=1)
 def default_tokenizer() -> Tokenizer:
-    from common.model_files import resolve_model
+    from common.model.model_files import resolve_model
 
     return Tokenizer.from_source(resolve_model("default"))
 

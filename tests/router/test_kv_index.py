@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from common.block_pool import BlockPool
+from common.engine.block_pool import BlockPool
 from common.prefix_hash import block_keys, model_salt
 from common.protocol import KVEvents, decode_control, encode
 from router.kv_index import PrefixIndex

@@ -1,0 +1,571 @@
+"""OpenAI request bodies in, engine inputs out; engine results in, OpenAI response bodies out.
+
+Owns the strict validation of `/v1/completions` and `/v1/chat/completions` bodies (types, ranges,
+served model names, the context-length check), the OpenAI error body, and the completion / chat
+response bodies with usage and logprobs. No HTTP here: the router and `pdserve run-batch` both call
+it. Unknown body fields are ignored (OpenAI clients send extras); known fields we cannot honour
+(echo, suffix, logit_bias, tools, ...) are rejected rather than silently dropped.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
+
+from common.api.detokenizer import token_bytes, token_text
+from common.api.tokenizer import Tokenizer
+from common.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
+
+COMPLETIONS_URL = "/v1/completions"
+CHAT_URL = "/v1/chat/completions"
+MAX_N = 16  # choices per prompt
+MAX_STOP = 16  # stop strings per request (OpenAI allows 4, vLLM any number)
+MAX_STOP_TOKEN_IDS = 256
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+MIN_LOGPROB = -9999.0  # what vLLM reports for -inf (JSON has no infinity)
+_CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
+class RequestError(Exception):
+    """A request the API refuses; `code` is the HTTP status, `body()` the OpenAI error body."""
+
+    def __init__(
+        self,
+        message: str,
+        param: str | None = None,
+        code: int = 400,
+        type: str = "invalid_request_error",
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+@dataclass
+class GenerationRequest:
+    """A validated completions or chat request, before tokenization.
+
+    `params.max_tokens` is a placeholder until `engine_inputs` resolves it against the context
+    (`max_tokens` None means: whatever room the context leaves, the chat default).
+    """
+
+    endpoint: Literal["completions", "chat"]
+    model: str
+    params: SamplingParams
+    max_tokens: int | None
+    prompts: list[str | list[int]] = field(default_factory=list)  # completions only
+    messages: list[dict[str, str]] = field(default_factory=list)  # chat only: {role, content}
+    add_generation_prompt: bool = True
+    n: int = 1
+    stop: list[str] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    return_tokens_as_token_ids: bool = False
+    stream: bool = False
+    include_usage: bool = False
+    user: str | None = None
+
+    @property
+    def num_top_logprobs(self) -> int | None:
+        """Alternatives per token to report; None when logprobs were not asked for."""
+        return self.params.logprobs
+
+
+@dataclass
+class EngineInput:
+    """One prompt of a request as the engine takes it: ids and fully resolved parameters."""
+
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass
+class ChoiceResult:
+    """What the engine and detokenizer produced for one choice."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list[float | None] | None = None  # per output token, when asked for
+    top_logprobs: list[list[tuple[int, float]] | None] | None = None
+
+
+# ---- request parsing ----------------------------------------------------------------------------
+
+
+def parse_request(url: str, body: Any, served_model_names: list[str]) -> GenerationRequest:
+    """Validate a body for `url` (COMPLETIONS_URL or CHAT_URL); RequestError when it is bad."""
+    if url == COMPLETIONS_URL:
+        return parse_completion_request(body, served_model_names)
+    if url == CHAT_URL:
+        return parse_chat_request(body, served_model_names)
+    raise RequestError(f"unknown url {url!r}; supported: {COMPLETIONS_URL}, {CHAT_URL}", "url", 404)
+
+
+def parse_completion_request(body: Any, served_model_names: list[str]) -> GenerationRequest:
+    """Validate a `/v1/completions` body."""
+    body = _object(body)
+    model = _model(body, served_model_names)
+    prompts = _prompts(body.get("prompt"))
+    if _bool(body, "echo", False):
+        raise RequestError("echo is not supported", "echo")
+    if body.get("suffix") is not None:
+        raise RequestError("suffix is not supported", "suffix")
+    best_of = _int(body, "best_of", None, lo=1)
+    if best_of is not None and best_of > 1:
+        raise RequestError("best_of is not supported; use n", "best_of")
+    logprobs = _int(body, "logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS)
+    max_tokens = _int(body, "max_tokens", DEFAULT_COMPLETION_MAX_TOKENS, lo=1)
+    return _common(body, "completions", model, max_tokens, logprobs, prompts=prompts)
+
+
+def parse_chat_request(body: Any, served_model_names: list[str]) -> GenerationRequest:
+    """Validate a `/v1/chat/completions` body."""
+    body = _object(body)
+    model = _model(body, served_model_names)
+    messages = _messages(body.get("messages"))
+    for name in ("tools", "functions"):
+        if body.get(name):
+            raise RequestError(f"{name} are not supported", name)
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        raise RequestError("only response_format {'type': 'text'} is supported", "response_format")
+    want_logprobs = _bool(body, "logprobs", False)
+    top = _int(body, "top_logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS)
+    if top and not want_logprobs:
+        raise RequestError("top_logprobs requires logprobs to be true", "top_logprobs")
+    logprobs = (top or 0) if want_logprobs else None
+    max_tokens = _int(body, "max_completion_tokens", None, lo=1)
+    if max_tokens is None:
+        max_tokens = _int(body, "max_tokens", None, lo=1)
+    return _common(
+        body,
+        "chat",
+        model,
+        max_tokens,
+        logprobs,
+        messages=messages,
+        add_generation_prompt=_bool(body, "add_generation_prompt", True),
+    )
+
+
+def _common(
+    body: dict,
+    endpoint: Literal["completions", "chat"],
+    model: str,
+    max_tokens: int | None,
+    logprobs: int | None,
+    **fields: Any,
+) -> GenerationRequest:
+    """The sampling and output fields both endpoints share."""
+    if body.get("logit_bias"):
+        raise RequestError("logit_bias is not supported", "logit_bias")
+    stream = _bool(body, "stream", False)
+    stream_options = body.get("stream_options")
+    include_usage = False
+    if stream_options is not None:
+        if not stream:
+            raise RequestError(
+                "stream_options is only allowed when stream is true", "stream_options"
+            )
+        if not isinstance(stream_options, dict):
+            raise RequestError("stream_options must be an object", "stream_options")
+        include_usage = _bool(
+            stream_options, "include_usage", False, "stream_options.include_usage"
+        )
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise RequestError("user must be a string", "user")
+    min_tokens = _int(body, "min_tokens", 0, lo=0)
+    params = SamplingParams(
+        # A placeholder when max_tokens is left to the context: engine_inputs resolves it.
+        max_tokens=max_tokens or max(1, min_tokens),
+        temperature=_float(body, "temperature", 1.0, lo=0.0, hi=2.0),
+        top_p=_float(body, "top_p", 1.0, lo=0.0, hi=1.0, lo_open=True),
+        top_k=_int(body, "top_k", 0, lo=-1),
+        min_p=_float(body, "min_p", 0.0, lo=0.0, hi=1.0),
+        presence_penalty=_float(body, "presence_penalty", 0.0, lo=-2.0, hi=2.0),
+        frequency_penalty=_float(body, "frequency_penalty", 0.0, lo=-2.0, hi=2.0),
+        repetition_penalty=_float(body, "repetition_penalty", 1.0, lo=0.0, hi=2.0, lo_open=True),
+        seed=_int(body, "seed", None, lo=-(2**63), hi=2**64 - 1),
+        logprobs=logprobs,
+        stop_token_ids=_stop_token_ids(body.get("stop_token_ids")),
+        ignore_eos=_bool(body, "ignore_eos", False),
+        min_tokens=min_tokens,
+        # pdserve extension: decode this request without speculation (one token a step).
+        disable_speculation=_bool(body, "disable_speculation", False),
+    )
+    if max_tokens is not None and params.min_tokens > max_tokens:
+        raise RequestError(
+            f"min_tokens ({params.min_tokens}) must not exceed max_tokens ({max_tokens})",
+            "min_tokens",
+        )
+    try:
+        params.validate()
+    except ValueError as e:
+        raise RequestError(str(e)) from None
+    return GenerationRequest(
+        endpoint=endpoint,
+        model=model,
+        params=params,
+        max_tokens=max_tokens,
+        n=_int(body, "n", 1, lo=1, hi=MAX_N),
+        stop=_stop(body.get("stop")),
+        include_stop_str_in_output=_bool(body, "include_stop_str_in_output", False),
+        skip_special_tokens=_bool(body, "skip_special_tokens", True),
+        return_tokens_as_token_ids=_bool(body, "return_tokens_as_token_ids", False),
+        stream=stream,
+        include_usage=include_usage,
+        user=user,
+        **fields,
+    )
+
+
+def _object(body: Any) -> dict:
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object")
+    return body
+
+
+def _model(body: dict, served_model_names: list[str]) -> str:
+    model = body.get("model")
+    if model is None:
+        return served_model_names[0]  # as vLLM: no model means the (first) served one
+    if not isinstance(model, str):
+        raise RequestError("model must be a string", "model")
+    if model not in served_model_names:
+        raise RequestError(
+            f"The model `{model}` does not exist. Served models: {', '.join(served_model_names)}",
+            "model",
+            404,
+            "model_not_found",
+        )
+    return model
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_token_ids(v: Any) -> bool:
+    return isinstance(v, list) and bool(v) and all(_is_int(t) for t in v)
+
+
+def _prompts(prompt: Any) -> list[str | list[int]]:
+    if prompt is None:
+        raise RequestError("prompt is required", "prompt")
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt, list) and prompt:
+        if _is_token_ids(prompt):
+            return [list(prompt)]
+        if all(isinstance(p, str) for p in prompt):
+            return list(prompt)
+        if all(_is_token_ids(p) for p in prompt):
+            return [list(p) for p in prompt]
+    raise RequestError(
+        "prompt must be a string, a list of strings, a non-empty list of token ids, "
+        "or a list of non-empty lists of token ids",
+        "prompt",
+    )
+
+
+def _messages(messages: Any) -> list[dict[str, str]]:
+    if messages is None:
+        raise RequestError("messages is required", "messages")
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("messages must be a non-empty list", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        param = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise RequestError(f"{param} must be an object", param)
+        role = m.get("role")
+        if not isinstance(role, str):
+            raise RequestError(f"{param}.role must be a string", f"{param}.role")
+        if role not in _CHAT_ROLES:
+            raise RequestError(
+                f"{param}.role {role!r} is not supported (system, developer, user, assistant)",
+                f"{param}.role",
+            )
+        content = m.get("content")
+        if content is None and role == "assistant":
+            content = ""
+        out.append({"role": _CHAT_ROLES[role], "content": _content(content, f"{param}.content")})
+    return out
+
+
+def _content(content: Any, param: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text":
+                raise RequestError(f"{param}[{j}]: only text content parts are supported", param)
+            if not isinstance(part.get("text"), str):
+                raise RequestError(f"{param}[{j}].text must be a string", param)
+            texts.append(part["text"])
+        return "\n".join(texts)
+    raise RequestError(f"{param} must be a string or a list of text parts", param)
+
+
+def _stop(stop: Any) -> list[str]:
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise RequestError("stop must be a non-empty string or a list of them", "stop")
+    if len(stops) > MAX_STOP:
+        raise RequestError(f"at most {MAX_STOP} stop strings are allowed", "stop")
+    return list(stops)
+
+
+def _stop_token_ids(ids: Any) -> list[int]:
+    if ids is None:
+        return []
+    if not isinstance(ids, list) or not all(_is_int(t) and t >= 0 for t in ids):
+        raise RequestError(
+            "stop_token_ids must be a list of non-negative integers", "stop_token_ids"
+        )
+    if len(ids) > MAX_STOP_TOKEN_IDS:
+        raise RequestError(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids", "stop_token_ids")
+    return list(ids)
+
+
+def _int(
+    body: dict, name: str, default: int | None, lo: int | None = None, hi: int | None = None
+) -> int | None:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not _is_int(v):
+        raise RequestError(f"{name} must be an integer, got {v!r}", name)
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        bounds = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise RequestError(f"{name} must be {bounds}, got {v}", name)
+    return v
+
+
+def _float(
+    body: dict, name: str, default: float, lo: float, hi: float, lo_open: bool = False
+) -> float:
+    v = body.get(name)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise RequestError(f"{name} must be a number, got {v!r}", name)
+    if v < lo or v > hi or (lo_open and v == lo):
+        raise RequestError(f"{name} must be in {'(' if lo_open else '['}{lo}, {hi}], got {v}", name)
+    return float(v)
+
+
+def _bool(body: dict, name: str, default: bool, param: str | None = None) -> bool:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise RequestError(f"{param or name} must be a boolean, got {v!r}", param or name)
+    return v
+
+
+# ---- tokenization and the context check ---------------------------------------------------------
+
+
+def engine_inputs(
+    request: GenerationRequest, tokenizer: Tokenizer, max_model_len: int
+) -> list[EngineInput]:
+    """Tokenize each prompt (chat: through the chat template) and resolve max_tokens per prompt."""
+    if request.endpoint == "chat":
+        try:
+            ids = tokenizer.apply_chat_template(
+                request.messages, add_generation_prompt=request.add_generation_prompt
+            )
+        except Exception as e:  # template errors (e.g. roles must alternate) are the caller's
+            raise RequestError(f"could not apply the chat template: {e}", "messages") from None
+        prompts = [ids]
+    else:
+        prompts = [
+            p if isinstance(p, list) else tokenizer.encode(p, add_special_tokens=True)
+            for p in request.prompts
+        ]
+    vocab_size = tokenizer.vocab_size
+    inputs = []
+    for ids in prompts:
+        if not ids:
+            raise RequestError("the prompt is empty", "prompt")
+        if min(ids) < 0 or max(ids) >= vocab_size:
+            raise RequestError(f"prompt token ids must be in [0, {vocab_size})", "prompt")
+        inputs.append(EngineInput(ids, _resolve_max_tokens(request, len(ids), max_model_len)))
+    return inputs
+
+
+def _resolve_max_tokens(
+    request: GenerationRequest, num_prompt_tokens: int, max_model_len: int
+) -> SamplingParams:
+    where = "messages" if request.endpoint == "chat" else "prompt"
+    max_tokens = request.max_tokens
+    if max_tokens is None:
+        max_tokens = max_model_len - num_prompt_tokens
+    if num_prompt_tokens >= max_model_len or num_prompt_tokens + max_tokens > max_model_len:
+        raise RequestError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {num_prompt_tokens + max(max_tokens, 1)} tokens ({num_prompt_tokens} in "
+            f"the {where}, {max(max_tokens, 1)} in the completion). Please reduce the length of "
+            f"the {where} or completion.",
+            where if num_prompt_tokens >= max_model_len else "max_tokens",
+        )
+    if request.params.min_tokens > max_tokens:
+        raise RequestError(
+            f"min_tokens ({request.params.min_tokens}) must not exceed max_tokens ({max_tokens})",
+            "min_tokens",
+        )
+    params = replace(request.params, max_tokens=max_tokens)
+    params.stop_token_ids = list(params.stop_token_ids)  # each engine request owns its lists
+    return params
+
+
+def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """Parameters for the n choices of one prompt: distinct seeds derived from a given seed."""
+    if params.seed is None:
+        return [params] * n
+    return [replace(params, seed=(params.seed + k) % 2**64) for k in range(n)]
+
+
+# ---- response bodies ----------------------------------------------------------------------------
+
+
+def usage_body(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def completion_body(
+    request: GenerationRequest,
+    choices: list[ChoiceResult],
+    tokenizer: Tokenizer,
+    prompt_tokens: int,
+    request_id: str | None = None,
+    created: int | None = None,
+) -> dict[str, Any]:
+    """A non-streamed `text_completion` body; `prompt_tokens` counts every prompt once."""
+    return {
+        "id": request_id or f"cmpl-{uuid.uuid4().hex}",
+        "object": "text_completion",
+        "created": int(time.time()) if created is None else created,
+        "model": request.model,
+        "choices": [
+            {
+                "index": c.index,
+                "text": c.text,
+                "logprobs": completion_logprobs(request, c, tokenizer),
+                "finish_reason": c.finish_reason,
+            }
+            for c in choices
+        ],
+        "usage": usage_body(prompt_tokens, sum(len(c.token_ids) for c in choices)),
+    }
+
+
+def chat_body(
+    request: GenerationRequest,
+    choices: list[ChoiceResult],
+    tokenizer: Tokenizer,
+    prompt_tokens: int,
+    request_id: str | None = None,
+    created: int | None = None,
+) -> dict[str, Any]:
+    """A non-streamed `chat.completion` body."""
+    return {
+        "id": request_id or f"chatcmpl-{uuid.uuid4().hex}",
+        "object": "chat.completion",
+        "created": int(time.time()) if created is None else created,
+        "model": request.model,
+        "choices": [
+            {
+                "index": c.index,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": chat_logprobs(request, c, tokenizer),
+                "finish_reason": c.finish_reason,
+            }
+            for c in choices
+        ],
+        "usage": usage_body(prompt_tokens, sum(len(c.token_ids) for c in choices)),
+    }
+
+
+def _logprob(v: float | None) -> float:
+    return MIN_LOGPROB if v is None or v < MIN_LOGPROB else v
+
+
+def _token_str(request: GenerationRequest, tokenizer: Tokenizer, token_id: int) -> str:
+    if request.return_tokens_as_token_ids:
+        return f"token_id:{token_id}"
+    return token_text(tokenizer, token_id)
+
+
+def completion_logprobs(
+    request: GenerationRequest, c: ChoiceResult, tokenizer: Tokenizer
+) -> dict[str, list] | None:
+    """A choice's `logprobs` in the /v1/completions format, or None when not asked for."""
+    if request.num_top_logprobs is None or c.logprobs is None:
+        return None
+    tokens, top_logprobs, text_offset, offset = [], [], [], 0
+    for i, token_id in enumerate(c.token_ids):
+        text = _token_str(request, tokenizer, token_id)
+        tokens.append(text)
+        text_offset.append(offset)
+        offset += len(text)
+        # As vLLM: the sampled token first, then the best alternatives.
+        top = {text: _logprob(c.logprobs[i])}
+        for alt_id, lp in (c.top_logprobs[i] if c.top_logprobs else None) or []:
+            top.setdefault(_token_str(request, tokenizer, alt_id), _logprob(lp))
+        top_logprobs.append(top)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [_logprob(v) for v in c.logprobs],
+        "top_logprobs": top_logprobs,
+        "text_offset": text_offset,
+    }
+
+
+def chat_logprobs(
+    request: GenerationRequest, c: ChoiceResult, tokenizer: Tokenizer
+) -> dict[str, list] | None:
+    """A choice's `logprobs` in the /v1/chat/completions format, or None when not asked for."""
+    if request.num_top_logprobs is None or c.logprobs is None:
+        return None
+
+    def entry(token_id: int, lp: float | None) -> dict[str, Any]:
+        return {
+            "token": _token_str(request, tokenizer, token_id),
+            "logprob": _logprob(lp),
+            "bytes": token_bytes(tokenizer, token_id),
+        }
+
+    content = []
+    for i, token_id in enumerate(c.token_ids):
+        alts = (c.top_logprobs[i] if c.top_logprobs else None) or []
+        content.append(
+            {**entry(token_id, c.logprobs[i]), "top_logprobs": [entry(t, lp) for t, lp in alts]}
+        )
+    return {"content": content}

@@ -1,0 +1,79 @@
+"""Text <-> token ids and the chat template, over a Hugging Face tokenizer.
+
+Owns which token ids end a generation (`eos_token_ids`) and turning OpenAI chat messages into prompt
+ids. The router and run-batch tokenize with it; the engine only sees ids.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from common.model.model_files import ModelSource
+
+
+class Tokenizer:
+    """A model's tokenizer: `hf` is the underlying transformers tokenizer."""
+
+    def __init__(self, hf: Any, eos_token_ids: set[int]) -> None:
+        self.hf = hf
+        self.eos_token_ids = eos_token_ids
+
+    @classmethod
+    def from_source(cls, source: ModelSource) -> Tokenizer:
+        from transformers import AutoTokenizer
+
+        hf = AutoTokenizer.from_pretrained(source.hf_dir)
+        return cls(hf, _eos_token_ids(source, hf))
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids the tokenizer knows, added tokens included."""
+        return len(self.hf)
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self.hf.bos_token_id
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True
+    ) -> list[int]:
+        """Prompt ids for OpenAI-style messages, as the model's own chat template renders them."""
+        if not getattr(self.hf, "chat_template", None):
+            raise ValueError("this model has no chat template; use /v1/completions with a prompt")
+        out = self.hf.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
+        )
+        # transformers versions differ: a list, a BatchEncoding, or a batch of one.
+        if isinstance(out, Mapping):
+            out = out["input_ids"]
+        if hasattr(out, "tolist"):
+            out = out.tolist()
+        if out and isinstance(out[0], list):
+            (out,) = out
+        return [int(i) for i in out]
+
+
+def _eos_token_ids(source: ModelSource, hf_tokenizer: Any) -> set[int]:
+    """Every id that should end generation: config, generation_config and tokenizer together."""
+    ids: set[int] = set()
+
+    def add(value: int | list[int] | None) -> None:
+        if isinstance(value, int):
+            ids.add(value)
+        elif value is not None:
+            ids.update(int(v) for v in value)
+
+    add(getattr(source.hf_config, "eos_token_id", None))
+    if (source.hf_dir / "generation_config.json").is_file():
+        from transformers import GenerationConfig
+
+        add(GenerationConfig.from_pretrained(source.hf_dir).eos_token_id)
+    add(hf_tokenizer.eos_token_id)
+    return ids

@@ -1,0 +1,386 @@
+"""The engine: requests in, tokens out, one scheduled step at a time.
+
+Owns the live sequences and the stop rules (eos, stop token ids, max_tokens, context length), and
+with speculative decoding the bookkeeping of each verify step: appending the accepted tokens (cut at
+a stop), rolling the KV of rejected drafts back and counting drafts. The scheduler decides what
+runs, the proposer (common.engine.spec.spec_decode) drafts, the model runner computes it. Used
+in-process by
+`pdserve run-batch` and the benchmarks, and inside the prefill/decode workers.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from common.config import EngineConfig
+from common.engine.block_manager import BlockManager
+from common.engine.block_pool import BlockPool
+from common.engine.sampler import SampleResult, make_generator
+from common.engine.scheduler import ScheduledSeq, Scheduler
+from common.engine.sequence import Sequence, SequenceStatus
+from common.engine.spec.spec_decode import SpeculationGovernor, Verifier, make_proposer
+from common.model.model_runner import ModelRunner
+from common.prefix_hash import model_salt
+from common.sampling_params import SamplingParams
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[float | None]
+    new_top_logprobs: list[list[tuple[int, float]] | None]
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+
+
+CPU_SPECULATIVE_MAX_BATCH = 2  # --speculative-disable-by-batch-size's default on a CPU
+
+
+def config_eos_ids(hf_config) -> frozenset[int]:
+    eos = getattr(hf_config, "eos_token_id", None)
+    if eos is None:
+        return frozenset()
+    return frozenset([eos] if isinstance(eos, int) else eos)
+
+
+class Engine:
+    """Continuous-batching generation over a paged, prefix-cached KV cache."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        hf_config=None,
+        weights: Iterable[tuple[str, torch.Tensor]] | None = None,
+        eos_token_ids: Iterable[int] | None = None,
+    ) -> None:
+        """Load `config.model` (or use the given HF config and HF-named weights)."""
+        config.validate()
+        self.config = config
+        if hf_config is None or weights is None:
+            from common.model.model_files import resolve_model
+            from common.model.weights import iter_weights
+
+            source = resolve_model(config.model)
+            hf_config, weights = source.hf_config, iter_weights(source)
+        self.hf_config = hf_config
+        self.eos_token_ids = (
+            frozenset(eos_token_ids) if eos_token_ids is not None else (config_eos_ids(hf_config))
+        )
+        self.runner = ModelRunner(config, hf_config, weights, self.eos_token_ids)
+        self.max_model_len = self.runner.max_model_len
+        self.pool = BlockPool(self.runner.num_blocks, config.block_size)
+        salt = model_salt(str(config.model), config.dtype, config.block_size)
+        self.block_manager = BlockManager(self.pool, salt, config.enable_prefix_caching)
+        self.proposer = make_proposer(config, self.runner)
+        self.verifier = Verifier(self.eos_token_ids)
+        self.scheduler = Scheduler(
+            self.block_manager,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            num_lookahead_tokens=config.num_speculative_tokens if self.proposer else 0,
+            max_model_len=self.max_model_len,
+            speculative_max_batch=self._speculative_max_batch(),
+        )
+        self.governor = (
+            SpeculationGovernor() if self.proposer and config.speculative_adaptive else None
+        )
+        self.num_drafts = 0  # verify rows with at least one draft token
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.seqs: dict[str, Sequence] = {}  # waiting or running
+        self.held: dict[str, Sequence] = {}  # finished, blocks kept until their KV is sent
+        self.reserved: dict[str, Sequence] = {}  # blocks held for KV that is on its way
+        self.vocab_size = int(hf_config.vocab_size)
+        self._ids = itertools.count()
+
+    def _speculative_max_batch(self) -> int:
+        """Most running sequences that still draft (0: no limit). On a CPU a verify row costs
+        nearly its k+1 tokens of compute, so beyond a couple of sequences drafting only slows the
+        batch; a GPU verifies for almost free."""
+        limit = self.config.speculative_disable_by_batch_size
+        if limit is None:
+            limit = 0 if self.runner.device.type == "cuda" else CPU_SPECULATIVE_MAX_BATCH
+        return limit
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        hold_blocks: bool = False,
+    ) -> None:
+        """Queue a request; ValueError for a bad prompt or parameters (nothing is queued then).
+
+        With `hold_blocks` the finished sequence keeps its KV blocks (see `held`) until `release`.
+        """
+        seq = self._new_sequence(request_id, prompt_token_ids, params)
+        seq.hold_blocks = hold_blocks
+        self.seqs[request_id] = seq
+        self.scheduler.add(seq)
+
+    def _new_sequence(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> Sequence:
+        """A validated new sequence (ValueError naming the problem otherwise)."""
+        self._check_new(request_id, prompt_token_ids, params)
+        return Sequence(
+            request_id=request_id,
+            token_ids=list(prompt_token_ids),
+            num_prompt_tokens=len(prompt_token_ids),
+            params=params,
+            generator=make_generator(params),
+        )
+
+    def _check_new(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> None:
+        params.validate()
+        if request_id in self.seqs or request_id in self.held or request_id in self.reserved:
+            raise ValueError(f"request id {request_id!r} is already running")
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(prompt_token_ids)} tokens; this model's context is "
+                f"{self.max_model_len} tokens including at least one output token"
+            )
+        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.vocab_size:
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a request wherever it is and free its blocks; False if it is not here."""
+        seq = self.seqs.pop(request_id, None)
+        if seq is not None:
+            self.scheduler.remove(seq)
+        else:
+            seq = self.held.pop(request_id, None) or self.reserved.pop(request_id, None)
+            if seq is None:
+                return False
+            self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = seq.finish_reason or "abort"
+        return True
+
+    def release(self, request_id: str) -> bool:
+        """Free a held sequence's blocks once its KV has been sent (or the transfer ended)."""
+        seq = self.held.pop(request_id, None)
+        if seq is None:
+            return False
+        self.block_manager.free(seq)
+        return True
+
+    def reserve(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> int | None:
+        """Hold blocks for a prompt whose KV another worker will send; None if there is no room.
+
+        Returns how many leading prompt tokens this engine already holds (prefix-cache hit, a
+        multiple of the block size): the sender need not send those blocks.
+        """
+        seq = self._new_sequence(request_id, prompt_token_ids, params)
+        cached = self.block_manager.match_prefix(seq)
+        # room for the prompt and the first token, plus the running sequences' next tokens
+        if not self.block_manager.ensure_slots(seq, seq.num_tokens + 1):
+            self.block_manager.free(seq)
+            return None
+        seq.num_cached_tokens = cached
+        self.reserved[request_id] = seq
+        return cached
+
+    def reserved_block_ids(self, request_id: str) -> list[int] | None:
+        seq = self.reserved.get(request_id)
+        return None if seq is None else list(seq.block_table)
+
+    def admit_prefilled(
+        self,
+        request_id: str,
+        token_id: int,
+        logprob: float | None = None,
+        top_logprobs: list[tuple[int, float]] | None = None,
+    ) -> RequestOutput:
+        """The reserved prompt's KV has arrived: add the first token and start decoding it."""
+        seq = self.reserved.pop(request_id)
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        self.block_manager.commit(seq)
+        self.seqs[request_id] = seq
+        self.scheduler.add(seq)
+        return self._append_token(seq, token_id, logprob, top_logprobs)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled step; report each sequence that got a token."""
+        governor = self.governor
+        num_running = len(self.scheduler.running)
+        if governor is not None:
+            self.scheduler.drafting = governor.allow(num_running)
+        start = time.perf_counter()
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        outputs = self._step(batch)
+        if governor is not None and all(item.num_new_tokens == 1 for item in batch):
+            drafted = any(item.draft_token_ids for item in batch)
+            num_tokens = sum(len(out.new_token_ids) for out in outputs)
+            governor.record(num_running, drafted, time.perf_counter() - start, num_tokens)
+        return outputs
+
+    def _step(self, batch: list[ScheduledSeq]) -> list[RequestOutput]:
+        if self.proposer is not None:
+            drafting = [item for item in batch if item.num_lookahead_tokens]
+            if drafting:
+                self.proposer.propose(drafting)
+                return self._speculative_step(batch)
+        results = self.runner.execute(batch)
+        outputs = []
+        for item, result in zip(batch, results):
+            seq = item.seq
+            seq.num_computed_tokens += item.num_new_tokens
+            self.block_manager.commit(seq)
+            if result is None:
+                continue
+            outputs.append(
+                self._append_token(seq, result.token_id, result.logprob, result.top_logprobs)
+            )
+        return outputs
+
+    def _speculative_step(self, batch: list[ScheduledSeq]) -> list[RequestOutput]:
+        """Verify the drafts, keep the accepted tokens and give back the slots of the rest."""
+        results = self.runner.execute_speculative(batch, self.verifier)
+        outputs = []
+        for item, samples in zip(batch, results):
+            seq = item.seq
+            num_drafts = len(item.draft_token_ids)
+            num_accepted = len(samples) - 1 if num_drafts else 0
+            if num_drafts:
+                self.num_drafts += 1
+                self.num_draft_tokens += num_drafts
+                self.num_accepted_tokens += num_accepted
+            # KV is valid up to the last accepted draft (the new token's is computed next step)
+            computed = seq.num_computed_tokens + item.num_new_tokens + num_accepted
+            if samples:
+                outputs.append(self._append_tokens(seq, samples))
+                computed = min(computed, seq.num_tokens - 1)
+            if seq.is_finished and seq.request_id not in self.held:
+                continue  # its blocks are already freed
+            seq.num_computed_tokens = computed
+            self.block_manager.commit(seq)  # only computed, accepted tokens' blocks
+            self.block_manager.trim(seq)
+            seq.num_draft_computed_tokens = min(seq.num_draft_computed_tokens, computed)
+        return outputs
+
+    def _append_tokens(self, seq: Sequence, samples: list[SampleResult]) -> RequestOutput:
+        """Append a verify step's tokens, stopping at the first that finishes the sequence."""
+        reason = None
+        kept = []
+        for sample in samples:
+            seq.token_ids.append(sample.token_id)
+            seq.output_logprobs.append(sample.logprob)
+            seq.output_top_logprobs.append(sample.top_logprobs)
+            kept.append(sample)
+            reason = self._finish_reason(seq, sample.token_id)
+            if reason is not None:
+                self._finish(seq, reason)
+                break
+        return RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=[s.token_id for s in kept],
+            new_logprobs=[s.logprob for s in kept],
+            new_top_logprobs=[s.top_logprobs for s in kept],
+            finished=reason is not None,
+            finish_reason=reason,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_output_tokens=seq.num_output_tokens,
+            num_cached_tokens=seq.num_cached_tokens,
+        )
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        seq.finish_reason = reason
+        del self.seqs[seq.request_id]
+        if seq.hold_blocks:
+            if seq in self.scheduler.running:
+                self.scheduler.running.remove(seq)
+            else:
+                self.scheduler.waiting.remove(seq)
+            self.held[seq.request_id] = seq
+        else:
+            self.scheduler.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+
+    def _append_token(
+        self,
+        seq: Sequence,
+        token_id: int,
+        logprob: float | None,
+        top_logprobs: list[tuple[int, float]] | None,
+    ) -> RequestOutput:
+        seq.token_ids.append(token_id)
+        seq.output_logprobs.append(logprob)
+        seq.output_top_logprobs.append(top_logprobs)
+        reason = self._finish_reason(seq, token_id)
+        if reason is not None:
+            self._finish(seq, reason)
+        return RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=[token_id],
+            new_logprobs=[logprob],
+            new_top_logprobs=[top_logprobs],
+            finished=reason is not None,
+            finish_reason=reason,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_output_tokens=seq.num_output_tokens,
+            num_cached_tokens=seq.num_cached_tokens,
+        )
+
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        p = seq.params
+        if seq.num_output_tokens >= p.min_tokens:
+            if not p.ignore_eos and token in self.eos_token_ids:
+                return "stop"
+            if token in p.stop_token_ids:
+                return "stop"
+        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+    ) -> list[Sequence]:
+        """Run prompts to completion; returns their finished sequences in input order."""
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        seqs = []
+        for prompt, p in zip(prompts, params_list):
+            rid = f"generate-{next(self._ids)}"
+            self.add_request(rid, prompt, p)
+            seqs.append(self.seqs[rid])
+        while any(not s.is_finished for s in seqs):
+            self.step()
+        return seqs
+
+    def stats(self) -> dict[str, float]:
+        """Counters and gauges for metrics and tests."""
+        return {
+            "num_requests_running": len(self.scheduler.running),
+            "num_requests_waiting": len(self.scheduler.waiting),
+            "kv_cache_usage_perc": self.pool.usage(),
+            "num_free_blocks": self.pool.num_free,
+            "num_blocks": self.pool.num_blocks,
+            "num_preemptions_total": self.scheduler.num_preemptions,
+            "prefix_cache_queries_total": self.pool.query_tokens,
+            "prefix_cache_hits_total": self.pool.hit_tokens,
+            "spec_decode_num_drafts_total": self.num_drafts,
+            "spec_decode_num_draft_tokens_total": self.num_draft_tokens,
+            "spec_decode_num_accepted_tokens_total": self.num_accepted_tokens,
+        }

@@ -1,0 +1,140 @@
+"""Continuous batching: which sequences run this step and how many tokens each computes.
+
+One step mixes decode tokens of running sequences with (chunked) prefill of new ones under a token
+budget, as vLLM v1 does. Running sequences go first, oldest first; when blocks run out the newest
+running sequence is preempted (its blocks freed, its tokens recomputed later). With speculative
+decoding a decoding sequence also gets slots (and budget) for up to `num_lookahead_tokens` draft
+tokens, when they fit without preempting anyone. Called by the engine.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from common.engine.block_manager import BlockManager
+from common.engine.sequence import Sequence, SequenceStatus
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int  # tokens whose KV this step computes, starting at seq.num_computed_tokens
+    num_lookahead_tokens: int = 0  # slots reserved past them for draft tokens to verify
+    draft_token_ids: list[int] = field(default_factory=list)  # set by the proposer, then verified
+    draft_probs: torch.Tensor | None = None  # [k, vocab] the drafts were sampled from; None: fixed
+
+
+class Scheduler:
+    """Waiting queue, running set and the per-step admission decision."""
+
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        num_lookahead_tokens: int = 0,
+        max_model_len: int | None = None,
+        speculative_max_batch: int = 0,
+    ) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.num_lookahead_tokens = num_lookahead_tokens
+        self.speculative_max_batch = speculative_max_batch  # no drafts above this many; 0: any
+        self.drafting = True  # the engine's governor may switch drafting off for a step
+        self.max_model_len = max_model_len
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a finished or aborted sequence out and free its blocks."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def _lookahead(self, seq: Sequence, n: int, budget: int) -> int:
+        """How many draft tokens a decoding sequence may verify this step (0: plain decode)."""
+        if (
+            self.num_lookahead_tokens == 0
+            or not self.drafting
+            or (0 < self.speculative_max_batch < len(self.running))
+            or n != 1
+            or seq.num_tokens - seq.num_computed_tokens != 1
+            or seq.params.disable_speculation
+            or seq.hold_blocks
+        ):
+            return 0
+        # every accepted draft is an output token: stay within max_tokens and the context
+        room = seq.params.max_tokens - seq.num_output_tokens - 1
+        if self.max_model_len is not None:
+            room = min(room, self.max_model_len - seq.num_tokens - 1)
+        return max(0, min(self.num_lookahead_tokens, budget - 1, room))
+
+    def schedule(self) -> list[ScheduledSeq]:
+        """Pick this step's work; every returned sequence has blocks for its new tokens."""
+        budget = self.max_num_batched_tokens
+        scheduled: list[ScheduledSeq] = []
+        preempted = False
+        running = list(self.running)
+        for index, seq in enumerate(running):
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            # drafts only from budget the running sequences behind this one do not need
+            lookahead = self._lookahead(seq, n, budget - (len(running) - index - 1))
+            if lookahead and self.block_manager.ensure_slots(
+                seq, seq.num_computed_tokens + n + lookahead
+            ):
+                scheduled.append(ScheduledSeq(seq, n, lookahead))
+                budget -= n + lookahead
+                continue
+            while not self.block_manager.ensure_slots(seq, seq.num_computed_tokens + n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            if seq.status is SequenceStatus.RUNNING:
+                scheduled.append(ScheduledSeq(seq, n))
+                budget -= n
+        if preempted:
+            return scheduled
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not seq.block_table:
+                hit = self.block_manager.match_prefix(seq)
+                if seq.num_output_tokens == 0:  # a preempted sequence keeps its first count
+                    seq.num_cached_tokens = hit
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self.block_manager.ensure_slots(seq, seq.num_computed_tokens + n):
+                self.block_manager.free(seq)
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            scheduled.append(ScheduledSeq(seq, n))
+            budget -= n
+        return scheduled

@@ -1,0 +1,178 @@
+"""Paged attention: the batch's attention metadata and the torch reference path.
+
+Owns `AttentionMetadata` (built once per step by the model runner, passed down to every attention
+layer) and the two operations on the paged KV cache: writing new keys/values into their slots and
+attending each new query token over its sequence's cached prefix plus the new tokens (causally).
+The torch code here is the CPU path and the reference the Triton kernels are tested against.
+
+Cache layout, per layer: `k_cache`, `v_cache` of shape
+[num_blocks, block_size, num_kv_heads, head_dim].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from common.kernels import cpu_attention
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each new token's K/V goes and which cached tokens each sequence attends to.
+
+    Sequence i owns new tokens `query_start_loc[i]:query_start_loc[i+1]` of the flat batch; after
+    this step its cache holds `seq_lens[i]` tokens (cached prefix + new), laid out along
+    `block_tables[i]` (padded with 0 past its last block). New token j of sequence i is at position
+    `seq_lens[i] - query_len_i + j` and attends to positions `0..` itself.
+    """
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64: block_id * block_size + offset
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32
+    seq_lens: torch.Tensor  # [num_seqs] int32
+    block_tables: torch.Tensor  # [num_seqs, max_num_blocks] int32
+    query_lens_cpu: list[int]
+    seq_lens_cpu: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def max_query_len(self) -> int:
+        return max(self.query_lens_cpu)
+
+    @property
+    def max_seq_len(self) -> int:
+        return max(self.seq_lens_cpu)
+
+
+def write_kv_cache(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Store new keys/values [num_tokens, num_kv_heads, head_dim] into their cache slots."""
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+
+def _gather_seq(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """A sequence's first `seq_len` cached tokens as [seq_len, num_kv_heads, head_dim]."""
+    block_size = cache.shape[1]
+    num_blocks = (seq_len + block_size - 1) // block_size
+    blocks = cache.index_select(0, block_table[:num_blocks].long())
+    return blocks.flatten(0, 1)[:seq_len]
+
+
+def _decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_seq_len: int,
+    scale: float,
+) -> torch.Tensor:
+    """One query per sequence, batched: q [B, H, D] -> [B, H, D]."""
+    if cpu_attention.supports(q, k_cache):
+        return cpu_attention.paged_decode_attention(
+            q, k_cache, v_cache, block_tables, seq_lens, scale
+        )
+    batch, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    num_blocks = (max_seq_len + block_size - 1) // block_size
+    table = block_tables[:, :num_blocks].long()
+    # [B, nb, bs, Hkv, D] -> [B, Hkv, L, D]
+    k = k_cache[table].flatten(1, 2).permute(0, 2, 1, 3)
+    v = v_cache[table].flatten(1, 2)  # [B, L, Hkv, D], a gathered copy
+    length = v.shape[1]
+    mask = torch.arange(length, device=q.device)[None, :] >= seq_lens[:, None].long()
+    # Slots past a sequence's end may hold anything (NaN in a torch.empty cache): 0 * NaN = NaN.
+    v = v.masked_fill_(mask[:, :, None, None], 0).permute(0, 2, 1, 3)
+    qg = q.view(batch, num_kv_heads, group, head_dim)
+    scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale  # [B, Hkv, G, L]
+    scores.masked_fill_(mask[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    return torch.matmul(probs, v).reshape(batch, num_heads, head_dim)
+
+
+def _prefill_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal; queries are the last q_len of k_len keys. q [q_len, H, D], k/v [k_len, Hkv, D]."""
+    q_len, k_len = q.shape[0], k.shape[0]
+    num_heads, num_kv_heads = q.shape[1], k.shape[1]
+    if num_heads != num_kv_heads:
+        # SDPA's enable_gqa falls back to its slow math kernel on CPU; expanded K/V keep it fused.
+        k = k.repeat_interleave(num_heads // num_kv_heads, dim=1)
+        v = v.repeat_interleave(num_heads // num_kv_heads, dim=1)
+    qt, kt, vt = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # [1, H, len, D]
+    if q_len == k_len:
+        out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale)
+    else:
+        rows = torch.arange(q_len, device=q.device)[:, None] + (k_len - q_len)
+        allowed = torch.arange(k_len, device=q.device)[None, :] <= rows
+        out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=allowed, scale=scale)
+    return out[0].transpose(0, 1)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    new_k: torch.Tensor | None = None,
+    new_v: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of new tokens q [num_tokens, H, D] over the paged cache (already holding them).
+
+    `new_k`/`new_v`, when given, are the new tokens' keys/values: a sequence with no cached prefix
+    then attends to them directly instead of gathering them back from the cache (same values, less
+    copying).
+    """
+    if meta.max_query_len == 1:
+        return _decode_attention(
+            q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.max_seq_len, scale
+        )
+    out = torch.empty_like(q)
+    # Decode rows of a mixed batch are batched together; prefill rows go one sequence at a time.
+    decode_rows = [i for i, q_len in enumerate(meta.query_lens_cpu) if q_len == 1]
+    if len(decode_rows) > 1:
+        rows = torch.tensor(decode_rows, device=q.device)
+        tokens = meta.query_start_loc[rows].long()
+        out[tokens] = _decode_attention(
+            q[tokens],
+            k_cache,
+            v_cache,
+            meta.block_tables[rows],
+            meta.seq_lens[rows],
+            max(meta.seq_lens_cpu[i] for i in decode_rows),
+            scale,
+        )
+    else:
+        decode_rows = []
+    start = 0
+    for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
+        end = start + q_len
+        if decode_rows and q_len == 1:
+            start = end
+            continue
+        if new_k is not None and new_v is not None and q_len == seq_len:
+            k, v = new_k[start:end], new_v[start:end]
+        else:
+            k = _gather_seq(k_cache, meta.block_tables[i], seq_len)
+            v = _gather_seq(v_cache, meta.block_tables[i], seq_len)
+        out[start:end] = _prefill_attention(q[start:end], k, v, scale)
+        start = end
+    return out

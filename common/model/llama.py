@@ -1,0 +1,298 @@
+"""The Llama / Mistral / Qwen2 / Qwen3 decoder family over a paged KV cache.
+
+Embedding, N x (RMSNorm, attention, residual, RMSNorm, SwiGLU MLP, residual), RMSNorm, LM head.
+Differences inside the family are switches read from the HF config: GQA, RoPE (incl. scaling types,
+through transformers' own RoPE init functions), attention bias (Qwen2), per-head q/k RMSNorm
+(Qwen3), tied embeddings. Q/K/V and gate/up projections are fused into one matmul each. Called by
+the model runner, which owns the KV cache tensors and the attention metadata.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from common.kernels.attention import AttentionMetadata, paged_attention, write_kv_cache
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+class Linear(nn.Linear):
+    """nn.Linear that can switch to oneDNN's prepacked-weight matmul on CPU (pack_for_cpu)."""
+
+    packed: torch.Tensor | None = None
+
+    def pack_for_cpu(self) -> None:
+        # Prepacked weights skip oneDNN's per-call reorder: about 2x faster at decode batch sizes.
+        # oneDNN's bf16 path needs AVX512 or AVX-NE-CONVERT; elsewhere the plain matmul stays.
+        try:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
+        except RuntimeError:
+            self.packed = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is None:
+            return F.linear(x, self.weight, self.bias)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # float32 statistics, cast back before the weight: the order HF uses, so bf16 rounds alike
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        normed = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for every position up to max_positions, computed once in float32."""
+
+    def __init__(self, config, head_dim: int, max_positions: int) -> None:
+        super().__init__()
+        rope = dict(getattr(config, "rope_parameters", None) or {})
+        if not rope:  # transformers < 5 keeps these as separate attributes
+            rope = dict(getattr(config, "rope_scaling", None) or {})
+            rope.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type == "default":
+            theta = float(rope["rope_theta"])
+            inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+            scaling = 1.0
+        elif rope_type == "dynamic":
+            raise ValueError("dynamic NTK RoPE scaling is not supported")
+        else:
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+        freqs = torch.arange(max_positions, dtype=torch.float)[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        # plain attributes, not buffers: model.to(dtype) must not round them to bf16
+        self.cos = emb.cos() * scaling
+        self.sin = emb.sin() * scaling
+
+    def to_device(self, device: torch.device) -> None:
+        self.cos, self.sin = self.cos.to(device), self.sin.to(device)
+
+    def set_positions(self, positions: torch.Tensor, dtype: torch.dtype) -> None:
+        """Look up this step's cos/sin once; every layer's forward then reuses them."""
+        self.step_cos = self.cos[positions].to(dtype)[:, None, :]
+        self.step_sin = self.sin[positions].to(dtype)[:, None, :]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Rotate x [T, heads, D] at this step's positions (half-split layout, as HF)."""
+        return _rotate(x, self.step_cos, self.step_sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, config, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = head_dim_of(config)
+        self.scale = self.head_dim**-0.5
+        qkv_bias, o_bias = _attention_bias(config)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.split = (q_size, kv_size, kv_size)
+        self.qkv_proj = Linear(config.hidden_size, q_size + 2 * kv_size, bias=qkv_bias)
+        self.o_proj = Linear(q_size, config.hidden_size, bias=o_bias)
+        self.qk_norm = config.model_type == "qwen3"
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.rotary = rotary
+        self.k_cache = torch.empty(0)  # set by the model runner
+        self.v_cache = torch.empty(0)
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        qkv = self.qkv_proj(x)
+        qk_width = (self.num_heads + self.num_kv_heads) * self.head_dim
+        qk = qkv[:, :qk_width].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
+        v = qkv[:, qk_width:].view(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
+            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
+        qk = self.rotary(qk)  # q and k rotated in one go
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        kv_writer(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        out = attention_backend(q, self.k_cache, self.v_cache, meta, self.scale, k, v)
+        return self.o_proj(out.flatten(1))
+
+
+def _torch_backend(q, k_cache, v_cache, meta, scale, new_k, new_v):
+    return paged_attention(q, k_cache, v_cache, meta, scale, new_k, new_v)
+
+
+def _triton_backend(q, k_cache, v_cache, meta, scale, new_k, new_v):
+    from common.kernels.triton_attention import paged_attention_triton
+
+    return paged_attention_triton(q, k_cache, v_cache, meta, scale)
+
+
+def _triton_kv_writer(k, v, k_cache, v_cache, slot_mapping):
+    from common.kernels.triton_attention import write_kv_cache_triton
+
+    write_kv_cache_triton(k, v, k_cache, v_cache, slot_mapping)  # skips negative (padding) slots
+
+
+ATTENTION_BACKENDS = {"torch": _torch_backend, "triton": _triton_backend}
+KV_WRITERS = {"torch": write_kv_cache, "triton": _triton_kv_writer}
+attention_backend = _torch_backend
+kv_writer = write_kv_cache
+
+
+def set_attention_backend(name: str) -> None:
+    """Choose the paged-attention implementation ('torch' on CPU, 'triton' on GPU)."""
+    global attention_backend, kv_writer
+    attention_backend = ATTENTION_BACKENDS[name]
+    kv_writer = KV_WRITERS[name]
+
+
+class MLP(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        bias = bool(getattr(config, "mlp_bias", False))
+        self.intermediate = config.intermediate_size
+        self.gate_up_proj = Linear(config.hidden_size, 2 * self.intermediate, bias=bias)
+        self.down_proj = Linear(self.intermediate, config.hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate).mul_(up))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, rotary)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class CausalLM(nn.Module):
+    """The whole decoder. forward() gives hidden states; compute_logits() the vocabulary scores."""
+
+    def __init__(self, config, max_positions: int) -> None:
+        super().__init__()
+        if config.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"model type {config.model_type!r} is not supported "
+                f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+            )
+        self.config = config
+        self.rotary = rotary = RotaryEmbedding(config, head_dim_of(config), max_positions)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, rotary) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        num_layers: int | None = None,
+    ) -> torch.Tensor:
+        """Hidden states after the final norm; `num_layers` stops early (the early-exit draft)."""
+        x = self.embed_tokens(input_ids)
+        self.rotary.set_positions(positions, x.dtype)
+        layers = self.layers if num_layers is None else self.layers[:num_layers]
+        for layer in layers:
+            x = layer(x, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def pack_for_cpu(self) -> None:
+        """Prepack every projection (and the LM head) for oneDNN; call after the final .to()."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack_for_cpu()
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors in, fusing q/k/v and gate/up; every parameter must be filled."""
+        params = dict(self.named_parameters())
+        filled: set[str] = set()
+        for hf_name, tensor in weights:
+            name, offset = _fused_target(hf_name, self.config)
+            if name.startswith("model."):
+                name = name[len("model.") :]
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue
+            if name not in params:
+                raise ValueError(f"checkpoint tensor {hf_name!r} has no place in this model")
+            param = params[name]
+            if offset is None:
+                if param.shape != tensor.shape:
+                    raise ValueError(
+                        f"{hf_name}: shape {tuple(tensor.shape)}, expected {tuple(param.shape)}"
+                    )
+                param.copy_(tensor)
+                filled.add(name)
+            else:
+                start, size = offset
+                if tensor.shape[0] != size or tensor.shape[1:] != param.shape[1:]:
+                    raise ValueError(f"{hf_name}: shape {tuple(tensor.shape)} does not fit {name}")
+                param[start : start + size].copy_(tensor)
+                filled.add(f"{name}[{start}]")
+        missing = [
+            n for n in params if n not in filled and not any(f.startswith(n + "[") for f in filled)
+        ]
+        if missing:
+            raise ValueError(f"checkpoint is missing weights: {missing[:5]}")
+
+
+def head_dim_of(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def _attention_bias(config) -> tuple[bool, bool]:
+    """(q/k/v bias, o bias): Qwen2 always has q/k/v bias; Llama-style configs say so explicitly."""
+    if config.model_type == "qwen2":
+        return True, False
+    bias = bool(getattr(config, "attention_bias", False))
+    return bias, bias
+
+
+def _fused_target(hf_name: str, config) -> tuple[str, tuple[int, int] | None]:
+    """Map an HF parameter name to ours, with (row offset, rows) when part of a fused matrix."""
+    head_dim = head_dim_of(config)
+    q_size = config.num_attention_heads * head_dim
+    kv_size = config.num_key_value_heads * head_dim
+    for part, start, size in (
+        ("q_proj", 0, q_size),
+        ("k_proj", q_size, kv_size),
+        ("v_proj", q_size + kv_size, kv_size),
+    ):
+        if f".self_attn.{part}." in hf_name:
+            return hf_name.replace(part, "qkv_proj"), (start, size)
+    inter = config.intermediate_size
+    for part, start in (("gate_proj", 0), ("up_proj", inter)):
+        if f".mlp.{part}." in hf_name:
+            return hf_name.replace(part, "gate_up_proj"), (start, inter)
+    return hf_name, None

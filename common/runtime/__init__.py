@@ -1,0 +1,1 @@
+"""Processes: the worker base (loop, heartbeats, drain), the local launcher, offline run-batch."""

@@ -1,0 +1,143 @@
+"""common/api/detokenizer.py with the default model's tokenizer (byte-level BPE, like GPT-2)."""
+
+from __future__ import annotations
+
+import pytest
+
+from common.api.detokenizer import REPLACEMENT_CHAR, Detokenizer, token_bytes, token_text
+from common.api.tokenizer import Tokenizer
+from common.model.model_files import resolve_model
+
+IM_END = 2
+MULTIBYTE = "Café ☕ costs 5€. 日本語のテキスト 🤖🚀 and 한국어 too 👩‍👩‍👧!"
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    return Tokenizer.from_source(resolve_model("default"))
+
+
+def ids(tok: Tokenizer, text: str) -> list[int]:
+    return tok.encode(text, add_special_tokens=False)
+
+
+def stream(detok: Detokenizer, token_ids: list[int]) -> list[str]:
+    """Feed tokens until done (or a stop string hits); every delta, the final flush included."""
+    deltas = []
+    for t in token_ids:
+        deltas.append(detok.add_token(t))
+        if detok.finished:
+            return deltas
+    deltas.append(detok.finish())
+    return deltas
+
+
+def test_multibyte_characters_come_out_whole(tok: Tokenizer) -> None:
+    out = ids(tok, MULTIBYTE)
+    # The text really does split characters across tokens.
+    assert any(REPLACEMENT_CHAR in tok.decode([t]) for t in out)
+    prompt = tok.apply_chat_template([{"role": "user", "content": "Say something."}])
+    for context in ([], prompt):
+        detok = Detokenizer(tok, context)
+        deltas = stream(detok, out)
+        assert "".join(deltas) == tok.decode(out) == MULTIBYTE == detok.text
+        assert not any(REPLACEMENT_CHAR in d for d in deltas)
+        assert deltas[-1] == ""  # nothing was held back at the end
+
+
+def test_first_token_keeps_its_leading_space_after_a_prompt(tok: Tokenizer) -> None:
+    prompt, out = ids(tok, "The capital of France is"), ids(tok, " Paris, of course.")
+    assert "".join(stream(Detokenizer(tok, prompt), out)) == " Paris, of course."
+
+
+def test_decode_window_stays_small(tok: Tokenizer) -> None:
+    """Each token decodes a few recent tokens, not the whole sequence."""
+    widths = []
+
+    class Recording(Tokenizer):
+        def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+            widths.append(len(token_ids))
+            return super().decode(token_ids, skip_special_tokens)
+
+    out = ids(tok, MULTIBYTE * 20)
+    recording = Recording(tok.hf, tok.eos_token_ids)
+    assert "".join(stream(Detokenizer(recording, ids(tok, "Hi")), out)) == MULTIBYTE * 20
+    assert len(out) > 400 and max(widths) <= 8
+
+
+def test_special_tokens_skipped_or_kept(tok: Tokenizer) -> None:
+    out = ids(tok, "Hello there") + [IM_END]
+    assert "".join(stream(Detokenizer(tok), out)) == "Hello there"
+    kept = stream(Detokenizer(tok, skip_special_tokens=False), out)
+    assert "".join(kept) == "Hello there<|im_end|>"
+
+
+def check_stop(
+    tok: Tokenizer, text: str, stop: list[str], expected: str, reason: str, **kwargs
+) -> list[str]:
+    detok = Detokenizer(tok, ids(tok, "Once upon a time"), stop=stop, **kwargs)
+    deltas = stream(detok, ids(tok, text))
+    assert detok.stopped and detok.stop_reason == reason
+    assert "".join(deltas) == detok.text == expected
+    return deltas
+
+
+def test_single_stop_string(tok: Tokenizer) -> None:
+    check_stop(tok, "Hello world. Goodbye world.", ["Goodbye"], "Hello world. ", "Goodbye")
+
+
+def test_earliest_of_several_stop_strings_wins(tok: Tokenizer) -> None:
+    text = "one two three four five"
+    check_stop(tok, text, ["five", "four", "three"], "one two ", "three")
+    check_stop(tok, text, ["zzz", " four", "five"], "one two three", " four")
+
+
+def test_stop_string_spanning_tokens(tok: Tokenizer) -> None:
+    text, stop = "The quick brown fox jumps over the lazy dog.", "wn fox ju"
+    assert not any(stop in tok.decode([t]) for t in ids(tok, text))  # it really spans tokens
+    check_stop(tok, text, [stop], "The quick bro", stop)
+
+
+def test_stop_string_at_the_very_start(tok: Tokenizer) -> None:
+    deltas = check_stop(tok, "Hello world", ["Hello"], "", "Hello")
+    assert deltas == [""]  # stopped on the first token, having shown nothing
+
+
+def test_multibyte_stop_string(tok: Tokenizer) -> None:
+    check_stop(tok, "ab 日本語のテキスト", ["のテ"], "ab 日本語", "のテ")
+
+
+def test_include_stop_str_in_output(tok: Tokenizer) -> None:
+    check_stop(tok, "a b c d e", [" c"], "a b c", " c", include_stop_str_in_output=True)
+
+
+def test_stop_strings_wait_for_min_tokens(tok: Tokenizer) -> None:
+    text = "stop here, then stop again later"
+    check_stop(tok, text, ["stop"], "stop here, then ", "stop", min_tokens=3)
+
+
+def test_deltas_never_show_part_of_a_matching_stop_string(tok: Tokenizer) -> None:
+    # "three" starts like the stop string: held back, then released when " five" rules it out.
+    text = "one two three five six three four seven"
+    deltas = check_stop(tok, text, ["three four"], "one two three five six ", "three four")
+    assert deltas == ["one", " two", " ", "three five", " six", " ", ""]
+
+
+def test_held_back_stop_prefix_is_released_when_generation_ends(tok: Tokenizer) -> None:
+    detok = Detokenizer(tok, stop=["three four"])
+    deltas = [detok.add_token(t) for t in ids(tok, "one two three")]
+    assert "".join(deltas) == "one two "  # " three" might still become "three four"
+    assert detok.finish() == "three"
+    assert not detok.stopped and detok.text == "one two three"
+
+
+def test_empty_stop_string_is_refused(tok: Tokenizer) -> None:
+    with pytest.raises(ValueError, match="non-empty"):
+        Detokenizer(tok, stop=[""])
+
+
+def test_token_bytes_and_text_for_logprobs(tok: Tokenizer) -> None:
+    out = ids(tok, MULTIBYTE)
+    assert b"".join(bytes(token_bytes(tok, t)) for t in out) == MULTIBYTE.encode()
+    assert token_text(tok, IM_END) == "<|im_end|>"
+    assert token_bytes(tok, IM_END) == list(b"<|im_end|>")

@@ -1,0 +1,58 @@
+"""The C decode-attention kernel against the torch reference path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common.kernels import cpu_attention
+from common.kernels.attention import AttentionMetadata, paged_attention
+
+pytestmark = pytest.mark.skipif(not cpu_attention.available(), reason="no C compiler")
+
+
+def torch_reference(q, k_cache, v_cache, meta, scale):
+    cpu_attention.enabled = False
+    try:
+        return paged_attention(q, k_cache, v_cache, meta, scale)
+    finally:
+        cpu_attention.enabled = True
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim", [(4, 4, 64), (8, 2, 64), (6, 1, 32), (4, 2, 128)]
+)
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_decode_kernel_matches_torch(dtype, heads, kv_heads, head_dim, block_size):
+    g = torch.Generator().manual_seed(heads * 7 + head_dim + block_size)
+    seq_lens = [1, block_size - 1, block_size, block_size + 1, 3 * block_size + 2, 50]
+    max_blocks = max(-(-n // block_size) for n in seq_lens)
+    num_blocks = len(seq_lens) * max_blocks + 3
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
+    perm = torch.randperm(num_blocks, generator=g)
+    tables = perm[: len(seq_lens) * max_blocks].view(len(seq_lens), max_blocks).int()
+    # q as a strided view of a fused projection, the way the model hands it over
+    fused = torch.randn(len(seq_lens), heads * head_dim + 2 * kv_heads * head_dim, generator=g)
+    q = fused.to(dtype)[:, : heads * head_dim].view(len(seq_lens), heads, head_dim)
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(len(seq_lens), dtype=torch.long),
+        query_start_loc=torch.arange(len(seq_lens) + 1, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=tables,
+        query_lens_cpu=[1] * len(seq_lens),
+        seq_lens_cpu=seq_lens,
+    )
+    assert cpu_attention.supports(q, k_cache)
+    out = paged_attention(q, k_cache, v_cache, meta, head_dim**-0.5)
+    ref = torch_reference(q, k_cache, v_cache, meta, head_dim**-0.5)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+
+
+def test_unsupported_layouts_fall_back():
+    q = torch.randn(2, 4, 64).transpose(0, 1)  # head dim fine, but rows not [H, D]-contiguous
+    k_cache = torch.randn(4, 16, 2, 64)
+    assert not cpu_attention.supports(q, k_cache)
+    assert not cpu_attention.supports(torch.randn(2, 4, 64).half(), k_cache.half())

@@ -1,0 +1,265 @@
+"""common/runtime/run_batch.py and `pdserve run-batch` on a tiny random model with SmolLM2's
+tokenizer."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from common.api.tokenizer import Tokenizer
+from common.cli import main
+from common.config import EngineConfig
+from common.engine.engine import Engine
+from common.model.model_files import resolve_model
+from common.runtime.run_batch import BatchRunner
+
+MAX_MODEL_LEN = 128
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-layer random Llama over SmolLM2's vocabulary, with its tokenizer and chat template."""
+    path = tmp_path_factory.mktemp("tiny-smol")
+    cfg = AutoConfig.for_model(
+        "llama",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=49152,
+        max_position_embeddings=512,
+        initializer_range=0.2,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(path)
+    for f in resolve_model("default").hf_dir.iterdir():
+        if f.name != "config.json":
+            shutil.copy(f, path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tok(model_dir: Path) -> Tokenizer:
+    return Tokenizer.from_source(resolve_model(str(model_dir)))
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir: Path, tok: Tokenizer) -> Engine:
+    config = EngineConfig(
+        model=str(model_dir),
+        dtype="float32",
+        kv_cache_memory="16MiB",
+        max_model_len=MAX_MODEL_LEN,
+        max_num_seqs=8,
+    )
+    return Engine(config, eos_token_ids=tok.eos_token_ids)
+
+
+def line(custom_id: str, url: str, **body) -> str:
+    return json.dumps({"custom_id": custom_id, "method": "POST", "url": url, "body": body})
+
+
+def completion(custom_id: str, **body) -> str:
+    return line(custom_id, "/v1/completions", **{"model": "tiny", **body})
+
+
+def chat(custom_id: str, **body) -> str:
+    return line(custom_id, "/v1/chat/completions", **{"model": "tiny", **body})
+
+
+def run(engine: Engine, tok: Tokenizer, lines: list[str]) -> list[dict]:
+    out: list[str] = []
+    BatchRunner(engine, tok, ["tiny"]).run(lines, out.append)
+    assert engine.pool.num_free == engine.pool.num_blocks  # every request's blocks came back
+    return [json.loads(o) for o in out]
+
+
+def ok_body(result: dict) -> dict:
+    assert result["error"] is None and result["response"]["status_code"] == 200, result
+    return result["response"]["body"]
+
+
+def token_ids(choice: dict) -> list[int]:
+    """Output ids, from logprobs requested with return_tokens_as_token_ids."""
+    entries = choice["logprobs"]["content"] if "message" in choice else None
+    tokens = [e["token"] for e in entries] if entries else choice["logprobs"]["tokens"]
+    return [int(t.removeprefix("token_id:")) for t in tokens]
+
+
+def test_cli_writes_one_line_per_input_line_in_order(
+    model_dir: Path, tok: Tokenizer, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    messages = [{"role": "user", "content": "Hello there"}]
+    lines = [
+        completion("c1", prompt="The sky is", max_tokens=5, temperature=0, ignore_eos=True),
+        "{not json",
+        chat("c2", messages=messages, max_tokens=4, temperature=0, ignore_eos=True),
+        line("c3", "/v1/embeddings", model="tiny", input="x"),
+        completion("c4", prompt="x", max_tokens=-1),
+        "",  # blank lines are not requests
+        completion("c5", prompt="x", model="gpt-4o"),
+        completion("c6", prompt="x", stream=True),
+        json.dumps({"custom_id": "c7", "method": "GET", "url": "/v1/completions", "body": {}}),
+        json.dumps({"method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}),
+        completion("c8", prompt=[5, 6, 7, 8], max_tokens=3, temperature=0, ignore_eos=True),
+        completion("c9", prompt=[5] * MAX_MODEL_LEN, max_tokens=3),
+    ]
+    infile = tmp_path / "in.jsonl"
+    infile.write_text("\n".join(lines) + "\n")
+    argv = ["run-batch", "-i", str(infile), "-o", "-", "--model", str(model_dir)]
+    argv += ["--served-model-name", "tiny", "other", "--dtype", "float32"]
+    argv += ["--kv-cache-memory", "16MiB", "--max-model-len", str(MAX_MODEL_LEN)]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert "11/11 done" in captured.err and "tok/s" in captured.err
+    results = [json.loads(o) for o in captured.out.splitlines()]
+    expected = [
+        ("c1", 200),
+        (None, 400),
+        ("c2", 200),
+        ("c3", 404),
+        ("c4", 400),
+        ("c5", 404),
+        ("c6", 400),
+        ("c7", 405),
+        (None, 400),
+        ("c8", 200),
+        ("c9", 400),
+    ]
+    assert [(r["custom_id"], r["response"]["status_code"]) for r in results] == expected
+    for r in results:
+        assert r["id"].startswith("batch_req_") and r["response"]["request_id"].startswith("req_")
+        if r["response"]["status_code"] != 200:
+            err = r["response"]["body"]["error"]
+            assert set(err) == {"message", "type", "param", "code"}
+            assert err["code"] == r["response"]["status_code"]
+    assert "does not exist" in results[5]["response"]["body"]["error"]["message"]
+    assert "stream" in results[6]["response"]["body"]["error"]["message"]
+    assert (
+        f"maximum context length is {MAX_MODEL_LEN}"
+        in (results[10]["response"]["body"]["error"]["message"])
+    )
+
+    c1, c2, c8 = ok_body(results[0]), ok_body(results[2]), ok_body(results[9])
+    assert c1["object"] == "text_completion" and c1["id"].startswith("cmpl-")
+    assert c1["model"] == "tiny" and c1["choices"][0]["finish_reason"] == "length"
+    assert c1["choices"][0]["logprobs"] is None and isinstance(c1["choices"][0]["text"], str)
+    assert c1["usage"] == {
+        "prompt_tokens": len(tok.encode("The sky is")),
+        "completion_tokens": 5,
+        "total_tokens": len(tok.encode("The sky is")) + 5,
+    }
+    assert c2["object"] == "chat.completion" and c2["id"].startswith("chatcmpl-")
+    assert c2["choices"][0]["message"]["role"] == "assistant"
+    assert c2["usage"]["prompt_tokens"] == len(tok.apply_chat_template(messages))
+    assert c2["usage"]["completion_tokens"] == 4
+    assert c8["usage"] == {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7}
+
+
+def test_output_file_and_default_served_name(model_dir: Path, tmp_path: Path) -> None:
+    infile, outfile = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    infile.write_text(
+        completion("a", model=str(model_dir), prompt="Hi", max_tokens=2)
+        + "\n"
+        + completion("b", prompt="Hi", max_tokens=2)
+        + "\n"
+    )
+    argv = ["run-batch", "-i", str(infile), "-o", str(outfile), "--model", str(model_dir)]
+    assert main(argv + ["--kv-cache-memory", "16MiB", "--max-model-len", "64"]) == 0
+    a, b = [json.loads(o) for o in outfile.read_text().splitlines()]
+    # The served name defaults to --model as given; "tiny" is not served here.
+    assert ok_body(a)["model"] == str(model_dir)
+    assert b["response"]["status_code"] == 404
+
+
+def test_n_choices_and_prompt_batches(engine: Engine, tok: Tokenizer) -> None:
+    body = dict(prompt=["Once upon", "In a galaxy far"], n=2, max_tokens=6, seed=7, ignore_eos=True)
+    first, again, unseeded = run(
+        engine, tok, [completion("a", **body), completion("b", **body), completion("c", prompt="x")]
+    )
+    body_a, body_b = ok_body(first), ok_body(again)
+    assert [c["index"] for c in body_a["choices"]] == [0, 1, 2, 3]
+    texts = [c["text"] for c in body_a["choices"]]
+    assert texts[0] != texts[1] and texts[2] != texts[3]  # each choice has its own seed
+    assert texts == [c["text"] for c in body_b["choices"]]  # and seeds make them repeatable
+    num_prompt = len(tok.encode("Once upon")) + len(tok.encode("In a galaxy far"))
+    assert body_a["usage"] == {
+        "prompt_tokens": num_prompt,
+        "completion_tokens": 24,
+        "total_tokens": num_prompt + 24,
+    }
+    assert ok_body(unseeded)["usage"]["completion_tokens"] <= 16  # the completions default
+
+
+def test_stop_string_ends_the_request_early(engine: Engine, tok: Tokenizer) -> None:
+    common = dict(
+        prompt="The weather today",
+        max_tokens=30,
+        temperature=0,
+        ignore_eos=True,
+        logprobs=0,
+        return_tokens_as_token_ids=True,
+    )
+    (free,) = run(engine, tok, [completion("free", **common)])
+    choice = ok_body(free)["choices"][0]
+    ids, text = token_ids(choice), choice["text"]
+    assert len(ids) == 30 and text == tok.decode(ids)
+    # A stop string from the middle of the free-running text, spanning a token boundary.
+    cut = len(tok.decode(ids[:12]))
+    stop = text[cut - 2 : cut + 2]
+    assert "\ufffd" not in stop and len(stop) == 4
+    expected_text = text[: text.find(stop)]
+    expected_tokens = next(k for k in range(1, 31) if stop in tok.decode(ids[:k]))
+
+    stopped, stopped_chat = run(
+        engine,
+        tok,
+        [
+            completion("stop", **common, stop=["never-appears", stop]),
+            completion("stop2", **common, stop=stop, include_stop_str_in_output=True),
+        ],
+    )
+    body = ok_body(stopped)
+    assert body["choices"][0]["text"] == expected_text
+    assert body["choices"][0]["finish_reason"] == "stop"
+    # The engine request was aborted as soon as the stop string appeared.
+    assert body["usage"]["completion_tokens"] == expected_tokens < 30
+    assert token_ids(body["choices"][0]) == ids[:expected_tokens]
+    assert ok_body(stopped_chat)["choices"][0]["text"] == expected_text + stop
+
+
+def test_logprobs_formats(engine: Engine, tok: Tokenizer) -> None:
+    msgs = [{"role": "user", "content": "Hi"}]
+    comp, ch = run(
+        engine,
+        tok,
+        [
+            completion("a", prompt="Hello", max_tokens=5, logprobs=2, ignore_eos=True),
+            chat("b", messages=msgs, max_tokens=5, logprobs=True, top_logprobs=2, ignore_eos=True),
+        ],
+    )
+    lp = ok_body(comp)["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 5
+    assert all(isinstance(v, float) and v <= 0 for v in lp["token_logprobs"])
+    assert all(2 <= len(top) <= 3 for top in lp["top_logprobs"])
+    offsets = [0]
+    for t in lp["tokens"][:-1]:
+        offsets.append(offsets[-1] + len(t))
+    assert lp["text_offset"] == offsets
+    content = ok_body(ch)["choices"][0]["logprobs"]["content"]
+    assert len(content) == 5
+    for entry in content:
+        assert set(entry) == {"token", "logprob", "bytes", "top_logprobs"}
+        assert len(entry["top_logprobs"]) == 2
+        assert entry["top_logprobs"][0]["logprob"] >= entry["top_logprobs"][1]["logprob"]
+        assert all(set(t) == {"token", "logprob", "bytes"} for t in entry["top_logprobs"])
