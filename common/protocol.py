@@ -27,7 +27,7 @@ import msgspec
 
 from common.sampling_params import SamplingParams
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 MAX_CONTROL_MESSAGE_BYTES = 64 * 2**20  # a 128k-token prompt of int ids fits with room to spare
 HEARTBEAT_INTERVAL_S = 1.0
 HEARTBEAT_TIMEOUT_S = 3.0  # a worker silent this long is dead (its requests fail within 5 s)
@@ -192,6 +192,8 @@ class KVHeader(msgspec.Struct, tag="kv", forbid_unknown_fields=True):
     first_token_id: int  # sampled by the prefill worker
     first_logprob: float | None = None
     first_top_logprobs: list[tuple[int, float]] | None = None
+    # seeded requests: the sampler's RNG state after the first token, so decode continues its stream
+    generator_state: bytes = b""
     shm_name: str = ""  # shm transport: the segment holding the payload
     ipc_handle: bytes = b""  # cuda_ipc transport: the exporter's handle
 

@@ -139,9 +139,19 @@ class DecodeWorker(WorkerBase):
             self.control.send(RequestFailed(rid, "transfer", reason))
             return
         self.kv_bytes += header.nbytes
-        out = self.engine.admit_prefilled(
-            rid, header.first_token_id, header.first_logprob, header.first_top_logprobs
-        )
+        try:
+            out = self.engine.admit_prefilled(
+                rid,
+                header.first_token_id,
+                header.first_logprob,
+                header.first_top_logprobs,
+                generator_state=header.generator_state,
+            )
+        except ValueError as exc:  # a malformed generator state fails this request only
+            self.kv_failures += 1
+            self.engine.abort(rid)
+            self.control.send(RequestFailed(rid, "transfer", str(exc)))
+            return
         self.control.send(token_output(out))
 
     def _expire_reservations(self) -> None:

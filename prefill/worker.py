@@ -17,6 +17,7 @@ import zmq
 
 from common import protocol
 from common.engine.engine import Engine
+from common.engine.sampler import generator_state
 from common.protocol import KVHeader, Prefill, RequestFailed
 from common.runtime.histogram import KV_TRANSFER_BUCKETS, Histogram
 from common.runtime.worker import WorkerBase
@@ -126,6 +127,7 @@ class PrefillWorker(WorkerBase):
             first_token_id=seq.output_token_ids[0],
             first_logprob=seq.output_logprobs[0],
             first_top_logprobs=seq.output_top_logprobs[0],
+            generator_state=generator_state(seq.generator),
         )
         remaining = req.deadline_s - (time.monotonic() - job.received_at)
         try:

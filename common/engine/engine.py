@@ -20,7 +20,7 @@ import torch
 from common.config import EngineConfig
 from common.engine.block_manager import BlockManager
 from common.engine.block_pool import BlockPool
-from common.engine.sampler import SampleResult, make_generator
+from common.engine.sampler import SampleResult, make_generator, restore_generator
 from common.engine.scheduler import ScheduledSeq, Scheduler
 from common.engine.sequence import Sequence, SequenceStatus
 from common.engine.spec.spec_decode import SpeculationGovernor, Verifier, make_proposer
@@ -208,9 +208,17 @@ class Engine:
         token_id: int,
         logprob: float | None = None,
         top_logprobs: list[tuple[int, float]] | None = None,
+        generator_state: bytes = b"",
     ) -> RequestOutput:
-        """The reserved prompt's KV has arrived: add the first token and start decoding it."""
-        seq = self.reserved.pop(request_id)
+        """The reserved prompt's KV has arrived: add the first token and start decoding it.
+
+        `generator_state` is the prefill side's sampler RNG state after it sampled the first token
+        (seeded requests): restoring it makes the decode side continue the same random stream.
+        """
+        seq = self.reserved[request_id]
+        if seq.generator is not None and generator_state:
+            restore_generator(seq.generator, generator_state)  # raises before anything changes
+        del self.reserved[request_id]
         seq.num_computed_tokens = seq.num_prompt_tokens
         self.block_manager.commit(seq)
         self.seqs[request_id] = seq

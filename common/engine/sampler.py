@@ -51,6 +51,19 @@ def make_generator(params: SamplingParams) -> torch.Generator | None:
     return torch.Generator().manual_seed(params.seed)
 
 
+def generator_state(generator: torch.Generator | None) -> bytes:
+    """A seeded request's RNG state as bytes, to travel with the prefill/decode handoff."""
+    return b"" if generator is None else generator.get_state().numpy().tobytes()
+
+
+def restore_generator(generator: torch.Generator, state: bytes) -> None:
+    """Set `generator` to a state from `generator_state`; a state of the wrong size is an error."""
+    expected = generator.get_state().numel()
+    if len(state) != expected:
+        raise ValueError(f"generator state of {len(state)} bytes, expected {expected}")
+    generator.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
+
+
 @dataclass
 class _RawLogprobs:
     rows: list[int]  # batch rows that asked for logprobs

@@ -24,6 +24,7 @@ from tests.e2e.cluster import Cluster
 QUESTIONS = ["What is the capital of France?", "Count from one to ten.", "Say hi."]
 COMPLETIONS = ["The quick brown fox", "Once upon a time, in a land far away, there lived"]
 MAX_TOKENS = 20
+SEED = 1234
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +42,9 @@ def reference(chat_model_dir):
     texts = [tok.encode(t) for t in COMPLETIONS]
     seqs = engine.generate(chats + texts, params)
     out = [(tok.decode(s.output_token_ids), s.num_prompt_tokens, s.num_output_tokens) for s in seqs]
-    return out[: len(chats)], out[len(chats) :]
+    seeded = SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=SEED, ignore_eos=True)
+    (sampled,) = engine.generate([texts[-1]], seeded)
+    return out[: len(chats)], out[len(chats) :], tok.decode(sampled.output_token_ids)
 
 
 def client(cluster: Cluster) -> openai.OpenAI:
@@ -49,7 +52,7 @@ def client(cluster: Cluster) -> openai.OpenAI:
 
 
 def check_against_reference(cluster: Cluster, model: str, reference) -> None:
-    chat_ref, comp_ref = reference
+    chat_ref, comp_ref, seeded_ref = reference
     c = client(cluster)
     for q, (text, n_prompt, n_out) in zip(QUESTIONS, chat_ref):
         r = c.chat.completions.create(
@@ -79,6 +82,17 @@ def check_against_reference(cluster: Cluster, model: str, reference) -> None:
         assert r.usage.completion_tokens == n_out
         assert len(r.choices[0].logprobs.token_logprobs) == n_out
         assert all(len(t) == 2 for t in r.choices[0].logprobs.top_logprobs)
+    # a seeded sampled request gives the engine's text in every mode: the sampler's random stream
+    # continues across the prefill/decode handoff
+    r = c.completions.create(
+        model=model,
+        prompt=COMPLETIONS[-1],
+        max_tokens=MAX_TOKENS,
+        temperature=1.0,
+        seed=SEED,
+        extra_body={"ignore_eos": True},
+    )
+    assert r.choices[0].text == seeded_ref
 
 
 @pytest.mark.parametrize("transport", ["tcp", "shm"])
@@ -117,7 +131,7 @@ def test_colocated_matches_engine(chat_model_dir, reference, tmp_path):
 
 def test_2p2d_32_concurrent_streams(chat_model_dir, reference, tmp_path):
     model = str(chat_model_dir)
-    chat_ref, _ = reference
+    chat_ref, _, _ = reference
     with Cluster(
         model, tmp_path, prefill=2, decode=2, router_flags=("--local-prefill-max-tokens", "0")
     ) as cluster:
@@ -248,7 +262,7 @@ def test_bad_requests_get_openai_errors(chat_model_dir, tmp_path):
 
 def test_hung_prefill_worker_requests_move_to_another(chat_model_dir, reference, tmp_path):
     model = str(chat_model_dir)
-    chat_ref, _ = reference
+    chat_ref, _, _ = reference
     with Cluster(
         model, tmp_path, prefill=2, decode=1, router_flags=("--local-prefill-max-tokens", "0")
     ) as cluster:

@@ -24,7 +24,8 @@ def handoff(prefill, decode, rid: str, prompt: list[int], params: SamplingParams
     assert len(src) == -(-len(prompt) // decode.config.block_size) <= len(dst)
     pk, dk = prefill.runner.kv_cache, decode.runner.kv_cache
     dk[:, :, dst[start : len(src)]] = pk[:, :, src[start:]]
-    out = decode.admit_prefilled(rid, held.output_token_ids[0])
+    state = held.generator.get_state().numpy().tobytes() if held.generator is not None else b""
+    out = decode.admit_prefilled(rid, held.output_token_ids[0], generator_state=state)
     assert prefill.release(rid)
     return cached, out
 
@@ -46,6 +47,24 @@ def test_handoff_matches_single_engine(tiny_llama):
     assert [outputs[f"r{i}"] for i in range(len(ps))] == expected
     assert_block_pool_full(prefill)
     assert_block_pool_full(decode)
+
+
+def test_seeded_sampling_continues_across_handoff(tiny_llama):
+    # The prefill side's RNG state travels with the first token, so a seeded request samples the
+    # same tokens disaggregated as on one engine.
+    hf_model, _ = tiny_llama
+    ps = prompts(2, seed=7, lengths=(11, 20))
+    params = SamplingParams(temperature=1.0, max_tokens=12, seed=1234, ignore_eos=True)
+    expected = [s.output_token_ids for s in make_engine(hf_model).generate(ps, params)]
+    prefill, decode = make_engine(hf_model), make_engine(hf_model)
+    outputs = {}
+    for i, p in enumerate(ps):
+        _, first = handoff(prefill, decode, f"s{i}", p, params)
+        outputs[f"s{i}"] = list(first.new_token_ids)
+    while decode.has_unfinished():
+        for out in decode.step():
+            outputs[out.request_id] += out.new_token_ids
+    assert [outputs[f"s{i}"] for i in range(len(ps))] == expected
 
 
 def test_decode_prefix_hit_skips_blocks(tiny_llama):
