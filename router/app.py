@@ -3,9 +3,9 @@
 Owns the endpoints: `POST /v1/completions` and `POST /v1/chat/completions` (streamed and whole),
 `GET /v1/models`, `GET /health`, `GET /metrics`, `POST /tokenize`, `POST /detokenize`; optional
 Bearer auth on `/v1/*`; and the rule that every error is an OpenAI error body (bad input is a 4xx,
-never a 500). Request validation and response bodies come from `common.api.openai_protocol`;
-streaming
-from `router.streaming`; workers are reached only through `router.dispatch`.
+never a 500). Request validation comes from `common.api.requests` and `common.api.prompts`, the
+choices are `common.api.choice.Choice`s, bodies come from `common.api.responses`, streaming from
+`router.streaming`; workers are reached only through `router.dispatch`.
 
 `/health` is 200 when at least one decode worker is live and either a prefill worker is live or
 the router runs with `--colocated` (decode workers prefill themselves).
@@ -30,21 +30,15 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from common.api.openai_protocol import (
-    CHAT_URL,
-    COMPLETIONS_URL,
-    RequestError,
-    chat_body,
-    choice_params,
-    completion_body,
-    engine_inputs,
-    parse_request,
-)
+from common.api.choice import Choice
+from common.api.prompts import chat_prompt_ids, choice_params, engine_inputs
+from common.api.requests import CHAT_URL, COMPLETIONS_URL, RequestError, parse_request
+from common.api.responses import chat_body, completion_body
 from common.api.tokenizer import Tokenizer
 from router.dispatch import Dispatcher, Job
 from router.metrics import RouterMetrics
 from router.registry import Registry
-from router.streaming import ChoiceStream, choice_deltas, sse_events
+from router.streaming import choice_deltas, sse_events
 
 log = logging.getLogger(__name__)
 
@@ -171,12 +165,7 @@ def create_app(state: RouterState) -> FastAPI:
         _check_model(state, body)
         if "messages" in body:
             gen = parse_request(CHAT_URL, {**body, "max_tokens": 1}, state.served_model_names)
-            try:
-                ids = state.tokenizer.apply_chat_template(
-                    gen.messages, add_generation_prompt=gen.add_generation_prompt
-                )
-            except Exception as e:
-                raise RequestError(f"could not apply the chat template: {e}", "messages") from None
+            ids = chat_prompt_ids(gen, state.tokenizer)
         else:
             prompt = body.get("prompt")
             if not isinstance(prompt, str):
@@ -236,7 +225,7 @@ async def _generate(state: RouterState, request: Request, url: str) -> Response:
     response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     created = int(time.time())
     choices = [
-        ChoiceStream(p * gen.n + k, inp.prompt_token_ids, params, gen, state.tokenizer)
+        Choice(p * gen.n + k, inp.prompt_token_ids, params, gen, state.tokenizer)
         for p, inp in enumerate(inputs)
         for k, params in enumerate(choice_params(inp.params, gen.n))
     ]

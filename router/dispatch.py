@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from common.api.openai_protocol import RequestError
+from common.api.requests import RequestError
 from common.protocol import (
     Abort,
     Generate,

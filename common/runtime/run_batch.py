@@ -2,9 +2,9 @@
 
 Owns reading batch lines (`{"custom_id", "method", "url", "body"}`), driving ONE in-process engine
 over all of them at once (continuous batching; lines are admitted as room frees up), applying stop
-strings through the detokenizer, and writing one output line per input line, in input order. Request
-validation and response bodies come from `common.api.openai_protocol`; a bad line gets its OpenAI
-error
+strings through `common.api.choice.Choice` (the accumulator the router uses too), and writing one
+output line per input line, in input order. Request validation comes from `common.api.requests` and
+`common.api.prompts`, response bodies from `common.api.responses`; a bad line gets its OpenAI error
 body and the rest still run. Called by `common.cli`.
 """
 
@@ -16,48 +16,17 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TextIO
 
-from common.api.detokenizer import Detokenizer
-from common.api.openai_protocol import (
-    ChoiceResult,
-    GenerationRequest,
-    RequestError,
-    chat_body,
-    choice_params,
-    completion_body,
-    engine_inputs,
-    parse_request,
-)
+from common.api.choice import Choice
+from common.api.prompts import choice_params, engine_inputs
+from common.api.requests import GenerationRequest, RequestError, parse_request
+from common.api.responses import chat_body, completion_body
 from common.api.tokenizer import Tokenizer
 from common.engine.engine import Engine, RequestOutput
 
 PROGRESS_INTERVAL_S = 2.0
-
-
-@dataclass
-class _Choice:
-    """One engine request: a choice of one prompt of one line."""
-
-    line_no: int
-    index: int
-    detok: Detokenizer
-    want_logprobs: bool
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float | None] = field(default_factory=list)
-    top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
-    finish_reason: str | None = None
-
-    def result(self) -> ChoiceResult:
-        return ChoiceResult(
-            index=self.index,
-            text=self.detok.text,
-            token_ids=self.token_ids,
-            finish_reason=self.finish_reason,
-            logprobs=self.logprobs if self.want_logprobs else None,
-            top_logprobs=self.top_logprobs if self.want_logprobs else None,
-        )
 
 
 @dataclass
@@ -67,7 +36,7 @@ class _Line:
     custom_id: Any
     request: GenerationRequest
     num_prompt_tokens: int
-    choices: list[_Choice]
+    choices: list[Choice]
     num_running: int
 
 
@@ -120,7 +89,7 @@ class BatchRunner:
         self.served_model_names = served_model_names
         # Engine requests admitted ahead of the running batch, so the scheduler always has work.
         self.max_in_flight = 2 * engine.config.max_num_seqs
-        self._running: dict[str, _Choice] = {}
+        self._running: dict[str, tuple[int, Choice]] = {}  # engine request id: (line_no, choice)
         self._lines: dict[int, _Line] = {}
         self._ready: dict[int, str] = {}
 
@@ -179,19 +148,8 @@ class BatchRunner:
             choices = []
             for p, inp in enumerate(inputs):
                 for k, params in enumerate(choice_params(inp.params, request.n)):
-                    choice = _Choice(
-                        line_no=line_no,
-                        index=p * request.n + k,
-                        detok=Detokenizer(
-                            self.tokenizer,
-                            inp.prompt_token_ids,
-                            skip_special_tokens=request.skip_special_tokens,
-                            stop=request.stop,
-                            include_stop_str_in_output=request.include_stop_str_in_output,
-                            min_tokens=params.min_tokens,
-                        ),
-                        want_logprobs=params.logprobs is not None,
-                    )
+                    index = p * request.n + k
+                    choice = Choice(index, inp.prompt_token_ids, params, request, self.tokenizer)
                     request_id = f"batch-{line_no}-{choice.index}"
                     try:
                         self.engine.add_request(request_id, inp.prompt_token_ids, params)
@@ -205,7 +163,7 @@ class BatchRunner:
             self._fail(line_no, custom_id, e)
             return False
         for request_id, choice in zip(added, choices):
-            self._running[request_id] = choice
+            self._running[request_id] = (line_no, choice)
         self._lines[line_no] = _Line(
             custom_id=custom_id,
             request=request,
@@ -220,29 +178,23 @@ class BatchRunner:
 
     def _on_output(self, out: RequestOutput) -> int:
         """Apply one engine output to its choice; returns the number of tokens it carried."""
-        choice = self._running[out.request_id]
-        for j, token_id in enumerate(out.new_token_ids):
-            choice.token_ids.append(token_id)
-            if choice.want_logprobs:
-                choice.logprobs.append(out.new_logprobs[j])
-                choice.top_logprobs.append(out.new_top_logprobs[j])
-            choice.detok.add_token(token_id)
-            if choice.detok.stopped:
-                break
-        if choice.detok.stopped:
-            if not out.finished:
-                self.engine.abort(out.request_id)
-            choice.finish_reason = "stop"
-        elif out.finished:
-            choice.detok.finish()
-            choice.finish_reason = out.finish_reason
-        else:
+        line_no, choice = self._running[out.request_id]
+        choice.add(
+            out.new_token_ids,
+            out.new_logprobs,
+            out.new_top_logprobs,
+            finished=out.finished,
+            finish_reason=out.finish_reason,
+        )
+        if not choice.done:
             return len(out.new_token_ids)
+        if not out.finished:
+            self.engine.abort(out.request_id)  # a stop string cut it short
         del self._running[out.request_id]
-        line = self._lines[choice.line_no]
+        line = self._lines[line_no]
         line.num_running -= 1
         if line.num_running == 0:
-            self._finish_line(choice.line_no)
+            self._finish_line(line_no)
         return len(out.new_token_ids)
 
     def _finish_line(self, line_no: int) -> None:

@@ -1,22 +1,20 @@
-"""OpenAI request bodies in, engine inputs out; engine results in, OpenAI response bodies out.
+"""OpenAI request bodies in, validated requests out.
 
 Owns the strict validation of `/v1/completions` and `/v1/chat/completions` bodies (types, ranges,
-served model names, the context-length check), the OpenAI error body, and the completion / chat
-response bodies with usage and logprobs. No HTTP here: the router and `pdserve run-batch` both call
-it. Unknown body fields are ignored (OpenAI clients send extras); known fields we cannot honour
-(echo, suffix, logit_bias, tools, ...) are rejected rather than silently dropped.
+served model names), the `GenerationRequest` they become, and `RequestError`, the refusal that
+carries its OpenAI error body. No HTTP and no tokenizer here: the router (`router.app`) and
+`pdserve run-batch` (`common.runtime.run_batch`) both call it; `common.api.prompts` then turns a
+request into engine inputs. Unknown body fields are ignored (OpenAI clients send extras); known
+fields we cannot honour (echo, suffix, logit_bias, tools, ...) are rejected rather than silently
+dropped.
 """
 
 from __future__ import annotations
 
 import math
-import time
-import uuid
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from common.api.detokenizer import token_bytes, token_text
-from common.api.tokenizer import Tokenizer
 from common.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 
 COMPLETIONS_URL = "/v1/completions"
@@ -25,7 +23,6 @@ MAX_N = 16  # choices per prompt
 MAX_STOP = 16  # stop strings per request (OpenAI allows 4, vLLM any number)
 MAX_STOP_TOKEN_IDS = 256
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-MIN_LOGPROB = -9999.0  # what vLLM reports for -inf (JSON has no infinity)
 _CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
 
@@ -60,8 +57,8 @@ class RequestError(Exception):
 class GenerationRequest:
     """A validated completions or chat request, before tokenization.
 
-    `params.max_tokens` is a placeholder until `engine_inputs` resolves it against the context
-    (`max_tokens` None means: whatever room the context leaves, the chat default).
+    `params.max_tokens` is a placeholder until `prompts.engine_inputs` resolves it against the
+    context (`max_tokens` None means: whatever room the context leaves, the chat default).
     """
 
     endpoint: Literal["completions", "chat"]
@@ -84,29 +81,6 @@ class GenerationRequest:
     def num_top_logprobs(self) -> int | None:
         """Alternatives per token to report; None when logprobs were not asked for."""
         return self.params.logprobs
-
-
-@dataclass
-class EngineInput:
-    """One prompt of a request as the engine takes it: ids and fully resolved parameters."""
-
-    prompt_token_ids: list[int]
-    params: SamplingParams
-
-
-@dataclass
-class ChoiceResult:
-    """What the engine and detokenizer produced for one choice."""
-
-    index: int
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None
-    logprobs: list[float | None] | None = None  # per output token, when asked for
-    top_logprobs: list[list[tuple[int, float]] | None] | None = None
-
-
-# ---- request parsing ----------------------------------------------------------------------------
 
 
 def parse_request(url: str, body: Any, served_model_names: list[str]) -> GenerationRequest:
@@ -383,189 +357,3 @@ def _bool(body: dict, name: str, default: bool, param: str | None = None) -> boo
     if not isinstance(v, bool):
         raise RequestError(f"{param or name} must be a boolean, got {v!r}", param or name)
     return v
-
-
-# ---- tokenization and the context check ---------------------------------------------------------
-
-
-def engine_inputs(
-    request: GenerationRequest, tokenizer: Tokenizer, max_model_len: int
-) -> list[EngineInput]:
-    """Tokenize each prompt (chat: through the chat template) and resolve max_tokens per prompt."""
-    if request.endpoint == "chat":
-        try:
-            ids = tokenizer.apply_chat_template(
-                request.messages, add_generation_prompt=request.add_generation_prompt
-            )
-        except Exception as e:  # template errors (e.g. roles must alternate) are the caller's
-            raise RequestError(f"could not apply the chat template: {e}", "messages") from None
-        prompts = [ids]
-    else:
-        prompts = [
-            p if isinstance(p, list) else tokenizer.encode(p, add_special_tokens=True)
-            for p in request.prompts
-        ]
-    vocab_size = tokenizer.vocab_size
-    inputs = []
-    for ids in prompts:
-        if not ids:
-            raise RequestError("the prompt is empty", "prompt")
-        if min(ids) < 0 or max(ids) >= vocab_size:
-            raise RequestError(f"prompt token ids must be in [0, {vocab_size})", "prompt")
-        inputs.append(EngineInput(ids, _resolve_max_tokens(request, len(ids), max_model_len)))
-    return inputs
-
-
-def _resolve_max_tokens(
-    request: GenerationRequest, num_prompt_tokens: int, max_model_len: int
-) -> SamplingParams:
-    where = "messages" if request.endpoint == "chat" else "prompt"
-    max_tokens = request.max_tokens
-    if max_tokens is None:
-        max_tokens = max_model_len - num_prompt_tokens
-    if num_prompt_tokens >= max_model_len or num_prompt_tokens + max_tokens > max_model_len:
-        raise RequestError(
-            f"This model's maximum context length is {max_model_len} tokens. However, you "
-            f"requested {num_prompt_tokens + max(max_tokens, 1)} tokens ({num_prompt_tokens} in "
-            f"the {where}, {max(max_tokens, 1)} in the completion). Please reduce the length of "
-            f"the {where} or completion.",
-            where if num_prompt_tokens >= max_model_len else "max_tokens",
-        )
-    if request.params.min_tokens > max_tokens:
-        raise RequestError(
-            f"min_tokens ({request.params.min_tokens}) must not exceed max_tokens ({max_tokens})",
-            "min_tokens",
-        )
-    params = replace(request.params, max_tokens=max_tokens)
-    params.stop_token_ids = list(params.stop_token_ids)  # each engine request owns its lists
-    return params
-
-
-def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
-    """Parameters for the n choices of one prompt: distinct seeds derived from a given seed."""
-    if params.seed is None:
-        return [params] * n
-    return [replace(params, seed=(params.seed + k) % 2**64) for k in range(n)]
-
-
-# ---- response bodies ----------------------------------------------------------------------------
-
-
-def usage_body(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
-
-
-def completion_body(
-    request: GenerationRequest,
-    choices: list[ChoiceResult],
-    tokenizer: Tokenizer,
-    prompt_tokens: int,
-    request_id: str | None = None,
-    created: int | None = None,
-) -> dict[str, Any]:
-    """A non-streamed `text_completion` body; `prompt_tokens` counts every prompt once."""
-    return {
-        "id": request_id or f"cmpl-{uuid.uuid4().hex}",
-        "object": "text_completion",
-        "created": int(time.time()) if created is None else created,
-        "model": request.model,
-        "choices": [
-            {
-                "index": c.index,
-                "text": c.text,
-                "logprobs": completion_logprobs(request, c, tokenizer),
-                "finish_reason": c.finish_reason,
-            }
-            for c in choices
-        ],
-        "usage": usage_body(prompt_tokens, sum(len(c.token_ids) for c in choices)),
-    }
-
-
-def chat_body(
-    request: GenerationRequest,
-    choices: list[ChoiceResult],
-    tokenizer: Tokenizer,
-    prompt_tokens: int,
-    request_id: str | None = None,
-    created: int | None = None,
-) -> dict[str, Any]:
-    """A non-streamed `chat.completion` body."""
-    return {
-        "id": request_id or f"chatcmpl-{uuid.uuid4().hex}",
-        "object": "chat.completion",
-        "created": int(time.time()) if created is None else created,
-        "model": request.model,
-        "choices": [
-            {
-                "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
-                "logprobs": chat_logprobs(request, c, tokenizer),
-                "finish_reason": c.finish_reason,
-            }
-            for c in choices
-        ],
-        "usage": usage_body(prompt_tokens, sum(len(c.token_ids) for c in choices)),
-    }
-
-
-def _logprob(v: float | None) -> float:
-    return MIN_LOGPROB if v is None or v < MIN_LOGPROB else v
-
-
-def _token_str(request: GenerationRequest, tokenizer: Tokenizer, token_id: int) -> str:
-    if request.return_tokens_as_token_ids:
-        return f"token_id:{token_id}"
-    return token_text(tokenizer, token_id)
-
-
-def completion_logprobs(
-    request: GenerationRequest, c: ChoiceResult, tokenizer: Tokenizer
-) -> dict[str, list] | None:
-    """A choice's `logprobs` in the /v1/completions format, or None when not asked for."""
-    if request.num_top_logprobs is None or c.logprobs is None:
-        return None
-    tokens, top_logprobs, text_offset, offset = [], [], [], 0
-    for i, token_id in enumerate(c.token_ids):
-        text = _token_str(request, tokenizer, token_id)
-        tokens.append(text)
-        text_offset.append(offset)
-        offset += len(text)
-        # As vLLM: the sampled token first, then the best alternatives.
-        top = {text: _logprob(c.logprobs[i])}
-        for alt_id, lp in (c.top_logprobs[i] if c.top_logprobs else None) or []:
-            top.setdefault(_token_str(request, tokenizer, alt_id), _logprob(lp))
-        top_logprobs.append(top)
-    return {
-        "tokens": tokens,
-        "token_logprobs": [_logprob(v) for v in c.logprobs],
-        "top_logprobs": top_logprobs,
-        "text_offset": text_offset,
-    }
-
-
-def chat_logprobs(
-    request: GenerationRequest, c: ChoiceResult, tokenizer: Tokenizer
-) -> dict[str, list] | None:
-    """A choice's `logprobs` in the /v1/chat/completions format, or None when not asked for."""
-    if request.num_top_logprobs is None or c.logprobs is None:
-        return None
-
-    def entry(token_id: int, lp: float | None) -> dict[str, Any]:
-        return {
-            "token": _token_str(request, tokenizer, token_id),
-            "logprob": _logprob(lp),
-            "bytes": token_bytes(tokenizer, token_id),
-        }
-
-    content = []
-    for i, token_id in enumerate(c.token_ids):
-        alts = (c.top_logprobs[i] if c.top_logprobs else None) or []
-        content.append(
-            {**entry(token_id, c.logprobs[i]), "top_logprobs": [entry(t, lp) for t, lp in alts]}
-        )
-    return {"content": content}

@@ -1,34 +1,22 @@
-"""common/api/openai_protocol.py: request validation, engine inputs, error and response bodies."""
+"""common/api/requests.py: request validation and the OpenAI error body."""
 
 from __future__ import annotations
 
 import pytest
 
-from common.api.openai_protocol import (
+from common.api.requests import (
     CHAT_URL,
     COMPLETIONS_URL,
-    ChoiceResult,
     RequestError,
-    chat_body,
-    choice_params,
-    completion_body,
-    engine_inputs,
     parse_chat_request,
     parse_completion_request,
     parse_request,
 )
-from common.api.tokenizer import Tokenizer
-from common.model.model_files import resolve_model
 from common.sampling_params import SamplingParams
 
 SERVED = ["default", "smol"]
 CHAT = {"model": "default", "messages": [{"role": "user", "content": "Hi"}]}
 COMPLETION = {"model": "default", "prompt": "Hello"}
-
-
-@pytest.fixture(scope="module")
-def tok() -> Tokenizer:
-    return Tokenizer.from_source(resolve_model("default"))
 
 
 def test_completion_body_to_sampling_params() -> None:
@@ -223,126 +211,3 @@ def test_bad_bodies_give_openai_errors(url, body, status, param, fragment) -> No
     if param is not None:
         assert err["param"] == param
     assert fragment in err["message"]
-
-
-def test_engine_inputs_for_chat_fill_the_context(tok: Tokenizer) -> None:
-    req = parse_chat_request(CHAT, SERVED)
-    (inp,) = engine_inputs(req, tok, max_model_len=100)
-    assert inp.prompt_token_ids == tok.apply_chat_template(CHAT["messages"])
-    # No max_tokens for chat: whatever room the context leaves.
-    assert inp.params.max_tokens == 100 - len(inp.prompt_token_ids)
-    req = parse_chat_request({**CHAT, "max_tokens": 7}, SERVED)
-    assert engine_inputs(req, tok, max_model_len=100)[0].params.max_tokens == 7
-
-
-def test_engine_inputs_for_completion_prompts(tok: Tokenizer) -> None:
-    req = parse_completion_request({**COMPLETION, "prompt": ["Hello world", "Bye"]}, SERVED)
-    inputs = engine_inputs(req, tok, max_model_len=2048)
-    assert [i.prompt_token_ids for i in inputs] == [tok.encode("Hello world"), tok.encode("Bye")]
-    assert all(i.params.max_tokens == 16 for i in inputs)
-    req = parse_completion_request({**COMPLETION, "prompt": [[1, 2, 3]], "seed": 5}, SERVED)
-    (inp,) = engine_inputs(req, tok, max_model_len=2048)
-    assert inp.prompt_token_ids == [1, 2, 3]
-    assert [p.seed for p in choice_params(inp.params, 3)] == [5, 6, 7]
-    assert choice_params(SamplingParams(), 2) == [SamplingParams()] * 2
-
-
-def test_too_long_prompt_is_a_400_naming_both_numbers(tok: Tokenizer) -> None:
-    prompt = [5] * 90
-    req = parse_completion_request({**COMPLETION, "prompt": prompt, "max_tokens": 20}, SERVED)
-    with pytest.raises(RequestError) as e:
-        engine_inputs(req, tok, max_model_len=100)
-    assert e.value.code == 400 and e.value.param == "max_tokens"
-    assert "maximum context length is 100 tokens" in e.value.message
-    assert "110 tokens (90 in the prompt, 20 in the completion)" in e.value.message
-    # A chat prompt that alone fills the context has no room even for a default max_tokens.
-    long_chat = {**CHAT, "messages": [{"role": "user", "content": "word " * 200}]}
-    with pytest.raises(RequestError) as e:
-        engine_inputs(parse_chat_request(long_chat, SERVED), tok, max_model_len=100)
-    assert e.value.code == 400 and e.value.param == "messages"
-    assert "maximum context length is 100 tokens" in e.value.message
-
-
-def test_bad_token_ids_and_empty_prompt(tok: Tokenizer) -> None:
-    for prompt, fragment in [([1, tok.vocab_size], "token ids must be in"), ("", "empty")]:
-        req = parse_completion_request({**COMPLETION, "prompt": prompt}, SERVED)
-        with pytest.raises(RequestError, match=fragment):
-            engine_inputs(req, tok, max_model_len=2048)
-
-
-def test_min_tokens_above_the_filled_context_is_refused(tok: Tokenizer) -> None:
-    req = parse_chat_request({**CHAT, "min_tokens": 90}, SERVED)
-    with pytest.raises(RequestError, match="min_tokens"):
-        engine_inputs(req, tok, max_model_len=100)
-
-
-def test_completion_response_body(tok: Tokenizer) -> None:
-    req = parse_completion_request({**COMPLETION, "logprobs": 1}, SERVED)
-    hello, world = tok.encode(" Hello world", add_special_tokens=False)
-    choice = ChoiceResult(
-        index=0,
-        text=" Hello world",
-        token_ids=[hello, world],
-        finish_reason="length",
-        logprobs=[-0.5, -1.25],
-        top_logprobs=[[(hello, -0.5)], [(7, -0.75)]],
-    )
-    body = completion_body(req, [choice], tok, prompt_tokens=3, request_id="cmpl-1", created=9)
-    assert body == {
-        "id": "cmpl-1",
-        "object": "text_completion",
-        "created": 9,
-        "model": "default",
-        "choices": [
-            {
-                "index": 0,
-                "text": " Hello world",
-                "logprobs": {
-                    "tokens": [" Hello", " world"],
-                    "token_logprobs": [-0.5, -1.25],
-                    "top_logprobs": [
-                        {" Hello": -0.5},
-                        {" world": -1.25, tok.decode([7], skip_special_tokens=False): -0.75},
-                    ],
-                    "text_offset": [0, 6],
-                },
-                "finish_reason": "length",
-            }
-        ],
-        "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5},
-    }
-    plain = parse_completion_request(COMPLETION, SERVED)
-    body = completion_body(plain, [choice, choice], tok, prompt_tokens=3)
-    assert body["choices"][0]["logprobs"] is None and body["id"].startswith("cmpl-")
-    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
-
-
-def test_chat_response_body(tok: Tokenizer) -> None:
-    req = parse_chat_request(
-        {**CHAT, "logprobs": True, "top_logprobs": 1, "return_tokens_as_token_ids": True}, SERVED
-    )
-    (cafe,) = tok.encode("é", add_special_tokens=False)[:1] or [0]
-    choice = ChoiceResult(
-        index=0,
-        text="ok",
-        token_ids=[cafe, 2],
-        finish_reason="stop",
-        logprobs=[-0.1, float("-inf")],
-        top_logprobs=[[(cafe, -0.1)], [(2, -3.0)]],
-    )
-    body = chat_body(req, [choice], tok, prompt_tokens=10, request_id="chatcmpl-1", created=1)
-    assert body["object"] == "chat.completion" and body["model"] == "default"
-    (c,) = body["choices"]
-    assert c["message"] == {"role": "assistant", "content": "ok"} and c["finish_reason"] == "stop"
-    first, second = c["logprobs"]["content"]
-    assert first["token"] == f"token_id:{cafe}" and first["logprob"] == -0.1
-    assert bytes(first["bytes"]) == "é".encode()
-    assert first["top_logprobs"] == [
-        {"token": f"token_id:{cafe}", "logprob": -0.1, "bytes": first["bytes"]}
-    ]
-    assert second["logprob"] == -9999.0  # JSON has no -inf
-    assert bytes(second["bytes"]) == b"<|im_end|>"
-    assert body["usage"] == {"prompt_tokens": 10, "completion_tokens": 2, "total_tokens": 12}
-    no_logprobs = chat_body(parse_chat_request(CHAT, SERVED), [choice], tok, prompt_tokens=10)
-    assert no_logprobs["choices"][0]["logprobs"] is None
-    assert no_logprobs["id"].startswith("chatcmpl-")

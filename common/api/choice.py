@@ -1,0 +1,130 @@
+"""One choice of a request as its tokens arrive: the one accumulator of generated output.
+
+Owns `Choice`: the token ids, logprobs and text of one choice, detokenized incrementally with the
+request's stop strings applied (the output is cut at the first stop string and the choice is done,
+finish_reason "stop"; tokens after the one that completed it are dropped), and its finish reason.
+`Choice.add` takes one batch of new tokens and returns the `Delta` it made safe to show;
+`Choice.result` gives the `ChoiceResult` that the body builders in `common.api.responses` take.
+
+Used by both sides that generate text: the router (`router.streaming`, fed by the decode workers'
+`TokenOutput`s) and `pdserve run-batch` (`common.runtime.run_batch`, fed by the engine's
+`RequestOutput`s). Each caller aborts the engine request itself when a stop string cut it short.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from common.api.detokenizer import Detokenizer
+from common.api.requests import GenerationRequest
+from common.api.tokenizer import Tokenizer
+from common.sampling_params import SamplingParams
+
+TopLogprobs = list[tuple[int, float]]  # (token id, logprob) of the best alternatives
+
+
+@dataclass
+class ChoiceResult:
+    """What the engine and detokenizer produced for one choice (or a part of it)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list[float | None] | None = None  # per output token, when asked for
+    top_logprobs: list[TopLogprobs | None] | None = None
+
+
+@dataclass
+class Delta:
+    """What one `Choice.add` added to a choice."""
+
+    text: str  # the text it made safe to show (often '' while a character or stop is pending)
+    first_token: int  # index in `Choice.token_ids` of the first token it added
+    finish_reason: str | None  # set on the delta that finished the choice
+
+
+class Choice:
+    """One choice (index `index` of its request) as its tokens arrive."""
+
+    def __init__(
+        self,
+        index: int,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request: GenerationRequest,
+        tokenizer: Tokenizer,
+    ) -> None:
+        self.index = index
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.want_logprobs = params.logprobs is not None
+        self.detok = Detokenizer(
+            tokenizer,
+            prompt_token_ids,
+            skip_special_tokens=request.skip_special_tokens,
+            stop=request.stop,
+            include_stop_str_in_output=request.include_stop_str_in_output,
+            min_tokens=params.min_tokens,
+        )
+        self.token_ids: list[int] = []
+        self.logprobs: list[float | None] = []
+        self.top_logprobs: list[TopLogprobs | None] = []
+        self.finish_reason: str | None = None
+        # Chars of the token strings already streamed: where the next streamed completions chunk's
+        # logprobs text_offset starts (kept by common.api.responses.delta_chunk).
+        self.streamed_token_chars = 0
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def text(self) -> str:
+        """The output text so far (cut at the stop string once one matched)."""
+        return self.detok.text
+
+    def add(
+        self,
+        token_ids: Sequence[int],
+        logprobs: Sequence[float | None] = (),
+        top_logprobs: Sequence[TopLogprobs | None] = (),
+        finished: bool = False,
+        finish_reason: str | None = None,
+    ) -> Delta:
+        """Append new tokens (with their logprobs when asked for); `finished`: no more will come.
+
+        A stop string completed by one of the tokens finishes the choice with "stop" there, even
+        when the generation was not finished. Adding to a done choice is an error.
+        """
+        if self.done:
+            raise RuntimeError(f"choice {self.index} is done; no more tokens")
+        first = len(self.token_ids)
+        text = []
+        for j, token_id in enumerate(token_ids):
+            self.token_ids.append(token_id)
+            if self.want_logprobs:
+                # Missing entries (a sender that had none for a token) read as unknown.
+                self.logprobs.append(logprobs[j] if j < len(logprobs) else None)
+                self.top_logprobs.append(top_logprobs[j] if j < len(top_logprobs) else None)
+            text.append(self.detok.add_token(token_id))
+            if self.detok.stopped:
+                break
+        if self.detok.stopped:
+            self.finish_reason = "stop"
+        elif finished:
+            text.append(self.detok.finish())
+            self.finish_reason = finish_reason or "stop"
+        return Delta("".join(text), first, self.finish_reason)
+
+    def result(self, first_token: int = 0, text: str | None = None) -> ChoiceResult:
+        """The choice (or its tokens from `first_token` on, with `text`) for the body builders."""
+        return ChoiceResult(
+            index=self.index,
+            text=self.detok.text if text is None else text,
+            token_ids=self.token_ids[first_token:],
+            finish_reason=self.finish_reason,
+            logprobs=self.logprobs[first_token:] if self.want_logprobs else None,
+            top_logprobs=self.top_logprobs[first_token:] if self.want_logprobs else None,
+        )

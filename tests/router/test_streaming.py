@@ -1,0 +1,272 @@
+"""router/streaming.py without processes: a scripted job of worker events, a fake clock.
+
+The SSE bytes of streamed completions and chat (with and without the usage chunk), the error event
+of a failed or timed-out flight, stop strings that release a choice on the worker, and the
+non-streamed path (`choice_deltas`, then a whole body) giving the same text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Sequence
+
+import pytest
+
+from common.api.choice import Choice
+from common.api.prompts import choice_params, engine_inputs
+from common.api.requests import RequestError, parse_request
+from common.api.responses import completion_body
+from common.api.tokenizer import Tokenizer
+from common.model.model_files import resolve_model
+from common.protocol import TokenOutput
+from router.dispatch import FlightFailed
+from router.metrics import RouterMetrics
+from router.streaming import choice_deltas, sse_events
+
+IM_END = 2
+
+
+class ScriptedJob:
+    """Stands in for `router.dispatch.Job`: hands out scripted events, records finish and close."""
+
+    def __init__(self, events: Sequence[tuple[int, TokenOutput | FlightFailed]]) -> None:
+        self.events = list(events)
+        self.finished: list[int] = []
+        self.closed = False
+
+    async def next_event(self, timeout_s: float) -> tuple[int, TokenOutput | FlightFailed]:
+        if not self.events:  # what Job does when nothing arrives before the deadline
+            raise RequestError("the request timed out", code=504, type="timeout")
+        return self.events.pop(0)
+
+    def finish(self, index: int) -> None:
+        self.finished.append(index)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        self.now += 0.01  # every look at the clock is 10 ms later
+        return self.now
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    return Tokenizer.from_source(resolve_model("default"))
+
+
+def ids(tok: Tokenizer, text: str) -> list[int]:
+    return tok.encode(text, add_special_tokens=False)
+
+
+def tokens(
+    token_ids: list[int], finish_reason: str | None = None, logprobs: bool = False
+) -> TokenOutput:
+    return TokenOutput(
+        request_id="r",
+        token_ids=token_ids,
+        logprobs=[-1.0] * len(token_ids) if logprobs else [],
+        top_logprobs=[[] for _ in token_ids] if logprobs else [],
+        finished=finish_reason is not None,
+        finish_reason=finish_reason,
+        num_prompt_tokens=3,
+        num_cached_tokens=0,
+    )
+
+
+def setup(tok: Tokenizer, url: str, body: dict) -> tuple:
+    """(request, choices, prompt tokens) as router.app builds them for `body`."""
+    request = parse_request(url, body, ["default"])
+    inputs = engine_inputs(request, tok, max_model_len=2048)
+    choices = [
+        Choice(p * request.n + k, inp.prompt_token_ids, params, request, tok)
+        for p, inp in enumerate(inputs)
+        for k, params in enumerate(choice_params(inp.params, request.n))
+    ]
+    return request, choices, sum(len(inp.prompt_token_ids) for inp in inputs)
+
+
+def stream(tok, request, choices, prompt_tokens, job, metrics) -> str:
+    async def collect() -> bytes:
+        timer = metrics.start_request()
+        events = sse_events(request, "resp-1", 1700, job, choices, tok, prompt_tokens, 60.0, timer)
+        return b"".join([e async for e in events])
+
+    return asyncio.run(collect()).decode()
+
+
+def parse_sse(text: str) -> list[dict | str]:
+    events = text.split("\n\n")
+    assert events[-1] == "" and all(e.startswith("data: ") for e in events[:-1])
+    return [
+        e.removeprefix("data: ") if e == "data: [DONE]" else json.loads(e.removeprefix("data: "))
+        for e in events[:-1]
+    ]
+
+
+def test_completion_stream_is_exact_sse_text(tok: Tokenizer) -> None:
+    hello, world = ids(tok, " Hello world")
+    request, choices, prompt_tokens = setup(
+        tok, "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 2, "stream": True}
+    )
+    job = ScriptedJob([(0, tokens([hello])), (0, tokens([world], "length"))])
+    metrics = RouterMetrics(clock=Clock())
+    text = stream(tok, request, choices, prompt_tokens, job, metrics)
+    head = '"id": "resp-1", "object": "text_completion", "created": 1700, "model": "default"'
+    assert text == (
+        f'data: {{{head}, "choices": [{{"index": 0, "text": " Hello", "logprobs": null, '
+        '"finish_reason": null}]}\n\n'
+        f'data: {{{head}, "choices": [{{"index": 0, "text": " world", "logprobs": null, '
+        '"finish_reason": "length"}]}\n\n'
+        "data: [DONE]\n\n"
+    )
+    assert job.finished == [0] and job.closed
+    assert metrics.generation_tokens_total == 2 and metrics.prompt_tokens_total == 3
+    assert dict(metrics.request_success_total) == {"length": 1}
+    assert metrics.ttft.count == 1 and metrics.itl.count == 1 and metrics.e2e.count == 1
+
+
+def test_chat_stream_with_usage_chunk_and_two_choices(tok: Tokenizer) -> None:
+    body = {
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 3,
+        "n": 2,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    request, choices, prompt_tokens = setup(tok, "/v1/chat/completions", body)
+    a, b, c = ids(tok, " one two three")
+    job = ScriptedJob(
+        [
+            (1, tokens([a, b])),
+            (0, tokens([a])),
+            (1, tokens([c], "length")),
+            (0, tokens([b, IM_END], "stop")),
+        ]
+    )
+    events = parse_sse(stream(tok, request, choices, prompt_tokens, job, RouterMetrics(Clock())))
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert all(c["object"] == "chat.completion.chunk" and c["id"] == "resp-1" for c in chunks)
+    # Each choice opens with the assistant role, before any content.
+    assert [c["choices"][0]["delta"] for c in chunks[:2]] == [
+        {"role": "assistant", "content": ""}
+    ] * 2
+    assert [c["choices"][0]["index"] for c in chunks[:2]] == [0, 1]
+    usage = chunks[-1]
+    assert usage["choices"] == []
+    assert usage["usage"] == {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": 6,  # <|im_end|> is generated, so it counts
+        "total_tokens": prompt_tokens + 6,
+    }
+    texts, reasons = {0: "", 1: ""}, {}
+    for chunk in chunks[2:-1]:
+        (choice,) = chunk["choices"]
+        texts[choice["index"]] += choice["delta"].get("content", "")
+        if choice["finish_reason"]:
+            reasons[choice["index"]] = choice["finish_reason"]
+    assert texts == {0: " one two", 1: " one two three"}
+    assert reasons == {0: "stop", 1: "length"}
+    assert sorted(job.finished) == [0, 1] and job.closed
+
+
+def test_stream_without_include_usage_has_no_usage_chunk(tok: Tokenizer) -> None:
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "stream": True}
+    request, choices, prompt_tokens = setup(tok, "/v1/chat/completions", body)
+    job = ScriptedJob([(0, tokens(ids(tok, " yes"), "length"))])
+    events = parse_sse(stream(tok, request, choices, prompt_tokens, job, RouterMetrics(Clock())))
+    assert events[-1] == "[DONE]"
+    assert all("usage" not in e and e["choices"] for e in events[:-1])
+
+
+def test_failed_flight_becomes_an_error_event_then_done(tok: Tokenizer) -> None:
+    request, choices, prompt_tokens = setup(
+        tok, "/v1/completions", {"prompt": "Hello", "max_tokens": 4, "stream": True}
+    )
+    job = ScriptedJob(
+        [(0, tokens(ids(tok, " a"))), (0, FlightFailed("decode worker d0 died", code=503))]
+    )
+    metrics = RouterMetrics(Clock())
+    events = parse_sse(stream(tok, request, choices, prompt_tokens, job, metrics))
+    assert events[0]["choices"][0]["text"] == " a"
+    assert events[1] == {
+        "error": {
+            "message": "decode worker d0 died",
+            "type": "service_unavailable",
+            "param": None,
+            "code": 503,
+        }
+    }
+    assert events[2:] == ["[DONE]"]
+    assert job.closed and job.finished == []  # close aborts what still runs
+    assert dict(metrics.request_errors_total) == {503: 1} and not metrics.request_success_total
+
+
+def test_timeout_becomes_a_504_error_event(tok: Tokenizer) -> None:
+    request, choices, prompt_tokens = setup(
+        tok, "/v1/completions", {"prompt": "Hello", "max_tokens": 4, "stream": True}
+    )
+    job = ScriptedJob([])  # the worker never answers
+    metrics = RouterMetrics(Clock())
+    events = parse_sse(stream(tok, request, choices, prompt_tokens, job, metrics))
+    assert events[0]["error"]["code"] == 504 and events[0]["error"]["type"] == "timeout"
+    assert events[1:] == ["[DONE]"] and job.closed
+    assert dict(metrics.request_errors_total) == {504: 1}
+
+
+def test_stop_string_releases_the_choice_and_ignores_later_tokens(tok: Tokenizer) -> None:
+    body = {"prompt": "Hello", "max_tokens": 10, "stop": " three", "stream": True}
+    request, choices, prompt_tokens = setup(tok, "/v1/completions", body)
+    one, two, three, four = ids(tok, " one two three four")
+    # The worker had sent " four" before it saw the abort: dropped.
+    job = ScriptedJob([(0, tokens([one, two])), (0, tokens([three])), (0, tokens([four]))])
+    metrics = RouterMetrics(Clock())
+    events = parse_sse(stream(tok, request, choices, prompt_tokens, job, metrics))
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == " one two"
+    assert events[-2]["choices"][0]["finish_reason"] == "stop"
+    assert job.finished == [0] and job.events == [(0, tokens([four]))]  # never read
+    assert metrics.generation_tokens_total == 3  # the stop string's token counts, " four" not
+
+
+def test_logprobs_without_text_still_get_a_chunk(tok: Tokenizer) -> None:
+    body = {"prompt": "Hello", "max_tokens": 4, "stream": True, "logprobs": 0}
+    request, choices, prompt_tokens = setup(tok, "/v1/completions", body)
+    coffee = ids(tok, " ☕")
+    first_byte = [t for t in coffee if "\ufffd" in tok.decode([t])][0]
+    rest = coffee[coffee.index(first_byte) + 1 :]
+    head = coffee[: coffee.index(first_byte) + 1]
+    job = ScriptedJob(
+        [(0, tokens(head, logprobs=True)), (0, tokens(rest, "length", logprobs=True))]
+    )
+    events = parse_sse(stream(tok, request, choices, prompt_tokens, job, RouterMetrics(Clock())))
+    bodies = [e["choices"][0] for e in events[:-1]]
+    assert len(bodies) == 2 and bodies[0]["text"] == ""  # the cup is not whole yet
+    assert "".join(b["text"] for b in bodies) == " ☕"
+    assert sum(len(b["logprobs"]["tokens"]) for b in bodies) == len(coffee)
+
+
+def test_non_streamed_collects_the_same_text(tok: Tokenizer) -> None:
+    request, choices, prompt_tokens = setup(
+        tok, "/v1/completions", {"prompt": "Hello", "max_tokens": 3, "n": 2}
+    )
+    a, b, c = ids(tok, " red green blue")
+    job = ScriptedJob([(0, tokens([a, b])), (1, tokens([c], "length")), (0, tokens([c], "length"))])
+    metrics = RouterMetrics(Clock())
+
+    async def collect() -> list[tuple[int, str]]:
+        timer = metrics.start_request()
+        return [(ch.index, d.text) async for ch, d in choice_deltas(job, choices, 60.0, timer)]
+
+    deltas = asyncio.run(collect())
+    assert deltas == [(0, " red green"), (1, " blue"), (0, " blue")]
+    body = completion_body(request, [ch.result() for ch in choices], tok, prompt_tokens)
+    assert [ch["text"] for ch in body["choices"]] == [" red green blue", " blue"]
+    assert body["usage"]["completion_tokens"] == 4
+    assert job.finished == [1, 0] and not job.closed  # router.app closes it after the body
