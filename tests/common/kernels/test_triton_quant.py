@@ -101,7 +101,7 @@ def test_choose_config_splits_k_only_for_small_grids():
     # Batch 1 on an H200 (132 SMs): 32 N tiles of 64 fill a quarter of the GPU, so K is split.
     small = choose_config(1, 2048, 8192, 4, 128, num_sms=132)
     assert small.split_k > 1 and small.block_k == 128
-    assert choose_config(1, 16384, 2048, 4, 128, num_sms=132).split_k == 1
+    assert choose_config(1, 32768, 2048, 4, 128, num_sms=132).split_k == 1
     # At M=64 the fp32 partials would rival the weight bytes: no split.
     assert choose_config(64, 2048, 2048, 4, 128, num_sms=132).split_k == 1
     assert choose_config(1, 64, 128, 4, 32).block_k == 32
