@@ -368,7 +368,10 @@ def write_compressed_tensors(
             tensor = tensor.dequantize(dtype or torch.float32)
         target = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
         if is_quantizable(name, tensor, ignore):
-            q, scale, zp = rtn_quantize(tensor, bits, group_size, symmetric, target)
+            try:
+                q, scale, zp = rtn_quantize(tensor, bits, group_size, symmetric, target)
+            except ValueError as e:
+                raise ValueError(f"{name} {tuple(tensor.shape)}: {e}") from None
             tensors.update(compress_weight(q, scale, zp, bits, name.rpartition(".")[0]))
         else:
             tensors[name] = tensor.to(target).contiguous()

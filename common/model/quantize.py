@@ -64,7 +64,7 @@ def _dtype(name: str, hf_config):
     import torch
 
     if name == "auto":
-        configured = getattr(hf_config, "torch_dtype", None) or getattr(hf_config, "dtype", None)
+        configured = getattr(hf_config, "dtype", None)
         name = str(configured).removeprefix("torch.") if configured is not None else "bfloat16"
     return getattr(torch, name if name in _DTYPES else "bfloat16")
 
