@@ -6,6 +6,7 @@ Tests `common/model/compressed_tensors.py` (and, through the CLI, `common/model/
 
 from __future__ import annotations
 
+import importlib
 import json
 
 import pytest
@@ -50,6 +51,31 @@ def test_zero_point_packs_along_the_output_dimension():
     assert words.shape == (1, 2)
     assert words.tolist() == [[(0 | 9 << 4 | 7 << 8), (15 | 8 << 4 | 11 << 8)]]
     assert torch.equal(unpack_int32(words, 4, 3, dim=0), zp)
+
+
+def _compressed_tensors_helpers():
+    """compressed-tensors' own pack/unpack functions, where the library is installed (it comes
+    with the [quantize] extra); their module moved between releases."""
+    pytest.importorskip("compressed_tensors")
+    for module in ("compressed_tensors.compressors.pack_quantized.helpers",
+                   "compressed_tensors.compressors.quantized_compressors.pack_quantized"):
+        try:
+            return importlib.import_module(module)
+        except ImportError:
+            continue
+    pytest.skip("compressed-tensors without pack_to_int32")
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("dim", [0, 1])
+def test_packing_agrees_with_the_compressed_tensors_library(bits, dim):
+    ct = _compressed_tensors_helpers()
+    gen = torch.Generator().manual_seed(bits + dim)
+    q = torch.randint(-(1 << (bits - 1)), 1 << (bits - 1), (13, 37), generator=gen)
+    q = q.to(torch.int8)
+    words = pack_int32(q, bits, dim=dim)
+    assert torch.equal(ct.pack_to_int32(q, bits, packed_dim=dim), words)
+    assert torch.equal(ct.unpack_from_int32(words, bits, q.shape, packed_dim=dim), q)
 
 
 def _compressed(q, scale, zp, bits, fmt):
