@@ -47,7 +47,7 @@ def _quant_matmul_kernel(
     GROUP_SIZE: tl.constexpr,
     BITS: tl.constexpr,
     HAS_ZERO: tl.constexpr,
-    TILES_PER_SPLIT: tl.constexpr,
+    TILES_PER_SPLIT,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
