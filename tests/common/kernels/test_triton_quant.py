@@ -117,3 +117,33 @@ def test_rejects_bad_shapes():
     with pytest.raises(ValueError, match="group_size 24"):
         quant_matmul(torch.randn(1, 48), torch.zeros(32, 24, dtype=torch.uint8),
                      torch.ones(32, 2), None, 4, 24)
+
+
+def test_bf16_scales_and_zeros():
+    # Layers may keep scale/zero in the model dtype (QuantizedTensor after .to(bfloat16)).
+    qt = random_quantized(48, 128, 4, 32, with_zero=True, seed=6)
+    qt.scale, qt.zero = qt.scale.to(torch.bfloat16), qt.zero.to(torch.bfloat16)
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(7))
+    ref = x.double() @ qt.dequantize(torch.float64).T
+    torch.testing.assert_close(run(qt, x).double(), ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_weights_from_a_compressed_tensors_checkpoint(bits):
+    """The loader's QuantizedTensor (asymmetric, zero = -zp * s) feeds the kernel unchanged."""
+    from common.model.compressed_tensors import WeightScheme, pack_int32, to_quantized_tensor
+
+    gen = torch.Generator().manual_seed(bits)
+    n, k, group_size = 40, 128, 64
+    q = torch.randint(-(1 << (bits - 1)), 1 << (bits - 1), (n, k), generator=gen).to(torch.int8)
+    zp = torch.randint(-4, 4, (n, k // group_size), generator=gen).to(torch.int8)
+    scale = torch.rand(n, k // group_size, generator=gen) * 0.05
+    parts = {"weight_packed": pack_int32(q, bits), "weight_scale": scale,
+             "weight_zero_point": pack_int32(zp, bits, dim=0),
+             "weight_shape": torch.tensor([n, k], dtype=torch.int32)}
+    scheme = WeightScheme(bits, "group", group_size, False, "pack-quantized", ("Linear",))
+    qt = to_quantized_tensor(parts, scheme, "layer")
+    x = torch.randn(2, k, generator=gen)
+    w = ((q.double().view(n, -1, group_size) - zp.double()[:, :, None])
+         * scale.double()[:, :, None]).view(n, k)
+    torch.testing.assert_close(run(qt, x).double(), x.double() @ w.T, rtol=1e-4, atol=1e-4)
