@@ -13,9 +13,9 @@ Design (decode, M = 1..64, is memory bound: the weight bytes are the cost):
   columns) and high nibbles (odd columns); x's even and odd columns are loaded separately (x is
   tiny and cached), so no interleaving is needed: acc += x_even @ lo^T + x_odd @ hi^T.
 - BLOCK_K divides group_size, so each K tile needs one scale (and zero) per output row.
-- split-K: with few N tiles (N = 2048 at batch 1 is 32 programs for 132 SMs) the K range is split
-  so the grid fills the GPU; splits write fp32 partials that one torch sum reduces (deterministic,
-  unlike atomics). The split is capped so the partials stay small next to the weight bytes.
+- filling the GPU: N = 2048 in tiles of 64 is 32 programs for 132 SMs, so the tiles narrow to 32
+  and then the K range is split; splits write fp32 partials that one torch sum reduces
+  (deterministic, unlike atomics), capped so the partials stay small next to the weight bytes.
 For large M (prefill) this is correct but not tuned; callers may prefer dequantize + matmul there.
 The block sizes come from `choose_config` (a heuristic; `benchmarks/gpu_quant.py --sweep` measures
 the alternatives on a GPU).
@@ -148,18 +148,20 @@ def choose_config(
     """Block sizes and K split for an [m, k] x [n, k]^T product (a heuristic, see module doc)."""
     num_sms = num_sms or _num_sms()
     block_m = min(64, max(16, triton.next_power_of_2(m)))
-    block_n = 64
+    m_tiles = triton.cdiv(m, block_m)
+    # Narrower N tiles first (more programs, no partials to reduce) when 64 leave SMs idle.
+    block_n = 64 if triton.cdiv(n, 64) * m_tiles >= num_sms else 32
     block_k = _block_k(group_size, bits)
     num_tiles_k = k // block_k
-    programs = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
+    programs = triton.cdiv(n, block_n) * m_tiles
     split = 1
     weight_bytes = n * k * bits // 8
-    # Two waves of programs over the SMs, at least two K tiles per split, and fp32 partials
-    # (written and read back) at most a quarter of the weight bytes.
+    # Then split K: up to two waves of programs over the SMs, at least two K tiles per split, and
+    # fp32 partials (written and read back, mostly from L2) at most half the weight bytes.
     while (
         programs * split < 2 * num_sms
         and num_tiles_k // (split * 2) >= 2
-        and (split * 2) * m * n * 4 * 2 <= weight_bytes // 4
+        and (split * 2) * m * n * 4 * 2 <= weight_bytes // 2
     ):
         split *= 2
     return QuantMatmulConfig(block_m, block_n, block_k, split)
