@@ -37,6 +37,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return run_bench_command(args)
 
 
+def cmd_quantize(args: argparse.Namespace) -> int:
+    from common.model.quantize import run_quantize_command
+
+    return run_quantize_command(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pdserve", description="Disaggregated prefill/decode LLM serving."
@@ -82,6 +88,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_args(bench)
     bench.set_defaults(func=cmd_bench)
+
+    from common.model.quantize import add_quantize_args
+
+    quantize = commands.add_parser(
+        "quantize", help="write a W4A16/W8A16 compressed-tensors checkpoint (rtn or gptq)"
+    )
+    add_quantize_args(quantize)
+    quantize.set_defaults(func=cmd_quantize)
 
     return parser
 
