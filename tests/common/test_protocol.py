@@ -132,10 +132,13 @@ def test_control_message_on_the_kv_socket_is_refused(cls: type) -> None:
         ({"type": "no-such-message", "request_id": "r"}, r"Invalid value 'no-such-message'"),
         ({"request_id": "r"}, r"missing required field `type`"),
         (
-            {"type": "register", **{f.name: sample(f.type) for f in
-                                    mi.type_info(protocol.Register).fields}, "role": "router"},
+            {
+                "type": "register",
+                **{f.name: sample(f.type) for f in mi.type_info(protocol.Register).fields},
+                "role": "router",
+            },
             r"Invalid enum value 'router' - at `\$.role`",
-        ),  # fmt: skip
+        ),
     ],
     ids=["wrong-field-type", "missing-field", "unknown-field", "unknown-tag", "no-tag", "bad-role"],
 )
