@@ -1,7 +1,8 @@
 """Paged attention: the torch reference and the Triton kernels against a dense float64 attention.
 
-Tests `common/kernels/attention.py` and `common/kernels/triton_attention.py`. Without a GPU the
-Triton kernels run in the interpreter (tests/conftest.py switches it on before triton's import).
+Tests `common/kernels/attention.py` and the Triton kernels behind `triton_attention.py` (varlen in
+`triton_varlen.py`, decode in `triton_decode.py`). Without a GPU they run in the interpreter
+(tests/conftest.py switches it on before triton's import).
 """
 
 import math
