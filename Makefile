@@ -4,7 +4,7 @@ PYTHON ?= python3
 PY := $(VENV)/bin/python
 PDSERVE := $(VENV)/bin/pdserve
 
-.PHONY: install pull test lint serve bench clean
+.PHONY: install pull test test-fast lint serve bench clean
 
 install: $(VENV)/.installed
 
@@ -20,9 +20,15 @@ $(VENV)/.installed: pyproject.toml
 pull: install
 	$(PDSERVE) models pull
 
+# Every test. pytest exits non-zero (5) when it collects nothing, so an empty run fails too.
 test: pull
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q
+
+# Every test but the e2e ones that start processes (marker `e2e`, pyproject.toml): the quick loop.
+test-fast: pull
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest -q -m "not e2e"
 
 lint: install
 	$(VENV)/bin/ruff check .

@@ -1,51 +1,23 @@
-"""Shared fixtures: tiny random-weight models built with transformers, saved to a temp dir."""
+"""Test-wide setup and the tiny-model fixtures.
+
+Switches Triton to its interpreter on machines without CUDA, here because conftest.py is imported
+before any test module and so before anything imports triton (the flag is read at triton's
+import). The models themselves are defined in tests/tiny_models.py; these fixtures build them once
+per session in a temp dir.
+"""
 
 from __future__ import annotations
 
-import pytest
+import os
+
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
 
-TINY = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=256,
-    max_position_embeddings=512,
-    initializer_range=0.2,
-    eos_token_id=255,
-    bos_token_id=1,
-    pad_token_id=0,
-)
-# Extra settings per family: q/k/v bias comes with qwen2, q/k norm with qwen3.
-FAMILIES = {
-    "llama": dict(tie_word_embeddings=False),
-    "llama-rope-scaled": dict(
-        rope_scaling={
-            "rope_type": "llama3",
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 128,
-        },
-        tie_word_embeddings=True,
-    ),
-    "mistral": dict(tie_word_embeddings=False, sliding_window=None),
-    "qwen2": dict(tie_word_embeddings=True),
-    "qwen3": dict(head_dim=32, tie_word_embeddings=False),
-}
+if not torch.cuda.is_available():  # the Triton kernels' tests then run on the CPU, interpreted
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import pytest  # noqa: E402
 
-def build_tiny_model(family: str, path, seed: int = 0):
-    """A random-weight model of `family`, saved with save_pretrained into `path`; returns it."""
-    model_type = family.split("-")[0]
-    cfg = AutoConfig.for_model(model_type, **TINY, **FAMILIES[family])
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-    model.save_pretrained(path)
-    return model
+from tests.tiny_models import FAMILIES, build_tiny_model  # noqa: E402
 
 
 @pytest.fixture(scope="session", params=list(FAMILIES))
@@ -57,5 +29,6 @@ def tiny_model(request, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory):
+    """(HF model, model dir) of the plain Llama family."""
     path = tmp_path_factory.mktemp("llama-single")
     return build_tiny_model("llama", path), path

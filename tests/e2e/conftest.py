@@ -1,39 +1,30 @@
-"""A small random-weight Llama that carries the default model's real tokenizer and chat template.
+"""Fixtures of the end-to-end tests, and the `e2e` marker on every test in this folder.
 
-Fast enough for many multi-process tests while keeping real text in and out: vocabulary and special
-tokens are SmolLM2's, the weights are random (hidden 64, 2 layers).
+Every test here starts real processes (router, workers, `pdserve` commands), so all of them carry
+the `e2e` marker that `make test-fast` deselects. `chat_model_dir` is a small random-weight Llama
+that carries the default model's real tokenizer and chat template (tests/tiny_models.py): fast
+enough for many multi-process tests while keeping real text in and out.
 """
 
 from __future__ import annotations
 
-import pytest
-import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from pathlib import Path
 
-from common.api.tokenizer import Tokenizer
-from common.model.model_files import resolve_model
+import pytest
+
+from tests.tiny_models import build_tiny_chat_model
+
+_HERE = Path(__file__).parent
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # A conftest's hook sees every collected item, not only this folder's: filter by path.
+    for item in items:
+        if _HERE in item.path.parents:
+            item.add_marker(pytest.mark.e2e)
 
 
 @pytest.fixture(scope="session")
 def chat_model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-chat-llama")
-    tokenizer = Tokenizer.from_source(resolve_model("default"))
-    cfg = AutoConfig.for_model(
-        "llama",
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=len(tokenizer.hf),
-        max_position_embeddings=2048,
-        initializer_range=0.2,
-        tie_word_embeddings=True,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=2,
-    )
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
-    tokenizer.hf.save_pretrained(path)
-    return path
+    return build_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat-llama"))

@@ -11,8 +11,6 @@ import time
 import httpx
 import openai
 import pytest
-import torch
-from transformers import AutoConfig, AutoModelForCausalLM
 
 from common.api.tokenizer import Tokenizer
 from common.config import EngineConfig
@@ -20,6 +18,7 @@ from common.engine.engine import Engine
 from common.model.model_files import resolve_model
 from common.sampling_params import SamplingParams
 from tests.e2e.cluster import Cluster
+from tests.tiny_models import build_tiny_chat_model
 
 QUESTIONS = ["What is the capital of France?", "Count from one to ten.", "Say hi."]
 COMPLETIONS = ["The quick brown fox", "Once upon a time, in a land far away, there lived"]
@@ -401,16 +400,7 @@ def test_1p1d_with_ngram_speculation_matches_plain_decoding(tmp_path):
     drafts; the reference is the in-process engine without speculation.
     """
     tokenizer = Tokenizer.from_source(resolve_model("default"))
-    cfg = AutoConfig.for_model(
-        "llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, vocab_size=len(tokenizer.hf),
-        max_position_embeddings=2048, initializer_range=0.02, tie_word_embeddings=True,
-        bos_token_id=1, eos_token_id=2, pad_token_id=2,
-    )  # fmt: skip
-    torch.manual_seed(1)
-    model_dir = tmp_path / "repeating-llama"
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(model_dir)
-    tokenizer.hf.save_pretrained(model_dir)
+    model_dir = build_tiny_chat_model(tmp_path / "repeating-llama", seed=1, initializer_range=0.02)
     model = str(model_dir)
     prompts = [tokenizer.encode(t) for t in [*COMPLETIONS, *QUESTIONS]]
     engine = Engine(EngineConfig(model=model, dtype="float32", kv_cache_memory="64MiB"))

@@ -60,6 +60,7 @@ def test_bad_handles_are_refused():
 
 
 @needs_cuda
+@pytest.mark.e2e  # spawns the receiver process
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_ipc_between_processes(dtype):
     run_child_transfer("cuda_ipc", dtype, device="cuda")

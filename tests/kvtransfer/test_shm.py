@@ -265,6 +265,7 @@ def test_segment_names_from_the_wire_are_confined(pair):
     assert_serves(sender, receiver, "shm")
 
 
+@pytest.mark.e2e  # spawns the receiver process
 def test_receiver_in_another_process():
     run_child_transfer("shm", torch.float32)
 

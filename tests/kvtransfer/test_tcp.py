@@ -77,6 +77,7 @@ def test_bad_address_is_a_failed_result(pair):
     assert not result.ok and "send failed" in result.reason and sender.num_pending() == 0
 
 
+@pytest.mark.e2e  # spawns the receiver process
 def test_receiver_in_another_process():
     run_child_transfer("tcp", torch.bfloat16)
 

@@ -1,23 +1,17 @@
 """Paged attention: the torch reference and the Triton kernels against a dense float64 attention.
 
-Tests `common/kernels/attention.py` and `common/kernels/triton_attention.py`. Without a GPU the
-Triton kernels run
-in the interpreter, which must be switched on before triton is first imported.
+Tests `common/kernels/attention.py` and the Triton kernels behind `triton_attention.py` (varlen in
+`triton_varlen.py`, decode in `triton_decode.py`). Without a GPU they run in the interpreter
+(tests/conftest.py switches it on before triton's import).
 """
 
-import os
+import math
 
+import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import math  # noqa: E402
-
-import pytest  # noqa: E402
-
-from common.kernels.attention import AttentionMetadata, paged_attention, write_kv_cache  # noqa: E402
-from common.kernels.triton_attention import paged_attention_triton, write_kv_cache_triton  # noqa: E402
+from common.kernels.attention import AttentionMetadata, paged_attention, write_kv_cache
+from common.kernels.triton_attention import paged_attention_triton, write_kv_cache_triton
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 NUM_HEADS = 4

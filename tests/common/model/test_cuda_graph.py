@@ -7,19 +7,13 @@ must give the eager logits for every captured size.
 
 from __future__ import annotations
 
-import os
-
+import pytest
 import torch
 
-if not torch.cuda.is_available():  # Triton kernels in the interpreter (before triton's import)
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-
-from common.config import EngineConfig  # noqa: E402
-from common.model import llama as model_module  # noqa: E402
-from common.model.cuda_graph import DecodeGraphs, capture_sizes  # noqa: E402
-from common.model.model_runner import ModelRunner  # noqa: E402
+from common.config import EngineConfig
+from common.model import llama as model_module
+from common.model.cuda_graph import DecodeGraphs, capture_sizes
+from common.model.model_runner import ModelRunner
 
 BS = 8
 

@@ -9,25 +9,15 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoModelForCausalLM
 
 from common.model.model_files import ModelSource, resolve_model
 from common.model.weights import iter_weights
-
-TINY = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=256,
-)
+from tests.tiny_models import random_model, tiny_config
 
 
 def _tiny_model(model_type: str, **overrides) -> torch.nn.Module:
-    torch.manual_seed(0)
-    config = AutoConfig.for_model(model_type, **{**TINY, **overrides})
-    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    return random_model(tiny_config(model_type, **overrides))
 
 
 def _permute_like_llama_cpp(w: np.ndarray, num_heads: int) -> np.ndarray:

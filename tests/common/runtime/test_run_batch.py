@@ -4,12 +4,9 @@ tokenizer."""
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
-import torch
-from transformers import AutoConfig, AutoModelForCausalLM
 
 from common.api.tokenizer import Tokenizer
 from common.cli import main
@@ -17,6 +14,7 @@ from common.config import EngineConfig
 from common.engine.engine import Engine
 from common.model.model_files import resolve_model
 from common.runtime.run_batch import BatchRunner
+from tests.tiny_models import build_tiny_chat_model
 
 MAX_MODEL_LEN = 128
 
@@ -24,28 +22,7 @@ MAX_MODEL_LEN = 128
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 2-layer random Llama over SmolLM2's vocabulary, with its tokenizer and chat template."""
-    path = tmp_path_factory.mktemp("tiny-smol")
-    cfg = AutoConfig.for_model(
-        "llama",
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=49152,
-        max_position_embeddings=512,
-        initializer_range=0.2,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=2,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(path)
-    for f in resolve_model("default").hf_dir.iterdir():
-        if f.name != "config.json":
-            shutil.copy(f, path)
-    return path
+    return build_tiny_chat_model(tmp_path_factory.mktemp("tiny-smol"), max_position_embeddings=512)
 
 
 @pytest.fixture(scope="module")
