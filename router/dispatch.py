@@ -10,7 +10,7 @@ A dead decode worker fails its flights; a dead prefill worker's flights that hav
 decoding go to another prefill worker (or, with none left, prefill on the decode worker itself).
 `Job` groups the flights of one HTTP request around one event queue.
 
-Called by `router.app` (dispatch, release) and by the control loop in `router.server` (worker
+Called by `router.app` (dispatch, release) and by `router.control` (worker
 messages, worker deaths). Single-threaded: everything runs on the router's event loop.
 """
 
@@ -35,11 +35,11 @@ from common.protocol import (
     TokenOutput,
 )
 from common.sampling_params import SamplingParams
+from kvtransfer import choose_transport
 from router.kv_index import PrefixIndex
 from router.policy import (
     PrefillPolicy,
     PrefixParams,
-    choose_transport,
     pick_decode,
     pick_decode_by_prefix,
 )
@@ -228,7 +228,11 @@ class Dispatcher:
             decode_worker_id=decode.worker_id,
             decode_kv_address=decode.info.kv_address,
             num_decode_cached_tokens=flight.num_decode_cached_tokens,
-            transport=choose_transport(prefill.info, decode.info),
+            transport=choose_transport(
+                prefill.info.host == decode.info.host,
+                prefill.info.transports,
+                decode.info.transports,
+            ),
             deadline_s=self.prefill_deadline_s,
         )
         if not self._send(prefill, message):
