@@ -70,6 +70,6 @@ HELP = {
     "max_model_len": "longest prompt + output (0 = the smallest any live worker allows)",
     "block_size": "KV block size workers must use (0 = whatever the first worker uses)",
     "log_level": "debug | info | warning | error",
-    "ready_file": "once serving, write the bound addresses here as JSON ({\"http_port\", "
-    "\"control_address\"}), so a launcher that passed port 0 learns the ports the OS gave",
+    "ready_file": 'once serving, write the bound addresses here as JSON ({"http_port", '
+    '"control_address"}), so a launcher that passed port 0 learns the ports the OS gave',
 }

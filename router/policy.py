@@ -164,4 +164,3 @@ class PrefillPolicy:
             scored.append(((-score, loads[w.worker_id], (i - turn) % n), w, matched, keys))
         _, worker, matched, keys = min(scored, key=lambda t: t[0])
         return PrefillChoice(worker, matched, keys)
-

@@ -71,7 +71,8 @@ class LocalCluster:
     """A router plus `workers`, each a child process; a context manager that starts and stops all.
 
     `log_dir`: each process writes `<name>-<process>.log` there (else they share this process's
-    stdout and stderr). `port` / `control_port` 0: whatever the OS gives the router.
+    stdout and stderr). `port` / `control_port` 0: whatever the OS gives the router. `env`: extra
+    environment for every process.
     """
 
     def __init__(
@@ -87,8 +88,10 @@ class LocalCluster:
         log_dir: Path | None = None,
         name: str = "",
         env: Mapping[str, str] | None = None,
+        startup_timeout_s: float = 600.0,
     ) -> None:
         self.model, self.workers = model, list(workers)
+        self.startup_timeout_s = startup_timeout_s  # what `with` gives `start`
         self.router_flags = list(router_flags)
         self.host, self.port, self.control_port = host, port, control_port
         # No prefill worker: the router must not wait for one to be healthy.
@@ -118,7 +121,7 @@ class LocalCluster:
 
     def __enter__(self) -> LocalCluster:
         try:
-            self.start()
+            self.start(self.startup_timeout_s)
         except BaseException:
             self.stop()
             raise

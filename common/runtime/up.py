@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 from common.runtime.launcher import LocalCluster, WorkerSpec
 from common.runtime.worker_cli import env
@@ -22,8 +23,11 @@ class _Interrupted(Exception):
     """A signal arrived while the cluster was still starting."""
 
 
-def cluster_from_args(args: argparse.Namespace) -> LocalCluster:
-    """The cluster `up` runs for these flags (not started)."""
+def cluster_from_args(
+    args: argparse.Namespace, log_dir: Path | None = None, name: str = ""
+) -> LocalCluster:
+    """The cluster `up` runs for these flags (not started); `log_dir` / `name`: see LocalCluster
+    (the serving benchmark runs up's clusters with logs in files)."""
     if args.decode < 1 or args.prefill < 0:
         raise ValueError("--decode must be >= 1 and --prefill >= 0")
     cores = os.cpu_count() or 1
@@ -58,6 +62,8 @@ def cluster_from_args(args: argparse.Namespace) -> LocalCluster:
         host=args.host,
         port=args.port,
         control_port=args.control_port,
+        log_dir=log_dir,
+        name=name,
     )
 
 

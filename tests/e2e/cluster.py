@@ -34,14 +34,12 @@ class Cluster(LocalCluster):
             router_flags=router_flags,
             log_dir=tmp,
             env={"OMP_NUM_THREADS": "1"},
+            startup_timeout_s=180,
         )
 
     def spec(self, role: str, name: str, extra: tuple[str, ...] = ()) -> WorkerSpec:
         flags = ["--dtype", self.dtype, "--num-threads", "1", "--kv-cache-memory", "64MiB"]
         return WorkerSpec(role, name, [*flags, *self.engine_flags, *extra])
-
-    def start(self, timeout_s: float = 180.0) -> None:
-        super().start(timeout_s)
 
     def start_worker(self, role, name: str = "", extra: tuple[str, ...] = ()):  # type: ignore[override]
         """`start_worker("decode", "decode-1")` with the tests' flags, or a WorkerSpec as is."""
