@@ -10,8 +10,13 @@ A dead decode worker fails its flights; a dead prefill worker's flights that hav
 decoding go to another prefill worker (or, with none left, prefill on the decode worker itself).
 `Job` groups the flights of one HTTP request around one event queue.
 
-Called by `router.app` (dispatch, release) and by `router.control` (worker
-messages, worker deaths). Single-threaded: everything runs on the router's event loop.
+Called by `router.app` (dispatch, release) and by `router.control` (worker messages, worker
+deaths). Single-threaded: everything runs on the router's event loop.
+
+Why one module of ~420 lines: `Dispatcher` is one state machine over a flight's life (reserve,
+prefill, generate, refusal, failure, failover, release), and each transition updates the same
+books (worker loads, reservations, the prefix index's pending keys); split across files, the
+places that must undo each other's bookkeeping would no longer be read together.
 """
 
 from __future__ import annotations

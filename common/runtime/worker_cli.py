@@ -14,6 +14,7 @@ import random
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from common.config import EngineConfig
     from common.engine.engine import Engine
 
 DEFAULT_ROUTER = "tcp://127.0.0.1:8001"
@@ -53,18 +54,24 @@ def seed_generators(seed: int) -> None:
     np.random.seed(seed % 2**32)
 
 
-def build_engine(args: argparse.Namespace) -> Engine:
-    """Load the model named by the engine flags; seed the generators with `--seed` afterwards
-    (loading may draw from them, e.g. to initialise layers that the weights then overwrite)."""
+def load_engine(config: EngineConfig) -> Engine:
+    """The engine for `config`: its model's weights, config and tokenizer's EOS tokens."""
     from common.api.tokenizer import Tokenizer
-    from common.config import config_from_args
     from common.engine.engine import Engine
     from common.model.model_files import resolve_model
     from common.model.weights import iter_weights
 
-    config = config_from_args(args)
     source = resolve_model(config.model)
     tokenizer = Tokenizer.from_source(source)
-    engine = Engine(config, source.hf_config, iter_weights(source), tokenizer.eos_token_ids)
+    return Engine(config, source.hf_config, iter_weights(source), tokenizer.eos_token_ids)
+
+
+def build_engine(args: argparse.Namespace) -> Engine:
+    """The engine the flags describe, with the generators seeded from `--seed` once it is loaded
+    (loading may draw from them, e.g. to initialise layers that the weights then overwrite)."""
+    from common.config import config_from_args
+
+    config = config_from_args(args)
+    engine = load_engine(config)
     seed_generators(config.seed)
     return engine
