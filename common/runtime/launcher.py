@@ -52,6 +52,11 @@ class WorkerSpec:
     threads: int | None = None
 
 
+def _unescape(value: str) -> str:
+    """A label value as written in the text format (backslash escapes) -> the value."""
+    return re.sub(r"\\(.)", lambda m: "\n" if m.group(1) == "n" else m.group(1), value)
+
+
 def parse_metrics(text: str) -> list[tuple[str, dict[str, str], float]]:
     """Prometheus text -> (name, labels, value) for every sample."""
     samples = []
@@ -63,7 +68,8 @@ def parse_metrics(text: str) -> list[tuple[str, dict[str, str], float]]:
             value = float(m.group(3))
         except ValueError:
             continue
-        samples.append((m.group(1), dict(_LABEL.findall(m.group(2) or "")), value))
+        labels = {k: _unescape(v) for k, v in _LABEL.findall(m.group(2) or "")}
+        samples.append((m.group(1), labels, value))
     return samples
 
 
@@ -101,7 +107,7 @@ class LocalCluster:
         self.log_dir, self.name = log_dir, name
         self.env = dict(env or {})
         self.procs: dict[str, subprocess.Popen] = {}
-        self._scratch = Path(tempfile.mkdtemp(prefix="pdserve-cluster-"))
+        self._scratch: Path | None = None  # holds the router's ready file; made on first start
         self._num_unnamed = 0
 
     # ---- addresses ------------------------------------------------------------------------------
@@ -140,6 +146,8 @@ class LocalCluster:
 
     def start_router(self, timeout_s: float = 120.0) -> subprocess.Popen:
         """Start the router and wait for its ready file: then `url` and `control` are known."""
+        if self._scratch is None:
+            self._scratch = Path(tempfile.mkdtemp(prefix="pdserve-cluster-"))
         ready = self._scratch / "router.ready"
         ready.unlink(missing_ok=True)
         args = [
@@ -294,7 +302,9 @@ class LocalCluster:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-        shutil.rmtree(self._scratch, ignore_errors=True)
+        if self._scratch is not None:
+            shutil.rmtree(self._scratch, ignore_errors=True)
+            self._scratch = None
 
     def logs(self, chars: int = 3000) -> str:
         """The tail of every process's log (empty without a log_dir)."""
