@@ -187,13 +187,15 @@ class LocalCluster:
             args += ["--worker-id", spec.worker_id]
         args += ["--model", self.model, *spec.flags]
         extra = {"OMP_NUM_THREADS": str(spec.threads)} if spec.threads else {}
-        if spec not in self.workers:
+        if not any(s is spec for s in self.workers):  # a worker added after `start`
             self.workers.append(spec)
         return self._spawn(name, args, extra)
 
-    def _spawn(self, name: str, args: list[str], env: Mapping[str, str] = ()) -> subprocess.Popen:
+    def _spawn(
+        self, name: str, args: list[str], env: Mapping[str, str] | None = None
+    ) -> subprocess.Popen:
         path = os.pathsep.join(p for p in (str(PACKAGE_ROOT), os.environ.get("PYTHONPATH")) if p)
-        child_env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env, **dict(env)}
+        child_env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env, **(env or {})}
         child_env["PYTHONPATH"] = path
         out = None
         if self.log_dir is not None:
