@@ -1,6 +1,6 @@
 """Prefill interference on decode: 1P1D vs colocated, a steady chat stream plus long prompts.
 
-For each configuration, one after the other (`benchmarks.cluster`, same cores in both):
+For each configuration, one after the other (`common.runtime.launcher`, same cores in both):
 - `disagg` (1P1D): one prefill and one decode worker, one torch thread each; the router's default
   `--local-prefill-max-tokens 256`, so the short chats prefill on the decode worker and the long
   prompts on the prefill worker.
@@ -45,7 +45,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.cluster import ProcCluster, log  # noqa: E402
+from common.runtime.launcher import LocalCluster, WorkerSpec  # noqa: E402
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
 
 WORDS = "the a sea ship wind port sail blue storm calm night star map crew deck rope".split()
 
@@ -216,15 +221,19 @@ def main(argv: list[str] | None = None) -> int:
     common = ["--dtype", args.dtype, "--max-model-len", "4096", "--kv-cache-memory", "1GiB"]
     layouts = {
         "disagg": [
-            ("prefill", "prefill-0", [*common, "--num-threads", "1"]),
-            ("decode", "decode-0", [*common, "--num-threads", "1"]),
+            WorkerSpec("prefill", "prefill-0", [*common, "--num-threads", "1"], threads=1),
+            WorkerSpec("decode", "decode-0", [*common, "--num-threads", "1"], threads=1),
         ],
-        "colocated": [("decode", "decode-0", [*common, "--num-threads", "2"])],
+        "colocated": [WorkerSpec("decode", "decode-0", [*common, "--num-threads", "2"], threads=2)],
     }
     traces: dict[str, Trace] = {}
     with tempfile.TemporaryDirectory(prefix="pdserve-interference-") as tmp:
         for name in args.configs.split(","):
-            with ProcCluster(name, args.model, [], layouts[name], Path(tmp)) as cluster:
+            log(f"{name}: starting router + {len(layouts[name])} workers")
+            cluster = LocalCluster(
+                args.model, layouts[name], log_dir=Path(tmp), name=name, startup_timeout_s=900
+            )
+            with cluster:
                 log(
                     f"{name}: {args.idle_s:.0f} s chats alone, then {args.mixed_s:.0f} s with a "
                     f"{args.long_tokens}-token prompt every {args.long_every_s:.0f} s"

@@ -2,10 +2,10 @@
 
 For each policy in `--policies`, one after the other, starts a router (`--routing POLICY`,
 `--local-prefill-max-tokens 0` so every prompt is prefilled on a prefill worker) with two prefill
-workers and one decode worker (`benchmarks.cluster`), runs `pdserve bench --dataset shared-prefix`
-against it (`--tenants` system prompts of `--system-prompt-tokens` words, tenants in random order,
-short questions, `--concurrency` requests in flight), then reads the prefill workers' prefix-cache
-counters from the router's /metrics.
+workers and one decode worker (`common.runtime.launcher`), runs `pdserve bench --dataset
+shared-prefix` against it (`--tenants` system prompts of `--system-prompt-tokens` words, tenants in
+random order, short questions, `--concurrency` requests in flight), then reads the prefill workers'
+prefix-cache counters from the router's /metrics.
 
 The prefill workers' KV cache (`--prefill-kv-cache-memory`, default 160 MiB: about 6 of the 8
 default tenants' prompts in bfloat16) is smaller than all tenants' prompts together but larger
@@ -38,11 +38,16 @@ import platform
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.cluster import ROOT, ProcCluster, log  # noqa: E402
+from common.runtime.launcher import LocalCluster, WorkerSpec  # noqa: E402
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 def achievable(args: argparse.Namespace, block_size: int = 16) -> tuple[int, int, list[int]]:
@@ -72,13 +77,21 @@ def achievable(args: argparse.Namespace, block_size: int = 16) -> tuple[int, int
 
 def run_policy(policy: str, args: argparse.Namespace, out: Path, log_dir: Path) -> dict:
     engine = ["--dtype", args.dtype, "--num-threads", "1", "--max-model-len", "2048"]
+    prefill = [*engine, "--kv-cache-memory", args.prefill_kv_cache_memory]
+    decode = [*engine, "--kv-cache-memory", args.decode_kv_cache_memory]
     workers = [
-        ("prefill", "prefill-0", [*engine, "--kv-cache-memory", args.prefill_kv_cache_memory]),
-        ("prefill", "prefill-1", [*engine, "--kv-cache-memory", args.prefill_kv_cache_memory]),
-        ("decode", "decode-0", [*engine, "--kv-cache-memory", args.decode_kv_cache_memory]),
+        WorkerSpec("prefill", "prefill-0", prefill, threads=1),
+        WorkerSpec("prefill", "prefill-1", prefill, threads=1),
+        WorkerSpec("decode", "decode-0", decode, threads=1),
     ]
     router = ["--routing", policy, "--local-prefill-max-tokens", "0"]
-    with ProcCluster(policy, args.model, router, workers, log_dir) as cluster:
+    cluster = LocalCluster(
+        args.model, workers, router_flags=router, log_dir=log_dir, name=policy,
+        startup_timeout_s=900,
+    )  # fmt: skip
+    log(f"{policy}: starting router + {len(workers)} workers")
+    with cluster:
+        log(f"{policy}: ready at {cluster.url}")
         bench_dir = out / policy
         cmd = [
             sys.executable, "-m", "common.cli", "bench", "--base-url", cluster.url + "/v1",
@@ -90,7 +103,7 @@ def run_policy(policy: str, args: argparse.Namespace, out: Path, log_dir: Path) 
             "--output-dir", str(bench_dir),
         ]  # fmt: skip
         log(f"{policy}: pdserve bench ({args.num_requests} requests)")
-        subprocess.run(cmd, cwd=ROOT, check=True, stdout=sys.stderr)
+        subprocess.run(cmd, check=True, stdout=sys.stderr)
         summary = json.loads((bench_dir / "results.json").read_text())["runs"][0]["summary"]
         queries = hits = 0.0
         for w in ("prefill-0", "prefill-1"):

@@ -1,22 +1,23 @@
 """End-to-end serving: 1P1D (disaggregated) vs colocated, through the router, as real processes.
 
-For each configuration in `--configs`, one after the other, starts `pdserve up` as a separate
-process (router + workers on free loopback ports), waits for `GET /health` == 200, sends a short
-warm-up, then `--num-requests` streamed `POST /v1/completions` with `--concurrency` in flight at
-once, and stops the cluster (SIGTERM to `up`, which stops its children). Both configurations get
-the same model, dtype, engine flags and prompts (distinct random token ids, so the prefix cache has
-nothing to reuse), `ignore_eos` and greedy sampling, so every request produces `--output-len`
-tokens.
+For each configuration in `--configs`, one after the other, starts what `pdserve up` starts
+(router + workers with up's flags, through `common.runtime.launcher`, on loopback ports the OS
+gives), waits until every worker serves, sends a short warm-up, then `--num-requests` streamed
+`POST /v1/completions` with `--concurrency` in flight at once, and stops the cluster. Both
+configurations get the same model, dtype, engine flags and prompts (distinct random token ids, so
+the prefix cache has nothing to reuse), `ignore_eos` and greedy sampling, so every request
+produces `--output-len` tokens.
 
-- `disagg` (1P1D): `up --prefill 1 --decode 1`, with the router's
-  PDSERVE_LOCAL_PREFILL_MAX_TOKENS=0 so that every prompt is prefilled on the prefill worker and
-  its KV moved to the decode worker (by default prompts up to 256 tokens stay on the decode worker).
+- `disagg` (1P1D): `up --prefill 1 --decode 1 --local-prefill-max-tokens 0`, so that every prompt
+  is prefilled on the prefill worker and its KV moved to the decode worker (by default prompts up
+  to 256 tokens stay on the decode worker).
 - `colocated`: `up --prefill 0 --decode 1`, the decode worker prefills its own prompts.
 
 `up` gives each worker cores / workers torch threads (`--num-threads` overrides), so both
-configurations use the same cores. Per request: TTFT (request sent to first chunk with text),
-ITL (every gap between chunks with text), TPOT ((last chunk - first chunk) / (tokens - 1)),
-E2E, and output tokens from the stream's usage chunk. A request that fails, or ends with fewer
+configurations use the same cores. Per request, timed by `pdserve bench`'s client
+(`common.bench.client`, which also defines them): TTFT (request sent to first chunk with text),
+ITL (every gap between chunks with text), TPOT ((E2E - TTFT) / (tokens - 1)), E2E, and output
+tokens from the stream's usage chunk. A request that fails, or ends with fewer
 than `--output-len` tokens, counts as an error and is left out of the latencies. Output tok/s is
 all output tokens over the wall time of the timed requests. Ratios (1P1D / colocated), not
 absolute times, are the result: the machines are shared and noisy.
@@ -42,20 +43,18 @@ import os
 import platform
 import random
 import signal
-import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.cluster import free_port  # noqa: E402
+from common.bench.client import RequestResult, send_request  # noqa: E402
+from common.bench.datasets import BenchRequest  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 MIN_TOKEN_ID, MAX_TOKEN_ID = 100, 40000  # random prompt ids: no special tokens, inside the vocab
 CONFIGS = {
     "disagg": {"label": "1P1D", "prefill": 1, "decode": 1},
@@ -92,193 +91,51 @@ def random_prompts(n: int, length: int, seed: int) -> list[list[int]]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Cluster: one `pdserve up` process
+# Cluster: what `pdserve up` runs for a configuration
 
 
-class UpCluster:
-    """`python -m common.cli up ...` in its own session; always stopped by `stop()`."""
+def up_cluster(name: str, args: argparse.Namespace, engine_args: list[str], log_dir: Path):
+    """The processes `pdserve up --prefill P --decode 1` starts, with the same flags (threads per
+    worker included), on ports from the OS; every process logs to `log_dir`."""
+    from common.runtime.up import add_up_args, cluster_from_args
 
-    def __init__(
-        self, name: str, args: argparse.Namespace, engine_args: list[str], log_dir: Path
-    ) -> None:
-        spec = CONFIGS[name]
-        self.name = name
-        self.port, self.control_port = free_port(), free_port()
-        while self.control_port == self.port:
-            self.control_port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_dir / f"{name}.log"
-        self.cmd = [
-            sys.executable,
-            "-m",
-            "common.cli",
-            "up",
-            "--model",
-            args.model,
-            "--dtype",
-            args.dtype,
-            "--prefill",
-            str(spec["prefill"]),
-            "--decode",
-            str(spec["decode"]),
-            "--port",
-            str(self.port),
-            "--control-port",
-            str(self.control_port),
-            "--startup-timeout-s",
-            str(args.startup_timeout_s),
-        ]
-        if args.num_threads:
-            self.cmd += ["--num-threads", str(args.num_threads)]
-        if engine_args:
-            self.cmd += ["--", *engine_args]
-        self.env = dict(os.environ, PYTHONUNBUFFERED="1")
-        if spec["prefill"] > 0:
-            # Every prompt goes to the prefill worker, however short (router flag's env name).
-            self.env["PDSERVE_LOCAL_PREFILL_MAX_TOKENS"] = "0"
-        else:
-            self.env.pop("PDSERVE_LOCAL_PREFILL_MAX_TOKENS", None)
-        self.proc: subprocess.Popen | None = None
-
-    def start(self, timeout_s: float) -> None:
-        log(f"{self.name}: starting {' '.join(self.cmd[2:])}")
-        with open(self.log_path, "wb") as out:
-            self.proc = subprocess.Popen(
-                self.cmd,
-                cwd=ROOT,
-                env=self.env,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,  # its own process group: stop() can reach the workers
-            )
-        t0 = time.monotonic()
-        deadline = t0 + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"{self.name}: `pdserve up` exited with {self.proc.returncode} during "
-                    f"startup\n{self.log_tail()}"
-                )
-            try:
-                resp = httpx.get(self.url + "/health", timeout=2, trust_env=False)
-                if resp.status_code == 200:
-                    log(f"{self.name}: healthy after {time.monotonic() - t0:.1f} s at {self.url}")
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise TimeoutError(f"{self.name}: not healthy in {timeout_s} s\n{self.log_tail()}")
-
-    def stop(self) -> None:
-        proc = self.proc
-        if proc is None:
-            return
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)  # `up` gives its children 10 s, then kills them
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        # Anything of the group still alive (e.g. `up` itself was killed): end it too.
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        log(f"{self.name}: stopped (exit {proc.returncode})")
-
-    def kv_bytes_sent(self, wait_s: float = 5.0) -> float:
-        """Sum of the prefill workers' kv_transfer_bytes_total (from heartbeats, so polled)."""
-        deadline = time.monotonic() + wait_s
-        total = 0.0
-        while True:
-            try:
-                text = httpx.get(self.url + "/metrics", timeout=5, trust_env=False).text
-                total = sum(
-                    float(line.rsplit(" ", 1)[1])
-                    for line in text.splitlines()
-                    if line.startswith("pdserve:kv_transfer_bytes_total")
-                )
-            except (httpx.HTTPError, ValueError, IndexError):
-                pass
-            if total > 0 or time.monotonic() > deadline:
-                return total
-            time.sleep(0.5)
-
-    def log_tail(self, chars: int = 4000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-chars:]
-        except OSError:
-            return ""
+    spec = CONFIGS[name]
+    flags = [
+        "--model", args.model, "--dtype", args.dtype,
+        "--prefill", str(spec["prefill"]), "--decode", str(spec["decode"]),
+        "--port", "0", "--control-port", "0",
+    ]  # fmt: skip
+    if spec["prefill"] > 0:
+        flags += ["--local-prefill-max-tokens", "0"]  # every prompt to the prefill worker
+    if args.num_threads:
+        flags += ["--num-threads", str(args.num_threads)]
+    if engine_args:
+        flags += ["--", *engine_args]
+    up = argparse.ArgumentParser()
+    add_up_args(up)
+    return cluster_from_args(up.parse_args(flags), log_dir=log_dir, name=name)
 
 
 # ---------------------------------------------------------------------------------------------
 # Load
 
 
-@dataclass
-class RequestResult:
-    prompt_tokens: int
-    output_tokens: int = 0
-    ttft_s: float | None = None
-    e2e_s: float = 0.0
-    itl_s: list[float] = field(default_factory=list)
-    tpot_s: float | None = None
-    error: str = ""
-
-
 async def one_request(
-    client: httpx.AsyncClient, url: str, prompt: list[int], output_len: int
+    client: httpx.AsyncClient, model: str, prompt: list[int], output_len: int, index: int
 ) -> RequestResult:
-    body = {
-        "model": "default",
-        "prompt": prompt,
-        "max_tokens": output_len,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    result = RequestResult(prompt_tokens=len(prompt))
-    chunk_times: list[float] = []
-    usage_tokens: int | None = None
-    t0 = time.perf_counter()
-    try:
-        async with client.stream("POST", url + "/v1/completions", json=body) as resp:
-            if resp.status_code != 200:
-                text = (await resp.aread()).decode(errors="replace")
-                result.error = f"HTTP {resp.status_code}: {text[:200]}"
-            else:
-                async for line in resp.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
-                        break
-                    event = json.loads(data)
-                    if "error" in event:
-                        result.error = f"stream error: {json.dumps(event['error'])[:200]}"
-                        break
-                    if event.get("usage"):
-                        usage_tokens = int(event["usage"]["completion_tokens"])
-                    if any(c.get("text") for c in event.get("choices") or []):
-                        chunk_times.append(time.perf_counter())
-    except (httpx.HTTPError, json.JSONDecodeError) as e:
-        result.error = f"{type(e).__name__}: {e}"
-    result.e2e_s = time.perf_counter() - t0
-    result.output_tokens = usage_tokens if usage_tokens is not None else len(chunk_times)
-    if chunk_times:
-        result.ttft_s = chunk_times[0] - t0
-        result.itl_s = [b - a for a, b in zip(chunk_times, chunk_times[1:])]
-        if result.output_tokens > 1:
-            result.tpot_s = (chunk_times[-1] - chunk_times[0]) / (result.output_tokens - 1)
-    if not result.error and result.output_tokens < output_len:
+    """One streamed request timed by `pdserve bench`'s client; fewer than `output_len` tokens is
+    an error here (ignore_eos asks for exactly that many)."""
+    sink: list[RequestResult] = []
+    request = BenchRequest(max_tokens=output_len, prompt=prompt, ignore_eos=True)
+    result = await send_request(client, model, request, index, time.perf_counter(), sink)
+    if result.ok and result.output_tokens < output_len:
         result.error = f"short output: {result.output_tokens} of {output_len} tokens"
     return result
 
 
 async def run_load(
     url: str,
+    model: str,
     prompts: list[list[int]],
     output_len: int,
     concurrency: int,
@@ -290,20 +147,22 @@ async def run_load(
     timeout = httpx.Timeout(timeout_s, connect=10)
     done = 0
     step = max(1, len(prompts) // 8)
-    async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False) as client:
+    async with httpx.AsyncClient(
+        base_url=url + "/v1/", timeout=timeout, limits=limits, trust_env=False
+    ) as client:
         sem = asyncio.Semaphore(concurrency)
 
-        async def bounded(prompt: list[int]) -> RequestResult:
+        async def bounded(index: int, prompt: list[int]) -> RequestResult:
             nonlocal done
             async with sem:
-                r = await one_request(client, url, prompt, output_len)
+                r = await one_request(client, model, prompt, output_len, index)
             done += 1
             if done % step == 0 or done == len(prompts):
                 log(f"{label}: {done}/{len(prompts)} done")
             return r
 
         t0 = time.perf_counter()
-        results = await asyncio.gather(*(bounded(p) for p in prompts))
+        results = await asyncio.gather(*(bounded(i, p) for i, p in enumerate(prompts)))
         seconds = time.perf_counter() - t0
     return list(results), seconds
 
@@ -317,7 +176,7 @@ def summarize(label: str, results: list[RequestResult], seconds: float) -> dict:
         return None if p is None else p * ms
 
     ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
-    itl = [g for r in ok for g in r.itl_s]
+    itl = [g for r in ok for g in r.itls_s]
     tpot = [r.tpot_s for r in ok if r.tpot_s is not None]
     e2e = [r.e2e_s for r in ok]
     output_tokens = sum(r.output_tokens for r in results)
@@ -464,14 +323,18 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="pdserve-bench-") as tmp:
         for name in args.configs:
             label = CONFIGS[name]["label"]
-            cluster = UpCluster(name, args, engine_args, Path(tmp))
+            cluster = up_cluster(name, args, engine_args, Path(tmp))
             try:
+                log(f"{label}: starting")
+                t0 = time.monotonic()
                 cluster.start(args.startup_timeout_s)
+                log(f"{label}: ready after {time.monotonic() - t0:.1f} s at {cluster.url}")
                 if warmup:
                     log(f"{label}: {len(warmup)} warm-up requests")
                     results, _ = asyncio.run(
                         run_load(
                             cluster.url,
+                            args.model,
                             warmup,
                             min(4, args.output_len),
                             args.concurrency,
@@ -486,6 +349,7 @@ def main(argv: list[str] | None = None) -> int:
                 results, seconds = asyncio.run(
                     run_load(
                         cluster.url,
+                        args.model,
                         timed,
                         args.output_len,
                         args.concurrency,
@@ -494,15 +358,17 @@ def main(argv: list[str] | None = None) -> int:
                     )
                 )
                 if any(r.error for r in results):
-                    log(f"{label}: errors; log tail:\n{cluster.log_tail()}")
-                kv_bytes = cluster.kv_bytes_sent() if CONFIGS[name]["prefill"] else 0.0
+                    log(f"{label}: errors; log tail:\n{cluster.logs()}")
+                kv_bytes = 0.0
+                if CONFIGS[name]["prefill"]:  # counters travel with heartbeats: poll a while
+                    kv_bytes = cluster.wait_counter("kv_transfer_bytes_total", 1, timeout_s=5)
             finally:
                 cluster.stop()
             summaries[name] = summarize(label, results, seconds)
             summaries[name]["kv_sent_mb"] = kv_bytes / 1e6
             if CONFIGS[name]["prefill"]:
                 log(f"{label}: prefill workers sent {kv_bytes / 1e6:.1f} MB of KV (with warm-up)")
-            raw[name] = [asdict(r) for r in results]
+            raw[name] = [r.to_dict() for r in results]
 
     print_report(machine, args, summaries)
     if args.json:

@@ -1,6 +1,9 @@
 """The `pdserve` console script: parses the command line and runs one subcommand.
 
-Each subcommand is a small `cmd_*` function taking the parsed args and returning an exit code, plus
+The dispatcher is the only module in `common/` that imports the stages (`router`, `prefill`,
+`decode`): each stage's flags and command live with it (`router/cli.py`, `prefill/cli.py`,
+`decode/cli.py`); `up` (`common.runtime.up`) starts them as processes and imports none. Each
+subcommand is a small `cmd_*` function taking the parsed args and returning an exit code, plus
 an `add_parser` call in `build_parser`. Heavy imports happen inside the command functions, so
 `pdserve --help` stays fast.
 """
@@ -26,9 +29,27 @@ def cmd_run_batch(args: argparse.Namespace) -> int:
 
 
 def cmd_router(args: argparse.Namespace) -> int:
-    from router.server import run_router
+    from router.cli import run_router
 
     return run_router(args)
+
+
+def cmd_prefill(args: argparse.Namespace) -> int:
+    from prefill.cli import cmd_prefill
+
+    return cmd_prefill(args)
+
+
+def cmd_decode(args: argparse.Namespace) -> int:
+    from decode.cli import cmd_decode
+
+    return cmd_decode(args)
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from common.runtime.up import cmd_up
+
+    return cmd_up(args)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -71,15 +92,29 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(batch)
     batch.set_defaults(func=cmd_run_batch)
 
-    from router.server import add_router_args
+    from router.cli import add_router_args
 
     router = commands.add_parser("router", help="run the router (HTTP API + worker registry)")
     add_router_args(router)
     router.set_defaults(func=cmd_router)
 
-    from common.runtime.launcher import add_stage_parsers
+    from prefill.cli import add_prefill_args
 
-    add_stage_parsers(commands)
+    prefill = commands.add_parser("prefill", help="run a prefill worker")
+    add_prefill_args(prefill)
+    prefill.set_defaults(func=cmd_prefill)
+
+    from decode.cli import add_decode_args
+
+    decode = commands.add_parser("decode", help="run a decode worker")
+    add_decode_args(decode)
+    decode.set_defaults(func=cmd_decode)
+
+    from common.runtime.up import add_up_args
+
+    up = commands.add_parser("up", help="run router + prefill + decode workers locally")
+    add_up_args(up)
+    up.set_defaults(func=cmd_up)
 
     bench = commands.add_parser(
         "bench", help="benchmark an OpenAI-compatible endpoint (latency, throughput, plots)"

@@ -10,8 +10,13 @@ A dead decode worker fails its flights; a dead prefill worker's flights that hav
 decoding go to another prefill worker (or, with none left, prefill on the decode worker itself).
 `Job` groups the flights of one HTTP request around one event queue.
 
-Called by `router.app` (dispatch, release) and by the control loop in `router.server` (worker
-messages, worker deaths). Single-threaded: everything runs on the router's event loop.
+Called by `router.app` (dispatch, release) and by `router.control` (worker messages, worker
+deaths). Single-threaded: everything runs on the router's event loop.
+
+Why one module of ~420 lines: `Dispatcher` is one state machine over a flight's life (reserve,
+prefill, generate, refusal, failure, failover, release), and each transition updates the same
+books (worker loads, reservations, the prefix index's pending keys); split across files, the
+places that must undo each other's bookkeeping would no longer be read together.
 """
 
 from __future__ import annotations
@@ -35,11 +40,11 @@ from common.protocol import (
     TokenOutput,
 )
 from common.sampling_params import SamplingParams
+from kvtransfer import choose_transport
 from router.kv_index import PrefixIndex
 from router.policy import (
     PrefillPolicy,
     PrefixParams,
-    choose_transport,
     pick_decode,
     pick_decode_by_prefix,
 )
@@ -228,7 +233,11 @@ class Dispatcher:
             decode_worker_id=decode.worker_id,
             decode_kv_address=decode.info.kv_address,
             num_decode_cached_tokens=flight.num_decode_cached_tokens,
-            transport=choose_transport(prefill.info, decode.info),
+            transport=choose_transport(
+                prefill.info.host == decode.info.host,
+                prefill.info.transports,
+                decode.info.transports,
+            ),
             deadline_s=self.prefill_deadline_s,
         )
         if not self._send(prefill, message):

@@ -13,7 +13,7 @@ applies it (best effort) and asks the worker for a full snapshot (`KVResync`), a
 last seq sent, so a lost final message is noticed too (one heartbeat later, to let a message in
 flight on the other socket arrive). A dead worker's entries are dropped (`remove`).
 
-Called by `router.server` (events, heartbeats, removal) and `router.policy` (matching).
+Called by `router.control` (events, heartbeats, removal) and `router.policy` (matching).
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 Owns the routing decisions and nothing else: decode workers are chosen least loaded (running plus
 reserved sequences), skipping any that refused a reservation moments ago; prefill workers by the
-`--routing` policy; the transport by locality. Called by `router.dispatch`.
+`--routing` policy. Called by `router.dispatch` (which asks `kvtransfer.choose_transport`
+for the KV transport of each pair).
 
 With `prefix` routing, a prompt prefilled on a decode worker (short prompts, colocated mode) goes
 to the decode worker holding the longest prefix of it, among those running at most
@@ -31,7 +32,6 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from common.prefix_hash import block_keys
-from common.protocol import Register
 from router.kv_index import PrefixIndex
 from router.registry import Worker
 
@@ -164,10 +164,3 @@ class PrefillPolicy:
             scored.append(((-score, loads[w.worker_id], (i - turn) % n), w, matched, keys))
         _, worker, matched, keys = min(scored, key=lambda t: t[0])
         return PrefillChoice(worker, matched, keys)
-
-
-def choose_transport(prefill: Register, decode: Register) -> str:
-    """'shm' between workers on one host that both support it, else 'tcp'."""
-    if prefill.host == decode.host and "shm" in prefill.transports and "shm" in decode.transports:
-        return "shm"
-    return "tcp"

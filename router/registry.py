@@ -7,7 +7,7 @@ prompt tokens queued for prefill). Validates registrations: the protocol version
 block size must agree across the cluster, else the worker is refused. A worker silent for
 `timeout_s` is dead and removed (`expire`); the caller fails or re-dispatches its requests.
 
-Called by the control loop in `router.server` (messages in), by `router.policy` and
+Called by the control plane in `router.control` (messages in), by `router.policy` and
 `router.dispatch` (choosing workers, counting load) and by `router.app` (/health, /metrics).
 """
 

@@ -1,4 +1,8 @@
-"""One streamed request, timed: start, every content chunk, end, token counts from usage, error."""
+"""One streamed request, timed: start, every content chunk, end, token counts from usage, error.
+
+`RequestResult` is the one record of a timed request and holds the one definition of each latency
+(TTFT, ITL, TPOT, E2E) that `pdserve bench` and the benchmarks in `benchmarks/` report.
+"""
 
 from __future__ import annotations
 
@@ -36,11 +40,14 @@ class RequestResult:
 
     @property
     def itls_s(self) -> list[float]:
+        """Inter-token latencies: every gap between two chunks that carry text."""
         t = self.chunk_times_s
         return [b - a for a, b in zip(t, t[1:])]
 
     @property
     def tpot_s(self) -> float | None:
+        """Time per output token after the first: (E2E - TTFT) / (output tokens - 1), as vLLM's
+        benchmarks define it; None for fewer than two tokens."""
         if self.ttft_s is None or self.output_tokens < 2:
             return None
         return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1)

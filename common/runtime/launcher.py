@@ -1,281 +1,319 @@
-"""`pdserve prefill`, `pdserve decode` and `pdserve up`: running the stages as processes.
+"""The one launcher of local clusters: a router and prefill / decode workers as child processes.
 
-Owns the stage commands' flags (each also read from a PDSERVE_* variable) and the local launcher
-that starts a router plus N prefill and M decode workers, prints the URL once `/health` answers 200,
-and stops every process on Ctrl-C / SIGTERM. Called by common.cli.
+Owns starting `python -m common.cli router|prefill|decode ...` processes, learning the router's
+ports, waiting until the cluster serves, reading its /metrics, and stopping every process it
+started (SIGTERM twice, so workers skip draining, then SIGKILL for any that hang). Used by
+`pdserve up` (`common.runtime.up`), the end-to-end tests (`tests/e2e/cluster.py`) and the
+benchmarks. It spawns processes and imports nothing of `router`, `prefill` or `decode`.
+
+Ports: the router binds port 0 (unless given one) and writes the ports the OS gave it to a ready
+file (`pdserve router --ready-file`); workers connect to the address read from it, and decode
+workers bind their KV port 0 themselves. No port is picked by the launcher and released before a
+child binds it, so parallel clusters cannot race for one. A restarted router binds the ports the
+first one had, so that its workers find it again.
 """
 
 from __future__ import annotations
 
-import argparse
-import logging
+import json
 import os
-import signal
+import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
+import urllib.error
 import urllib.request
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
 
-log = logging.getLogger(__name__)
+import common
 
-DEFAULT_ROUTER = "tcp://127.0.0.1:8001"
+# Where `common` lives: children get it on PYTHONPATH, so `python -m common.cli` works from any
+# directory whether or not pdserve is installed.
+PACKAGE_ROOT = Path(common.__file__).resolve().parents[1]
 
-
-def _env(name: str, default: str) -> str:
-    return os.environ.get("PDSERVE_" + name, default)
-
-
-def _add_worker_args(parser: argparse.ArgumentParser) -> None:
-    from common.config import add_engine_args
-
-    parser.add_argument(
-        "--router",
-        default=_env("ROUTER", DEFAULT_ROUTER),
-        help="the router's control address (env PDSERVE_ROUTER)",
-    )
-    parser.add_argument(
-        "--worker-id",
-        default=_env("WORKER_ID", ""),
-        help="unique worker name (default: role-host-pid; env PDSERVE_WORKER_ID)",
-    )
-    add_engine_args(parser)
+_SAMPLE = re.compile(r"^([^\s{]+)(?:\{(.*)\})?\s+(\S+)$")
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
 
-def _build_engine(args: argparse.Namespace):
-    from common.api.tokenizer import Tokenizer
-    from common.config import config_from_args
-    from common.engine.engine import Engine
-    from common.model.model_files import resolve_model
-    from common.model.weights import iter_weights
+@dataclass
+class WorkerSpec:
+    """One worker to start: `role` prefill or decode, its flags after the router's address.
 
-    config = config_from_args(args)
-    source = resolve_model(config.model)
-    tokenizer = Tokenizer.from_source(source)
-    return Engine(config, source.hf_config, iter_weights(source), tokenizer.eos_token_ids)
+    `worker_id` (also the process's name in `LocalCluster.procs` and its log file) is passed as
+    --worker-id when set; `threads` sets OMP_NUM_THREADS for the process."""
 
-
-def cmd_prefill(args: argparse.Namespace) -> int:
-    from common.runtime.worker import default_worker_id
-    from prefill.worker import PrefillWorker
-
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s prefill %(message)s")
-    engine = _build_engine(args)
-    worker = PrefillWorker(
-        engine,
-        args.router,
-        args.worker_id or default_worker_id("prefill"),
-        kv_transport=args.kv_transport,
-    )
-    worker.stop_on_signals()
-    worker.run()
-    return 0
+    role: str
+    worker_id: str = ""
+    flags: list[str] = field(default_factory=list)
+    threads: int | None = None
 
 
-def cmd_decode(args: argparse.Namespace) -> int:
-    from common.runtime.worker import default_worker_id
-    from decode.worker import DecodeWorker
-
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s decode %(message)s")
-    engine = _build_engine(args)
-    worker = DecodeWorker(
-        engine,
-        args.router,
-        args.worker_id or default_worker_id("decode"),
-        kv_bind=f"tcp://{args.kv_host}:{args.kv_port or '*'}",
-        kv_advertise_host=args.kv_advertise_host or None,
-    )
-    worker.stop_on_signals()
-    worker.run()
-    return 0
+def _unescape(value: str) -> str:
+    """A label value as written in the text format (backslash escapes) -> the value."""
+    return re.sub(r"\\(.)", lambda m: "\n" if m.group(1) == "n" else m.group(1), value)
 
 
-def _wait_healthy(url: str, procs: list[subprocess.Popen], timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if any(p.poll() is not None for p in procs):
-            return False
+def parse_metrics(text: str) -> list[tuple[str, dict[str, str], float]]:
+    """Prometheus text -> (name, labels, value) for every sample."""
+    samples = []
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if m is None or line.startswith("#"):
+            continue
         try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as resp:
-                if resp.status == 200:
-                    return True
-        except OSError:
-            pass
-        time.sleep(0.5)
-    return False
+            value = float(m.group(3))
+        except ValueError:
+            continue
+        labels = {k: _unescape(v) for k, v in _LABEL.findall(m.group(2) or "")}
+        samples.append((m.group(1), labels, value))
+    return samples
 
 
-def _stop_all(procs: list[subprocess.Popen]) -> None:
-    # Everything stops together, router included: a second SIGTERM skips the workers' drain.
-    for _ in range(2):
-        for p in procs:
-            if p.poll() is None:
-                p.terminate()
-        time.sleep(0.1)
-    deadline = time.monotonic() + 10
-    for p in procs:
-        try:
-            p.wait(timeout=max(deadline - time.monotonic(), 0.1))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
+class LocalCluster:
+    """A router plus `workers`, each a child process; a context manager that starts and stops all.
 
+    `log_dir`: each process writes `<name>-<process>.log` there (else they share this process's
+    stdout and stderr). `port` / `control_port` 0: whatever the OS gives the router. `env`: extra
+    environment for every process.
+    """
 
-def cmd_up(args: argparse.Namespace) -> int:
-    """Start router + workers locally; block until a signal or a child dies."""
-    if args.decode < 1 or args.prefill < 0:
-        raise ValueError("--decode must be >= 1 and --prefill >= 0")
-    control = f"tcp://127.0.0.1:{args.control_port}"
-    cores = os.cpu_count() or 1
-    # Workers share the machine: torch threads per worker so that together they fit the cores.
-    threads = str(args.num_threads or max(1, cores // (args.prefill + args.decode)))
-    engine_flags = ["--model", args.model, "--dtype", args.dtype, "--num-threads", threads]
-    extra = args.engine_args[1:] if args.engine_args[:1] == ["--"] else args.engine_args
-    engine_flags += extra
-    exe = [sys.executable, "-m", "common.cli"]
-    router_cmd = exe + [
-        "router",
-        "--host",
-        args.host,
-        "--port",
-        str(args.port),
-        "--control-host",
-        "127.0.0.1",
-        "--control-port",
-        str(args.control_port),
-        "--model",
-        args.model,
-    ]
-    if args.prefill == 0:
-        router_cmd.append("--colocated")
-    if args.routing:
-        router_cmd += ["--routing", args.routing]
-    if args.local_prefill_max_tokens is not None:
-        router_cmd += ["--local-prefill-max-tokens", str(args.local_prefill_max_tokens)]
-    if args.api_key:
-        router_cmd += ["--api-key", args.api_key]
-    if args.served_model_name:
-        router_cmd += ["--served-model-name", *args.served_model_name]
-    if args.enforce_eager:
-        engine_flags.append("--enforce-eager")
-    decode_flags = list(engine_flags)  # speculation happens where tokens are decoded
-    if args.speculative:
-        decode_flags += ["--speculative", args.speculative]
-    if args.num_speculative_tokens:
-        decode_flags += ["--num-speculative-tokens", str(args.num_speculative_tokens)]
-    commands = [router_cmd]
-    commands += [exe + ["prefill", "--router", control, *engine_flags] for _ in range(args.prefill)]
-    commands += [
-        exe + ["decode", "--router", control, "--kv-host", "127.0.0.1", *decode_flags]
-        for _ in range(args.decode)
-    ]
-    procs: list[subprocess.Popen] = []
-    stopping = False
-
-    def on_signal(signum, frame):
-        nonlocal stopping
-        stopping = True
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    try:
-        for cmd in commands:
-            procs.append(subprocess.Popen(cmd))
-        url = f"http://{args.host}:{args.port}"
-        if not _wait_healthy(url, procs, args.startup_timeout_s):
-            print("pdserve: error: the server did not become healthy", file=sys.stderr)
-            return 1
-        print(
-            f"pdserve is ready at {url}/v1 (router + {args.prefill} prefill + "
-            f"{args.decode} decode); Ctrl-C stops it",
-            flush=True,
+    def __init__(
+        self,
+        model: str,
+        workers: Sequence[WorkerSpec] = (),
+        *,
+        router_flags: Sequence[str] = (),
+        host: str = "127.0.0.1",
+        port: int = 0,
+        control_port: int = 0,
+        colocated: bool | None = None,
+        log_dir: Path | None = None,
+        name: str = "",
+        env: Mapping[str, str] | None = None,
+        startup_timeout_s: float = 600.0,
+    ) -> None:
+        self.model, self.workers = model, list(workers)
+        self.startup_timeout_s = startup_timeout_s  # what `with` gives `start`
+        self.router_flags = list(router_flags)
+        self.host, self.port, self.control_port = host, port, control_port
+        # No prefill worker: the router must not wait for one to be healthy.
+        self.colocated = (
+            colocated if colocated is not None else not any(w.role == "prefill" for w in workers)
         )
-        while not stopping and all(p.poll() is None for p in procs):
-            time.sleep(0.2)
-        return 0 if stopping else 1
-    finally:
-        _stop_all(procs)
+        self.log_dir, self.name = log_dir, name
+        self.env = dict(env or {})
+        self.procs: dict[str, subprocess.Popen] = {}
+        self._scratch: Path | None = None  # holds the router's ready file; made on first start
+        self._num_unnamed = 0
 
+    # ---- addresses ------------------------------------------------------------------------------
 
-def add_stage_parsers(commands) -> None:
-    """Register the prefill, decode and up subcommands."""
-    prefill = commands.add_parser("prefill", help="run a prefill worker")
-    _add_worker_args(prefill)
-    prefill.add_argument(
-        "--kv-transport",
-        default=_env("KV_TRANSPORT", "auto"),
-        choices=["auto", "tcp", "shm", "cuda_ipc"],
-        help="KV transport to decode workers (auto: the router's choice)",
-    )
-    prefill.set_defaults(func=cmd_prefill)
+    @property
+    def url(self) -> str:
+        """The router's HTTP base URL (known once the router has started)."""
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
+        return f"http://{host}:{self.port}"
 
-    decode = commands.add_parser("decode", help="run a decode worker")
-    _add_worker_args(decode)
-    decode.add_argument(
-        "--kv-host",
-        default=_env("KV_HOST", "127.0.0.1"),
-        help="interface the KV receiver binds (env PDSERVE_KV_HOST)",
-    )
-    decode.add_argument(
-        "--kv-port",
-        type=int,
-        default=int(_env("KV_PORT", "0")),
-        help="KV receiver port, 0 = any free port (env PDSERVE_KV_PORT)",
-    )
-    decode.add_argument(
-        "--kv-advertise-host",
-        default=_env("KV_ADVERTISE_HOST", ""),
-        help="host prefill workers use to reach this worker's KV port "
-        "(default: the bound address; env PDSERVE_KV_ADVERTISE_HOST)",
-    )
-    decode.set_defaults(func=cmd_decode)
+    @property
+    def control(self) -> str:
+        """The control address workers connect to."""
+        return f"tcp://127.0.0.1:{self.control_port}"
 
-    up = commands.add_parser("up", help="run router + prefill + decode workers locally")
-    up.add_argument("--model", default=_env("MODEL", "default"))
-    up.add_argument("--dtype", default=_env("DTYPE", "auto"))
-    up.add_argument(
-        "--prefill",
-        type=int,
-        default=int(_env("PREFILL", "1")),
-        help="prefill workers (0 = colocated: decode workers prefill themselves)",
-    )
-    up.add_argument("--decode", type=int, default=int(_env("DECODE", "1")))
-    up.add_argument("--host", default=_env("HOST", "127.0.0.1"))
-    up.add_argument("--port", type=int, default=int(_env("PORT", "8000")))
-    up.add_argument("--control-port", type=int, default=int(_env("CONTROL_PORT", "8001")))
-    up.add_argument(
-        "--num-threads",
-        type=int,
-        default=int(_env("NUM_THREADS", "0")),
-        help="torch threads per worker (default: cores / workers)",
-    )
-    up.add_argument(
-        "--routing",
-        choices=("prefix", "round_robin", "least_loaded"),
-        default=None,
-        help="the router's prefill worker choice (default: the router's, prefix; env "
-        "PDSERVE_ROUTING). Other router flags: their PDSERVE_* variables",
-    )
-    up.add_argument(
-        "--local-prefill-max-tokens",
-        type=int,
-        default=None,
-        help="prompts up to this many tokens prefill on the decode worker (router default 256)",
-    )
-    up.add_argument(
-        "--speculative",
-        choices=("none", "ngram", "draft"),
-        default=None,
-        help="speculative decoding on the decode workers (default: theirs, none; draft also "
-        "needs --draft-model or --draft-layers after --)",
-    )
-    up.add_argument("--num-speculative-tokens", type=int, default=None)
-    up.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs on any worker")
-    up.add_argument("--api-key", default=_env("API_KEY", ""))
-    up.add_argument("--served-model-name", nargs="+", default=None)
-    up.add_argument("--startup-timeout-s", type=float, default=600.0)
-    up.add_argument(
-        "engine_args",
-        nargs=argparse.REMAINDER,
-        help="further engine flags passed to every worker (after --)",
-    )
-    up.set_defaults(func=cmd_up)
+    # ---- starting -------------------------------------------------------------------------------
+
+    def __enter__(self) -> LocalCluster:
+        try:
+            self.start(self.startup_timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self, timeout_s: float = 600.0) -> None:
+        """The router, then every worker; returns once all serve (see `wait_ready`)."""
+        deadline = time.monotonic() + timeout_s
+        self.start_router(timeout_s)
+        for spec in self.workers:
+            self.start_worker(spec)
+        self.wait_ready(max(deadline - time.monotonic(), 1.0))
+
+    def start_router(self, timeout_s: float = 120.0) -> subprocess.Popen:
+        """Start the router and wait for its ready file: then `url` and `control` are known."""
+        if self._scratch is None:
+            self._scratch = Path(tempfile.mkdtemp(prefix="pdserve-cluster-"))
+        ready = self._scratch / "router.ready"
+        ready.unlink(missing_ok=True)
+        args = [
+            "router",
+            "--host", self.host,
+            "--port", str(self.port),
+            "--control-host", "127.0.0.1",
+            "--control-port", str(self.control_port),
+            "--model", self.model,
+            "--ready-file", str(ready),
+        ]  # fmt: skip
+        if self.colocated:
+            args.append("--colocated")
+        proc = self._spawn("router", args + self.router_flags)
+        deadline = time.monotonic() + timeout_s
+        while not ready.exists():
+            if proc.poll() is not None:
+                raise RuntimeError(f"the router exited with {proc.returncode}\n{self.logs()}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the router did not start in {timeout_s} s\n{self.logs()}")
+            time.sleep(0.05)
+        bound = json.loads(ready.read_text())
+        self.port = int(bound["http_port"])
+        self.control_port = int(bound["control_address"].rsplit(":", 1)[1])
+        return proc
+
+    def start_worker(self, spec: WorkerSpec) -> subprocess.Popen:
+        """Start one worker connected to the router (which must be started)."""
+        if not self.control_port:
+            raise RuntimeError("start the router before its workers")
+        name = spec.worker_id
+        if not name:
+            name = f"{spec.role}-{self._num_unnamed}"
+            self._num_unnamed += 1
+        args = [spec.role, "--router", self.control]
+        if spec.worker_id:
+            args += ["--worker-id", spec.worker_id]
+        args += ["--model", self.model, *spec.flags]
+        extra = {"OMP_NUM_THREADS": str(spec.threads)} if spec.threads else {}
+        if not any(s is spec for s in self.workers):  # a worker added after `start`
+            self.workers.append(spec)
+        return self._spawn(name, args, extra)
+
+    def _spawn(
+        self, name: str, args: list[str], env: Mapping[str, str] | None = None
+    ) -> subprocess.Popen:
+        path = os.pathsep.join(p for p in (str(PACKAGE_ROOT), os.environ.get("PYTHONPATH")) if p)
+        child_env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env, **(env or {})}
+        child_env["PYTHONPATH"] = path
+        out = None
+        if self.log_dir is not None:
+            prefix = f"{self.name}-" if self.name else ""
+            out = open(self.log_dir / f"{prefix}{name}.log", "ab")  # noqa: SIM115 (child owns it)
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "common.cli", *args],
+                env=child_env,
+                stdout=out,
+                stderr=subprocess.STDOUT if out is not None else None,
+            )
+        finally:
+            if out is not None:
+                out.close()  # the child has its own descriptor
+        self.procs[name] = proc
+        return proc
+
+    # ---- waiting --------------------------------------------------------------------------------
+
+    def dead(self) -> list[str]:
+        """Names of the processes that have exited."""
+        return [n for n, p in self.procs.items() if p.poll() is not None]
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=2) as resp:
+                return resp.status == 200
+        except (OSError, urllib.error.URLError):
+            return False
+
+    def wait_ready(self, timeout_s: float = 180.0, worker_ids: Sequence[str] | None = None) -> None:
+        """Until /health answers 200 and the router reports the gauges of the workers named in
+        `worker_ids` (default: every started worker with an id, and at least as many workers as
+        were started). RuntimeError when a process exits meanwhile, TimeoutError after timeout_s."""
+        at_least = 0
+        if worker_ids is None:
+            worker_ids = [w.worker_id for w in self.workers if w.worker_id]
+            at_least = len(self.workers)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            dead = self.dead()
+            if dead:
+                raise RuntimeError(f"{dead} exited during startup\n{self.logs()}")
+            if self.healthy():
+                try:
+                    live = {
+                        labels.get("worker")
+                        for name, labels, _ in parse_metrics(self.metrics())
+                        if name == "pdserve:num_blocks"
+                    }
+                except OSError:
+                    live = set()
+                if set(worker_ids) <= live and len(live) >= at_least:
+                    return
+            time.sleep(0.3)
+        raise TimeoutError(f"cluster not ready in {timeout_s} s\n{self.logs()}")
+
+    # ---- metrics --------------------------------------------------------------------------------
+
+    def metrics(self) -> str:
+        """The router's /metrics text."""
+        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as resp:
+            return resp.read().decode()
+
+    def sample(self, name: str, **labels: str) -> float | None:
+        """pdserve:<name> summed over the series matching `labels`; None if there is none."""
+        values = [
+            value
+            for n, have, value in parse_metrics(self.metrics())
+            if n == "pdserve:" + name and all(have.get(k) == v for k, v in labels.items())
+        ]
+        return sum(values) if values else None
+
+    def worker_gauge(self, name: str, worker: str) -> float | None:
+        return self.sample(name, worker=worker)
+
+    def wait_counter(self, name: str, at_least: float, timeout_s: float = 5.0, **labels) -> float:
+        """Poll a worker counter until it reaches `at_least` (they travel with heartbeats)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            value = self.sample(name, **labels) or 0.0
+            if value >= at_least or time.monotonic() > deadline:
+                return value
+            time.sleep(0.3)
+
+    # ---- stopping -------------------------------------------------------------------------------
+
+    def kill(self, name: str) -> None:
+        """SIGKILL one process (a crash) and reap it."""
+        self.procs[name].kill()
+        self.procs[name].wait()
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        """Stop every process started, router included: SIGTERM, a second SIGTERM a moment later
+        (workers then skip draining), SIGKILL for any still alive after timeout_s."""
+        for _ in range(2):
+            for proc in self.procs.values():
+                if proc.poll() is None:
+                    proc.terminate()
+            time.sleep(0.1)
+        deadline = time.monotonic() + timeout_s
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if self._scratch is not None:
+            shutil.rmtree(self._scratch, ignore_errors=True)
+            self._scratch = None
+
+    def logs(self, chars: int = 3000) -> str:
+        """The tail of every process's log (empty without a log_dir)."""
+        if self.log_dir is None:
+            return ""
+        prefix = f"{self.name}-" if self.name else ""
+        return "\n".join(
+            f"--- {p.name}\n{p.read_text(errors='replace')[-chars:]}"
+            for p in sorted(self.log_dir.glob(f"{prefix}*.log"))
+        )

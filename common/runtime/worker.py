@@ -70,7 +70,9 @@ class ControlConnection:
 
 
 class Heartbeater(threading.Thread):
-    """Sends `Heartbeat` (and `Register` until accepted) every HEARTBEAT_INTERVAL_S."""
+    """Sends a `Heartbeat` every HEARTBEAT_INTERVAL_S on a socket of its own. It never registers:
+    when the router answers a beat with a refused `RegisterAck` (it restarted, or declared this
+    worker dead) it sets `reregister`, and the main loop sends `Register` again."""
 
     def __init__(
         self,

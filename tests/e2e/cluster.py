@@ -1,31 +1,19 @@
-"""Real multi-process clusters for end-to-end tests: router, prefill and decode workers.
+"""The e2e tests' cluster: `common.runtime.launcher.LocalCluster` with the tests' defaults.
 
-Each stage is a separate `python -m common.cli ...` process on loopback ports; `Cluster` starts
-them, waits for /health, and always stops every process it started.
+Workers are named prefill-<i> / decode-<i>, run the given model in float32 on one thread with a
+64 MiB KV cache, and log to the test's tmp directory; the router and workers get ports from the OS.
 """
 
 from __future__ import annotations
 
-import os
-import re
-import signal
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-import httpx
+from common.runtime.launcher import LocalCluster, WorkerSpec
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Cluster:
-    """router + prefill + decode processes for one model; use as a context manager."""
+class Cluster(LocalCluster):
+    """router + `prefill` prefill and `decode` decode processes; use as a context manager."""
 
     def __init__(
         self,
@@ -37,131 +25,32 @@ class Cluster:
         engine_flags: tuple[str, ...] = (),
         router_flags: tuple[str, ...] = (),
     ) -> None:
-        self.model, self.tmp, self.dtype = model, tmp, dtype
-        self.engine_flags = list(engine_flags)
-        self.router_flags = list(router_flags)
-        self.port, self.control_port = free_port(), free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.control = f"tcp://127.0.0.1:{self.control_port}"
-        self.num_prefill, self.num_decode = prefill, decode
-        self.procs: dict[str, subprocess.Popen] = {}
-
-    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
-        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-        log = open(self.tmp / f"{name}.log", "wb")
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "common.cli", *args],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
-        self.procs[name] = proc
-        return proc
-
-    def start_router(self) -> None:
-        colocated = ["--colocated"] if self.num_prefill == 0 else []
-        self._spawn(
-            "router",
-            [
-                "router",
-                "--port",
-                str(self.port),
-                "--control-port",
-                str(self.control_port),
-                "--model",
-                self.model,
-                *colocated,
-                *self.router_flags,
-            ],
+        self.dtype, self.engine_flags = dtype, list(engine_flags)
+        workers = [self.spec("prefill", f"prefill-{i}") for i in range(prefill)]
+        workers += [self.spec("decode", f"decode-{i}") for i in range(decode)]
+        super().__init__(
+            model,
+            workers,
+            router_flags=router_flags,
+            log_dir=tmp,
+            env={"OMP_NUM_THREADS": "1"},
+            startup_timeout_s=180,
         )
 
-    def start_worker(self, role: str, name: str, extra: tuple[str, ...] = ()) -> None:
-        args = [
-            role,
-            "--router",
-            self.control,
-            "--worker-id",
-            name,
-            "--model",
-            self.model,
-            "--dtype",
-            self.dtype,
-            "--num-threads",
-            "1",
-            "--kv-cache-memory",
-            "64MiB",
-            *self.engine_flags,
-            *extra,
-        ]
-        self._spawn(name, args)
+    def spec(self, role: str, name: str, extra: tuple[str, ...] = ()) -> WorkerSpec:
+        flags = ["--dtype", self.dtype, "--num-threads", "1", "--kv-cache-memory", "64MiB"]
+        return WorkerSpec(role, name, [*flags, *self.engine_flags, *extra])
 
-    def __enter__(self) -> Cluster:
-        try:
-            self.start_router()
-            for i in range(self.num_prefill):
-                self.start_worker("prefill", f"prefill-{i}")
-            for i in range(self.num_decode):
-                self.start_worker("decode", f"decode-{i}")
-            self.wait_workers(self.num_prefill, self.num_decode)
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
-    def stop(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        time.sleep(0.1)
-        for proc in self.procs.values():  # a second SIGTERM: workers skip draining
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in self.procs.values():
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-
-    def kill(self, name: str) -> None:
-        self.procs[name].kill()
-        self.procs[name].wait()
-
-    def logs(self) -> str:
-        return "\n".join(
-            f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in self.tmp.glob("*.log")
-        )
-
-    def metrics(self) -> str:
-        return httpx.get(self.url + "/metrics", timeout=10).text
-
-    def worker_gauge(self, name: str, worker: str) -> float | None:
-        pattern = re.compile(
-            rf'^pdserve:{name}\{{[^}}]*worker="{re.escape(worker)}"[^}}]*\}} (\S+)$', re.M
-        )
-        m = pattern.search(self.metrics())
-        return float(m.group(1)) if m else None
+    def start_worker(self, role, name: str = "", extra: tuple[str, ...] = ()):  # type: ignore[override]
+        """`start_worker("decode", "decode-1")` with the tests' flags, or a WorkerSpec as is."""
+        if isinstance(role, WorkerSpec):
+            return super().start_worker(role)
+        return super().start_worker(self.spec(role, name, extra))
 
     def wait_workers(self, prefill: int, decode: int, timeout_s: float = 180) -> None:
-        """Until /health is 200 and the router lists the expected live workers' gauges."""
-        deadline = time.monotonic() + timeout_s
+        """Until /health is 200 and the router lists prefill-0.. and decode-0.. as live."""
         names = [f"prefill-{i}" for i in range(prefill)] + [f"decode-{i}" for i in range(decode)]
-        while time.monotonic() < deadline:
-            dead = [n for n, p in self.procs.items() if p.poll() is not None]
-            if dead:
-                raise RuntimeError(f"{dead} exited during startup\n{self.logs()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200 and all(
-                    self.worker_gauge("num_blocks", n) is not None for n in names
-                ):
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise TimeoutError(f"cluster not healthy in {timeout_s} s\n{self.logs()}")
+        self.wait_ready(timeout_s, worker_ids=names)
 
     def wait_blocks_free(self, workers: list[str], timeout_s: float = 10) -> dict[str, tuple]:
         """Poll /metrics until each worker reports all blocks free; returns (free, total) each."""

@@ -9,7 +9,7 @@ import zlib
 import pytest
 import torch
 
-from kvtransfer import KVReceiver, KVSender, choose_transport, payload
+from kvtransfer import KVReceiver, KVSender, payload
 from tests.kvtransfer import (
     DST_BLOCKS,
     SRC_BLOCKS,
@@ -80,20 +80,6 @@ def test_bad_address_is_a_failed_result(pair):
 @pytest.mark.e2e  # spawns the receiver process
 def test_receiver_in_another_process():
     run_child_transfer("tcp", torch.bfloat16)
-
-
-def test_choose_transport():
-    assert choose_transport("auto", same_host=True, device_type="cuda") == "cuda_ipc"
-    assert choose_transport("auto", same_host=True, device_type="cpu") == "shm"
-    assert choose_transport("auto", same_host=False, device_type="cuda") == "tcp"
-    assert choose_transport("auto", same_host=False, device_type="cpu") == "tcp"
-    assert choose_transport("shm", same_host=False, device_type="cpu") == "shm"
-    assert choose_transport("tcp", same_host=True, device_type="cuda") == "tcp"
-    assert choose_transport("cuda_ipc", same_host=True, device_type="cuda") == "cuda_ipc"
-    with pytest.raises(ValueError):
-        choose_transport("cuda_ipc", same_host=True, device_type="cpu")
-    with pytest.raises(ValueError):
-        choose_transport("rdma", same_host=True, device_type="cpu")
 
 
 @pytest.mark.parametrize("fast", [True, False], ids=["zlib-ng if installed", "zlib"])

@@ -74,6 +74,14 @@ def test_prefill_on_another_host_uses_tcp(router: RouterThread) -> None:
     assert p0.messages(Prefill)[0].transport == "tcp"
 
 
+def test_workers_with_cuda_kv_on_one_host_use_cuda_ipc(router: RouterThread) -> None:
+    # Workers advertise cuda_ipc only when their KV cache is on CUDA.
+    router.worker("decode", "d0", transports=("tcp", "shm", "cuda_ipc"))
+    p0 = router.worker("prefill", "p0", transports=("tcp", "shm", "cuda_ipc"))
+    assert complete(router, LONG).status_code == 200
+    assert p0.messages(Prefill)[0].transport == "cuda_ipc"
+
+
 def test_short_prompt_is_prefilled_on_the_decode_worker(router: RouterThread) -> None:
     d0 = router.worker("decode", "d0")
     p0 = router.worker("prefill", "p0")

@@ -7,7 +7,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from common.protocol import PROTOCOL_VERSION, Heartbeat, Register
 from router.metrics import RouterMetrics
-from router.policy import PrefillPolicy, choose_transport, pick_decode
+from router.policy import PrefillPolicy, pick_decode
 from router.registry import Registry
 
 
@@ -147,12 +147,6 @@ def test_prefill_policies(registry: Registry) -> None:
     assert ll.pick(workers, [1], exclude={"p0", "p1", "p2"}) is None
     with pytest.raises(ValueError):
         PrefillPolicy("random")
-
-
-def test_transport_by_locality() -> None:
-    assert choose_transport(reg("p", "prefill"), reg("d")) == "shm"
-    assert choose_transport(reg("p", "prefill", host="h2"), reg("d")) == "tcp"
-    assert choose_transport(reg("p", "prefill", transports=["tcp"]), reg("d")) == "tcp"
 
 
 def test_metrics_text_parses(registry: Registry) -> None:

@@ -1,0 +1,160 @@
+"""`pdserve up`: a router plus N prefill and M decode workers on this machine, in one command.
+
+Owns the `up` flags (each also read from a PDSERVE_* variable) and turning them into the router's
+and the workers' flags; the processes themselves are started, watched and stopped by
+`common.runtime.launcher.LocalCluster`. Prints the URL once the cluster serves, and stops every
+process on Ctrl-C / SIGTERM or when one of them dies. Called by `common.cli`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+from common.runtime.launcher import LocalCluster, WorkerSpec
+from common.runtime.worker_cli import env
+
+
+class _Interrupted(Exception):
+    """A signal arrived while the cluster was still starting."""
+
+
+def cluster_from_args(
+    args: argparse.Namespace, log_dir: Path | None = None, name: str = ""
+) -> LocalCluster:
+    """The cluster `up` runs for these flags (not started); `log_dir` / `name`: see LocalCluster
+    (the serving benchmark runs up's clusters with logs in files)."""
+    if args.decode < 1 or args.prefill < 0:
+        raise ValueError("--decode must be >= 1 and --prefill >= 0")
+    cores = os.cpu_count() or 1
+    # Workers share the machine: torch threads per worker so that together they fit the cores.
+    threads = str(args.num_threads or max(1, cores // (args.prefill + args.decode)))
+    engine_flags = ["--dtype", args.dtype, "--num-threads", threads]
+    extra = args.engine_args[1:] if args.engine_args[:1] == ["--"] else args.engine_args
+    engine_flags += extra
+    router_flags: list[str] = []
+    if args.routing:
+        router_flags += ["--routing", args.routing]
+    if args.local_prefill_max_tokens is not None:
+        router_flags += ["--local-prefill-max-tokens", str(args.local_prefill_max_tokens)]
+    if args.api_key:
+        router_flags += ["--api-key", args.api_key]
+    if args.served_model_name:
+        router_flags += ["--served-model-name", *args.served_model_name]
+    if args.enforce_eager:
+        engine_flags.append("--enforce-eager")
+    decode_flags = ["--kv-host", "127.0.0.1", *engine_flags]
+    # Speculation happens where tokens are decoded.
+    if args.speculative:
+        decode_flags += ["--speculative", args.speculative]
+    if args.num_speculative_tokens:
+        decode_flags += ["--num-speculative-tokens", str(args.num_speculative_tokens)]
+    workers = [WorkerSpec("prefill", flags=engine_flags) for _ in range(args.prefill)]
+    workers += [WorkerSpec("decode", flags=decode_flags) for _ in range(args.decode)]
+    return LocalCluster(
+        args.model,
+        workers,
+        router_flags=router_flags,
+        host=args.host,
+        port=args.port,
+        control_port=args.control_port,
+        log_dir=log_dir,
+        name=name,
+    )
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    """Start router + workers locally; block until a signal or a child dies."""
+    cluster = cluster_from_args(args)
+    starting, stopping = True, False
+
+    def on_signal(signum, frame):
+        nonlocal stopping
+        stopping = True
+        if starting:
+            raise _Interrupted
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        try:
+            cluster.start(args.startup_timeout_s)
+        except (RuntimeError, TimeoutError) as e:
+            print(f"pdserve: error: the server did not become healthy: {e}", file=sys.stderr)
+            return 1
+        starting = False
+        print(
+            f"pdserve is ready at {cluster.url}/v1 (router + {args.prefill} prefill + "
+            f"{args.decode} decode); Ctrl-C stops it",
+            flush=True,
+        )
+        while not stopping and not cluster.dead():
+            time.sleep(0.2)
+        return 0 if stopping else 1
+    except _Interrupted:
+        return 0
+    finally:
+        starting = False
+        cluster.stop()
+
+
+def add_up_args(up: argparse.ArgumentParser) -> None:
+    up.add_argument("--model", default=env("MODEL", "default"))
+    up.add_argument("--dtype", default=env("DTYPE", "auto"))
+    up.add_argument(
+        "--prefill",
+        type=int,
+        default=int(env("PREFILL", "1")),
+        help="prefill workers (0 = colocated: decode workers prefill themselves)",
+    )
+    up.add_argument("--decode", type=int, default=int(env("DECODE", "1")))
+    up.add_argument("--host", default=env("HOST", "127.0.0.1"))
+    up.add_argument(
+        "--port", type=int, default=int(env("PORT", "8000")), help="HTTP port (0 = any free)"
+    )
+    up.add_argument(
+        "--control-port",
+        type=int,
+        default=int(env("CONTROL_PORT", "8001")),
+        help="the router's control port (0 = any free)",
+    )
+    up.add_argument(
+        "--num-threads",
+        type=int,
+        default=int(env("NUM_THREADS", "0")),
+        help="torch threads per worker (default: cores / workers)",
+    )
+    up.add_argument(
+        "--routing",
+        choices=("prefix", "round_robin", "least_loaded"),
+        default=None,
+        help="the router's prefill worker choice (default: the router's, prefix; env "
+        "PDSERVE_ROUTING). Other router flags: their PDSERVE_* variables",
+    )
+    up.add_argument(
+        "--local-prefill-max-tokens",
+        type=int,
+        default=None,
+        help="prompts up to this many tokens prefill on the decode worker (router default 256)",
+    )
+    up.add_argument(
+        "--speculative",
+        choices=("none", "ngram", "draft"),
+        default=None,
+        help="speculative decoding on the decode workers (default: theirs, none; draft also "
+        "needs --draft-model or --draft-layers after --)",
+    )
+    up.add_argument("--num-speculative-tokens", type=int, default=None)
+    up.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs on any worker")
+    up.add_argument("--api-key", default=env("API_KEY", ""))
+    up.add_argument("--served-model-name", nargs="+", default=None)
+    up.add_argument("--startup-timeout-s", type=float, default=600.0)
+    up.add_argument(
+        "engine_args",
+        nargs=argparse.REMAINDER,
+        help="further engine flags passed to every worker (after --)",
+    )

@@ -1,0 +1,77 @@
+"""What `pdserve prefill` and `pdserve decode` share: worker flags, building and seeding the engine.
+
+Owns `--router` and `--worker-id` (each also read from a PDSERVE_* variable; the engine flags come
+from `common.config.add_engine_args`), turning the parsed flags into a loaded `Engine`, and seeding
+the process's random generators from `--seed`. Called by `prefill.cli` and `decode.cli`; heavy
+imports happen inside the functions so that `pdserve --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from common.config import EngineConfig
+    from common.engine.engine import Engine
+
+DEFAULT_ROUTER = "tcp://127.0.0.1:8001"
+
+
+def env(name: str, default: str) -> str:
+    """$PDSERVE_<name>, or the default: what a flag uses as its default."""
+    return os.environ.get("PDSERVE_" + name, default)
+
+
+def add_worker_args(parser: argparse.ArgumentParser) -> None:
+    """The flags every worker takes: where the router is, its own name, the engine's flags."""
+    from common.config import add_engine_args
+
+    parser.add_argument(
+        "--router",
+        default=env("ROUTER", DEFAULT_ROUTER),
+        help="the router's control address (env PDSERVE_ROUTER)",
+    )
+    parser.add_argument(
+        "--worker-id",
+        default=env("WORKER_ID", ""),
+        help="unique worker name (default: role-host-pid; env PDSERVE_WORKER_ID)",
+    )
+    add_engine_args(parser)
+
+
+def seed_generators(seed: int) -> None:
+    """Seed the generators unseeded requests draw from: torch's default ones (CPU and every CUDA
+    device; the sampler's batched noise), Python's `random` and numpy's global one. A request with
+    its own `seed` draws from a generator of its own and is unaffected."""
+    import numpy as np
+    import torch
+
+    torch.manual_seed(seed)  # also seeds every CUDA device
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+
+
+def load_engine(config: EngineConfig) -> Engine:
+    """The engine for `config`: its model's weights, config and tokenizer's EOS tokens."""
+    from common.api.tokenizer import Tokenizer
+    from common.engine.engine import Engine
+    from common.model.model_files import resolve_model
+    from common.model.weights import iter_weights
+
+    source = resolve_model(config.model)
+    tokenizer = Tokenizer.from_source(source)
+    return Engine(config, source.hf_config, iter_weights(source), tokenizer.eos_token_ids)
+
+
+def build_engine(args: argparse.Namespace) -> Engine:
+    """The engine the flags describe, with the generators seeded from `--seed` once it is loaded
+    (loading may draw from them, e.g. to initialise layers that the weights then overwrite)."""
+    from common.config import config_from_args
+
+    config = config_from_args(args)
+    engine = load_engine(config)
+    seed_generators(config.seed)
+    return engine

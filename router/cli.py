@@ -1,0 +1,50 @@
+"""`pdserve router`: its flags and the command that runs the router until SIGINT / SIGTERM.
+
+Owns turning `RouterConfig` fields into flags (each also read from PDSERVE_<NAME>) and the process
+setup around `RouterServer`: logging, loading the tokenizer and the model's config (never
+weights), signals. Called by `common.cli` (the `pdserve` dispatcher). Heavy imports happen inside
+`run_router` so that `pdserve --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+from dataclasses import fields
+
+from router.config import HELP, RouterConfig
+
+
+def add_router_args(parser: argparse.ArgumentParser) -> None:
+    """One flag per RouterConfig field, each defaulting to $PDSERVE_<NAME> when set."""
+    from common.config import add_dataclass_args
+
+    add_dataclass_args(parser, RouterConfig, HELP)
+
+
+def config_from_args(args: argparse.Namespace) -> RouterConfig:
+    return RouterConfig(**{f.name: getattr(args, f.name) for f in fields(RouterConfig)})
+
+
+def run_router(args: argparse.Namespace) -> int:
+    """`pdserve router`: load the tokenizer, serve until SIGINT / SIGTERM."""
+    from common.api.tokenizer import Tokenizer
+    from common.model.model_files import resolve_model
+    from router.server import RouterServer
+
+    config = config_from_args(args)
+    logging.basicConfig(
+        level=config.log_level.upper(), format="%(asctime)s router %(levelname)s %(message)s"
+    )
+    source = resolve_model(config.model)
+    tokenizer = Tokenizer.from_source(source)
+    model_max_len = int(getattr(source.hf_config, "max_position_embeddings", 0) or 2048)
+    server = RouterServer(config, tokenizer, model_max_len)
+    # uvicorn handles SIGINT / SIGTERM while serving and re-raises them afterwards: by then we
+    # have shut down cleanly, so the re-raised signal must not kill the process.
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: None)
+    asyncio.run(server.serve())
+    return 0

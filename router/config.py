@@ -1,0 +1,75 @@
+"""The router's settings: `RouterConfig` (one field per `pdserve router` flag) and their help.
+
+Owns the defaults and the words users read in `--help`; `router.cli` turns the fields into flags
+(each also read from PDSERVE_<NAME>), `router.server.RouterServer` takes a `RouterConfig`. Tests
+build one directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from common.protocol import HEARTBEAT_TIMEOUT_S
+
+
+@dataclass
+class RouterConfig:
+    """Everything `pdserve router` takes; port 0 = any free port (tests, launchers)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    control_host: str = "127.0.0.1"
+    control_port: int = 8001
+    model: str = "default"
+    served_model_name: list[str] = field(default_factory=list)
+    api_key: str = ""
+    routing: str = "prefix"
+    prefix_load_weight: float = 0.5
+    balance_abs_tokens: int = 4096
+    balance_rel: float = 2.0
+    decode_prefix_slack: int = 4
+    local_prefill_max_tokens: int = 256
+    colocated: bool = False
+    request_timeout_s: float = 600.0
+    queue_timeout_s: float = 10.0
+    reserve_timeout_s: float = 5.0
+    prefill_deadline_s: float = 120.0
+    heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S
+    max_model_len: int = 0
+    block_size: int = 0
+    log_level: str = "info"
+    ready_file: str = ""
+
+
+HELP = {
+    "host": "HTTP interface to bind (loopback by default)",
+    "port": "HTTP port (0 = any free port; see --ready-file)",
+    "control_host": "interface of the control socket workers connect to",
+    "control_port": "control socket port (0 = any free port; see --ready-file)",
+    "model": "the model workers serve: 'default', a .gguf file or an HF directory (tokenizer only)",
+    "served_model_name": "model names the API lists and accepts (default: --model as given)",
+    "api_key": "require 'Authorization: Bearer KEY' on /v1/*",
+    "routing": "prefill worker choice: prefix (cached prefix vs load) | round_robin | least_loaded",
+    "prefix_load_weight": "prefix routing: score = cached prompt tokens - this x queued prefill "
+    "tokens",
+    "balance_abs_tokens": "prefix routing: load counts as imbalanced when the busiest worker has "
+    "this many more queued tokens than the idlest ...",
+    "balance_rel": "... and more than this times its load; then only lightly loaded workers "
+    "are candidates",
+    "decode_prefix_slack": "prefix routing of prompts prefilled on a decode worker (short or "
+    "colocated): the holder of the longest prefix wins while it runs at most this many more "
+    "sequences than the least loaded",
+    "local_prefill_max_tokens": "prompts up to this many tokens are prefilled on the decode "
+    "worker (0 = always on a prefill worker)",
+    "colocated": "serve with decode workers only (/health needs no prefill worker)",
+    "request_timeout_s": "longest a request may run",
+    "queue_timeout_s": "longest a request waits for a decode worker before a 503",
+    "reserve_timeout_s": "longest to wait for a decode worker's reservation reply",
+    "prefill_deadline_s": "time a prefill worker has to deliver a prompt's KV",
+    "heartbeat_timeout_s": "a worker silent this long is dead",
+    "max_model_len": "longest prompt + output (0 = the smallest any live worker allows)",
+    "block_size": "KV block size workers must use (0 = whatever the first worker uses)",
+    "log_level": "debug | info | warning | error",
+    "ready_file": 'once serving, write the bound addresses here as JSON ({"http_port", '
+    '"control_address"}), so a launcher that passed port 0 learns the ports the OS gave',
+}
