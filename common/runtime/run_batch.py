@@ -217,6 +217,7 @@ def run_batch_command(args: argparse.Namespace) -> int:
     from common.config import config_from_args
     from common.model.model_files import resolve_model
     from common.model.weights import iter_weights
+    from common.runtime.worker_cli import seed_generators
 
     config = config_from_args(args)
     served = args.served_model_name or [args.model]
@@ -225,6 +226,7 @@ def run_batch_command(args: argparse.Namespace) -> int:
     engine = Engine(
         config, source.hf_config, iter_weights(source), eos_token_ids=tokenizer.eos_token_ids
     )
+    seed_generators(config.seed)  # unseeded sampled requests: same --seed, same output file
     if args.input_file == "-":
         input_lines = sys.stdin.read().splitlines()
     else:

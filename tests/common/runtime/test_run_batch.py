@@ -159,6 +159,22 @@ def test_output_file_and_default_served_name(model_dir: Path, tmp_path: Path) ->
     assert b["response"]["status_code"] == 404
 
 
+def test_seed_flag_makes_unseeded_sampling_repeatable(model_dir: Path, tmp_path: Path) -> None:
+    infile = tmp_path / "in.jsonl"
+    infile.write_text(completion("a", prompt="Once upon", max_tokens=12, ignore_eos=True) + "\n")
+
+    def text_with(seed: str) -> str:
+        outfile = tmp_path / f"out-{seed}.jsonl"
+        argv = ["run-batch", "-i", str(infile), "-o", str(outfile), "--model", str(model_dir)]
+        flags = ["--kv-cache-memory", "16MiB", "--served-model-name", "tiny", "--seed", seed]
+        assert main(argv + flags) == 0
+        return ok_body(json.loads(outfile.read_text()))["choices"][0]["text"]
+
+    first = text_with("5")
+    assert text_with("5") == first
+    assert text_with("6") != first
+
+
 def test_n_choices_and_prompt_batches(engine: Engine, tok: Tokenizer) -> None:
     body = dict(prompt=["Once upon", "In a galaxy far"], n=2, max_tokens=6, seed=7, ignore_eos=True)
     first, again, unseeded = run(
