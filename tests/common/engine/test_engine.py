@@ -126,7 +126,6 @@ def test_stop_rules(tiny_llama):
     # the model's eos ends a sequence unless ignore_eos
     eng_eos = make_engine(hf_model)
     eng_eos.eos_token_ids = frozenset([stop_at])
-    eng_eos.runner.eos_token_ids = eng_eos.eos_token_ids
     assert (
         eng_eos.generate([p], SamplingParams(max_tokens=24, temperature=0.0))[0].output_token_ids
         == free_run[: first + 1]

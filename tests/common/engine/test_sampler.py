@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from common.engine import penalties
 from common.engine import sampler as sampler_module
 from common.engine.sampler import Sampler, SampleResult, SamplingState, make_generator
 from common.sampling_params import SamplingParams
@@ -18,7 +19,8 @@ CHI2_DF7_P1E4 = 29.88
 
 
 def state(params: SamplingParams, prompt=(0,), output=(), eos=()) -> SamplingState:
-    return SamplingState(params, list(prompt), list(output), make_generator(params), frozenset(eos))
+    gen = make_generator(params)
+    return SamplingState.from_tokens(params, list(prompt), list(output), gen, frozenset(eos))
 
 
 def tokens(results: list[SampleResult]) -> list[int]:
@@ -110,7 +112,9 @@ def run_steps(sampler: Sampler, step_logits: list[torch.Tensor], st: SamplingSta
     for lg in step_logits:
         batch = others[:row] + [st] + others[row:]
         out.append(sampler(lg[: len(batch)], batch)[row].token_id)
-        st.output_token_ids.append(out[-1])
+        st.num_output_tokens += 1
+        if st.history is not None:
+            st.history.extend(out[-1:])
     return out
 
 
@@ -249,7 +253,7 @@ def test_penalties_match_hand_computation():
         state(SamplingParams(frequency_penalty=-1.0), prompt=[2], output=[5, 5, 5]),
     ]
     x = logits.clone()
-    sampler_module._apply_penalties(x, states)
+    penalties.apply_penalties(x, states)
     expected = torch.tensor(
         [
             # 2/2, -1*2, untouched, 3/2 - 2*0.5 - 0.25, -2*2 - 0.5 - 0.25, untouched
