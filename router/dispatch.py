@@ -27,6 +27,7 @@ import msgspec
 from common.api.openai_protocol import RequestError
 from common.protocol import (
     Abort,
+    BlockBooksReply,
     Generate,
     Prefill,
     RequestFailed,
@@ -266,6 +267,8 @@ class Dispatcher:
             self._on_tokens(worker, msg)
         elif isinstance(msg, RequestFailed):
             self._on_failed(worker, msg)
+        elif isinstance(msg, BlockBooksReply):
+            self.registry.on_block_books(worker, msg)
         else:
             log.warning("unexpected %s from worker %s", type(msg).__name__, worker.worker_id)
 

@@ -147,12 +147,14 @@ class BlockManager:
         counts = {"free": 0, "cached": 0, **dict.fromkeys(owners, 0)}
         for block in pool.blocks:
             b = block.block_id
-            if block.ref_count != refs[b]:
+            if block.ref_count and not refs[b]:
+                errors.append(f"block {b} is in use (ref count {block.ref_count}) by no sequence")
+            elif block.ref_count != refs[b]:
                 errors.append(f"block {b}: ref count {block.ref_count}, listed {refs[b]} times")
             if b in free and block.ref_count:
                 errors.append(f"block {b} is on the free list and in use")
             elif b not in free and not block.ref_count:
-                errors.append(f"block {b} is neither free nor in use (leaked)")
+                errors.append(f"block {b} is neither free nor in use")
             if owner[b] is not None:
                 counts[owner[b]] += 1
             elif b in free:
