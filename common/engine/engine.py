@@ -270,7 +270,7 @@ class Engine:
             at_end = start + item.num_new_tokens == seq.num_tokens
             num_logits.append(len(item.draft_token_ids) + 1 if at_end else 0)
         logits = self.runner.run(rows, num_logits)
-        results = self._sample(batch, logits, num_logits)
+        results = self.verifier.pick_tokens(self.sampler, batch, logits, num_logits)
         outputs = []
         for item, samples in zip(batch, results):
             seq = item.seq
@@ -299,37 +299,6 @@ class Engine:
                 seq.num_draft_computed_tokens, seq.num_computed_tokens
             )
         return outputs
-
-    def _sample(
-        self, batch: list[ScheduledSeq], logits: torch.Tensor | None, num_logits: list[int]
-    ) -> list[list[SampleResult]]:
-        """Each row's new tokens: one sampled, or the verified drafts plus one; none for a
-        prefill chunk. `logits` holds num_logits[i] rows for row i, in batch order."""
-        results: list[list[SampleResult]] = [[] for _ in batch]
-        if logits is None:
-            return results
-        plain: list[int] = []  # batch rows sampling one token, and their logits rows
-        plain_at: list[int] = []
-        verify: list[int] = []
-        verify_at: list[int] = []
-        offset = 0
-        for i, (item, n) in enumerate(zip(batch, num_logits)):
-            if item.draft_token_ids:
-                verify.append(i)
-                verify_at.extend(range(offset, offset + n))
-            elif n:
-                plain.append(i)
-                plain_at.append(offset)
-            offset += n
-        if plain:
-            states = [batch[i].seq.sampling_state(self.eos_token_ids) for i in plain]
-            for i, result in zip(plain, self.sampler(_rows(logits, plain_at), states)):
-                results[i] = [result]
-        if verify:
-            items = [batch[i] for i in verify]
-            for i, samples in zip(verify, self.verifier.verify(_rows(logits, verify_at), items)):
-                results[i] = samples
-        return results
 
     def _append_tokens(self, seq: SequenceState, samples: list[SampleResult]) -> RequestOutput:
         """Append a verify step's tokens, stopping at the first that finishes the sequence."""
@@ -420,10 +389,3 @@ class Engine:
             "spec_decode_num_draft_tokens_total": self.num_draft_tokens,
             "spec_decode_num_accepted_tokens_total": self.num_accepted_tokens,
         }
-
-
-def _rows(x: torch.Tensor, index: list[int]) -> torch.Tensor:
-    """x[index] for increasing `index`: x itself (no copy) when it takes every row."""
-    if len(index) == x.shape[0]:
-        return x
-    return x[torch.tensor(index, device=x.device)]

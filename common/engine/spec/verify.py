@@ -1,7 +1,8 @@
 """Verification: keeping the drafts the target agrees with, so the output is the target's own.
 
-Called by the engine after the step's one target forward, with each verifying row's k+1 logits
-(at its last token and at each draft). Greedy rows keep the longest prefix of drafts equal to the
+Called by the engine after the step's one target forward (`Verifier.pick_tokens`: rows without
+drafts go to the ordinary sampler, rows with drafts to `verify`, with their k+1 logits at the last
+token and at each draft). Greedy rows keep the longest prefix of drafts equal to the
 target's argmax, plus the target's next token. Random rows use rejection sampling (draft x
 accepted with probability min(1, p(x) / q(x)); on rejection a token is drawn from max(0, p - q)
 normalized; all accepted: a bonus token drawn from p), which leaves the output distributed exactly
@@ -80,6 +81,41 @@ class Verifier:
         self.eos_token_ids = eos_token_ids
         self.sampler = Sampler()
 
+    def pick_tokens(
+        self,
+        sampler: Sampler,
+        batch: list[ScheduledSeq],
+        logits: torch.Tensor | None,
+        num_logits: list[int],
+    ) -> list[list[SampleResult]]:
+        """Each row's new tokens: one from `sampler`, or its accepted drafts plus one; none for a
+        prefill chunk. `logits` holds num_logits[i] rows for batch row i, in batch order."""
+        results: list[list[SampleResult]] = [[] for _ in batch]
+        if logits is None:
+            return results
+        plain: list[int] = []  # batch rows sampling one token, and their logits rows
+        plain_at: list[int] = []
+        verify: list[int] = []
+        verify_at: list[int] = []
+        offset = 0
+        for i, (item, n) in enumerate(zip(batch, num_logits)):
+            if item.draft_token_ids:
+                verify.append(i)
+                verify_at.extend(range(offset, offset + n))
+            elif n:
+                plain.append(i)
+                plain_at.append(offset)
+            offset += n
+        if plain:
+            states = [batch[i].seq.sampling_state(self.eos_token_ids) for i in plain]
+            for i, result in zip(plain, sampler(_rows(logits, plain_at), states)):
+                results[i] = [result]
+        if verify:
+            items = [batch[i] for i in verify]
+            for i, samples in zip(verify, self.verify(_rows(logits, verify_at), items)):
+                results[i] = samples
+        return results
+
     def verify(self, logits: torch.Tensor, items: list[ScheduledSeq]) -> list[list[SampleResult]]:
         """logits: for each item in order, its k+1 rows (at the last token and each draft)."""
         states = [
@@ -118,3 +154,10 @@ def _with_logprobs(
         best = logprobs.topk(min(num_top, logprobs.shape[1]), dim=-1)
         top = [list(zip(i, v)) for i, v in zip(best.indices.tolist(), best.values.tolist())]
     return [SampleResult(t, lp, alt) for t, lp, alt in zip(tokens, chosen, top)]
+
+
+def _rows(x: torch.Tensor, index: list[int]) -> torch.Tensor:
+    """x[index] for increasing `index`: x itself (no copy) when it takes every row."""
+    if len(index) == x.shape[0]:
+        return x
+    return x[torch.tensor(index, device=x.device)]
