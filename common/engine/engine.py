@@ -301,7 +301,8 @@ class Engine:
         return outputs
 
     def _append_tokens(self, seq: SequenceState, samples: list[SampleResult]) -> RequestOutput:
-        """Append a verify step's tokens, stopping at the first that finishes the sequence."""
+        """Append a step's tokens (one, or a verify step's accepted run), stopping at the first
+        that finishes the sequence."""
         reason = None
         kept = []
         for sample in samples:

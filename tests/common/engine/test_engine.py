@@ -127,7 +127,7 @@ def test_stop_rules(tiny_llama):
     assert seq.output_token_ids == free_run[: first + 1]
     # the model's eos ends a sequence unless ignore_eos
     eng_eos = make_engine(hf_model)
-    eng_eos.eos_token_ids = frozenset([stop_at])
+    eng_eos.eos_token_ids = eng_eos.verifier.eos_token_ids = frozenset([stop_at])
     assert (
         eng_eos.generate([p], SamplingParams(max_tokens=24, temperature=0.0))[0].output_token_ids
         == free_run[: first + 1]
