@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common.kernels.attention import AttentionMetadata  # noqa: E402
 from common.model.cuda_graph import DecodeGraphs  # noqa: E402
-from common.model.llama import CausalLM, set_attention_backend  # noqa: E402
+from common.model.llama import CausalLM  # noqa: E402
 
 BLOCK = 16
 
@@ -52,6 +52,7 @@ def build(cfg, max_batch: int, context: int) -> tuple[CausalLM, torch.Tensor]:
         for p in model.parameters():
             p.normal_(0.0, 0.02)
     model = model.to(device="cuda", dtype=torch.bfloat16).eval()
+    model.set_attention_backend("triton")
     model.rotary.to_device(torch.device("cuda"))
     head_dim = cfg.hidden_size // cfg.num_attention_heads
     blocks_per_seq = (context + 1 + BLOCK - 1) // BLOCK
@@ -177,7 +178,6 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("gpu_decode: no CUDA device; nothing to measure")
         return 0
-    set_attention_backend("triton")
     print(f"device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}", flush=True)
     steps = bench_steps(args)
     attention = bench_attention(args)

@@ -47,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a plain
 from common.api.tokenizer import Tokenizer  # noqa: E402
 from common.config import EngineConfig  # noqa: E402
 from common.engine.engine import Engine  # noqa: E402
-from common.engine.spec.spec_decode import mean_accepted_length  # noqa: E402
+from common.engine.spec.governor import mean_accepted_length  # noqa: E402
 from common.model.model_files import resolve_model  # noqa: E402
 from common.sampling_params import SamplingParams  # noqa: E402
 

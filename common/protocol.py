@@ -9,7 +9,8 @@ Sockets (all ZeroMQ):
   and sends `Register`, then `Heartbeat` every `HEARTBEAT_INTERVAL_S`. Router -> worker: `Reserve`,
   `Prefill`, `Generate`, `Abort`. Worker -> router: `RegisterAck` replies, `ReserveReply`,
   `TokenOutput`, `RequestFailed`, `KVEvents` (prefix-cache changes; the router may answer
-  `KVResync`).
+  `KVResync`). For leak checks the router may send `BlockBooksQuery`; the worker answers
+  `BlockBooksReply` (where each of its KV blocks is).
 - kv: each decode worker binds a ROUTER socket at its `kv_address`; prefill workers connect DEALERs
   and send `KVHeader` (+ one raw payload frame for tcp); the decode worker answers `KVAck`.
 
@@ -171,6 +172,30 @@ class RequestFailed(msgspec.Struct, tag="failed", forbid_unknown_fields=True):
     reason: str
 
 
+class BlockBooksQuery(msgspec.Struct, tag="block_books_query", forbid_unknown_fields=True):
+    """Router -> worker: audit your KV blocks now (between steps) and answer `BlockBooksReply`."""
+
+    query_id: int
+
+
+class BlockBooksReply(msgspec.Struct, tag="block_books", forbid_unknown_fields=True):
+    """Worker -> router: its engine's block books (common.engine.block_manager.BlockBooks).
+
+    free + cached + running + reserved + held == total when they balance; `errors` names each
+    block or sequence out of place (a leak, a block in two places).
+    """
+
+    worker_id: str
+    query_id: int
+    total: int
+    free: int
+    cached: int
+    running: int
+    reserved: int
+    held: int
+    errors: list[str] = []
+
+
 class KVHeader(msgspec.Struct, tag="kv", forbid_unknown_fields=True):
     """Prefill -> decode: the KV of blocks [start_block, start_block + num_blocks) of a prompt.
 
@@ -219,6 +244,8 @@ ControlMessage = (
     | RequestFailed
     | KVEvents
     | KVResync
+    | BlockBooksQuery
+    | BlockBooksReply
 )
 KVMessage = KVHeader | KVAck
 

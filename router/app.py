@@ -1,7 +1,8 @@
 """The router's HTTP API: a FastAPI app over the registry and the dispatcher.
 
 Owns the endpoints: `POST /v1/completions` and `POST /v1/chat/completions` (streamed and whole),
-`GET /v1/models`, `GET /health`, `GET /metrics`, `POST /tokenize`, `POST /detokenize`; optional
+`GET /v1/models`, `GET /health`, `GET /metrics`, `GET /debug/block_books` (each worker's KV block
+audit, for leak checks), `POST /tokenize`, `POST /detokenize`; optional
 Bearer auth on `/v1/*`; and the rule that every error is an OpenAI error body (bad input is a 4xx,
 never a 500). Request validation comes from `common.api.requests` and `common.api.prompts`, the
 choices are `common.api.choice.Choice`s, bodies come from `common.api.responses`, streaming from
@@ -25,6 +26,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -158,6 +160,18 @@ def create_app(state: RouterState) -> FastAPI:
             state.dispatcher.prefix_index,
         )
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+    @app.get("/debug/block_books")
+    async def block_books() -> dict[str, Any]:
+        """Per worker: free/cached/running/reserved/held block counts, `ok`, `errors`; null for
+        a worker that did not answer in time. Unauthenticated, like /metrics."""
+        replies = await state.registry.block_books(state.dispatcher.send)
+        return {
+            "workers": {
+                worker_id: None if r is None else {**msgspec.structs.asdict(r), "ok": not r.errors}
+                for worker_id, r in replies.items()
+            }
+        }
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:

@@ -32,6 +32,7 @@ import msgspec
 from common.api.requests import RequestError
 from common.protocol import (
     Abort,
+    BlockBooksReply,
     Generate,
     Prefill,
     RequestFailed,
@@ -275,6 +276,8 @@ class Dispatcher:
             self._on_tokens(worker, msg)
         elif isinstance(msg, RequestFailed):
             self._on_failed(worker, msg)
+        elif isinstance(msg, BlockBooksReply):
+            self.registry.on_block_books(worker, msg)
         else:
             log.warning("unexpected %s from worker %s", type(msg).__name__, worker.worker_id)
 

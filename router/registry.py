@@ -7,20 +7,29 @@ prompt tokens queued for prefill). Validates registrations: the protocol version
 block size must agree across the cluster, else the worker is refused. A worker silent for
 `timeout_s` is dead and removed (`expire`); the caller fails or re-dispatches its requests.
 
+Also asks every worker for its KV block books (`block_books`, for `/debug/block_books` and the
+e2e leak checks) and matches the replies.
+
 Called by the control plane in `router.control` (messages in), by `router.policy` and
 `router.dispatch` (choosing workers, counting load) and by `router.app` (/health, /metrics).
 """
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import logging
 import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
+import msgspec
+
 from common.protocol import (
     HEARTBEAT_TIMEOUT_S,
     PROTOCOL_VERSION,
+    BlockBooksQuery,
+    BlockBooksReply,
     Heartbeat,
     Register,
     RegisterAck,
@@ -92,6 +101,8 @@ class Registry:
         self.timeout_s = timeout_s
         self.clock = clock
         self.workers: dict[str, Worker] = {}
+        self._books: dict[tuple[str, int], asyncio.Future[BlockBooksReply]] = {}
+        self._book_queries = itertools.count()
 
     def register(self, identity: bytes, msg: Register) -> RegisterAck:
         """Accept or refuse a `Register`; a known worker id re-registering is updated in place."""
@@ -174,3 +185,33 @@ class Registry:
         """The longest prompt + output every live worker can hold; None with no workers."""
         lens = [w.info.max_model_len for w in self.workers.values() if w.info.max_model_len > 0]
         return min(lens) if lens else None
+
+    async def block_books(
+        self, send: Callable[[Worker, msgspec.Struct], bool], timeout_s: float = 5.0
+    ) -> dict[str, BlockBooksReply | None]:
+        """Every registered worker's KV block books (None: no answer within `timeout_s`)."""
+        query_id = next(self._book_queries)
+        loop = asyncio.get_running_loop()
+        asked: dict[str, asyncio.Future[BlockBooksReply]] = {}
+        for worker in list(self.workers.values()):
+            future = loop.create_future()
+            self._books[(worker.worker_id, query_id)] = future
+            asked[worker.worker_id] = future
+            if not send(worker, BlockBooksQuery(query_id)):
+                future.cancel()
+        try:
+            pending = [f for f in asked.values() if not f.done()]
+            if pending:
+                await asyncio.wait(pending, timeout=timeout_s)
+        finally:
+            for worker_id in asked:
+                self._books.pop((worker_id, query_id), None)
+        return {
+            worker_id: f.result() if f.done() and not f.cancelled() else None
+            for worker_id, f in asked.items()
+        }
+
+    def on_block_books(self, worker: Worker, msg: BlockBooksReply) -> None:
+        future = self._books.get((worker.worker_id, msg.query_id))
+        if future is not None and not future.done():
+            future.set_result(msg)

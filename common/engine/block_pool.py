@@ -127,6 +127,19 @@ class BlockPool:
         evicted = [k for k, s in events.items() if not s]
         return stored, evicted
 
+    def free_and_cached(self) -> tuple[set[int], set[int]]:
+        """(blocks on the free list, those of them a prefix-cache hit can take back)."""
+        free = set(self._free)
+        return free, {b for b in self._cached.values() if b in free}
+
+    def check_index(self) -> list[str]:
+        """Errors in the prefix-cache index: a key pointing at a block that holds another."""
+        return [
+            f"prefix key {key.hex()[:12]} points at block {b}, which holds another key"
+            for key, b in self._cached.items()
+            if self.blocks[b].key != key
+        ]
+
     def cached_keys(self) -> list[bytes]:
         """Every key currently reusable (for a full resync of the router's index)."""
         return list(self._cached)

@@ -1,11 +1,12 @@
 """The engine: requests in, tokens out, one scheduled step at a time.
 
-Owns the live sequences and the stop rules (eos, stop token ids, max_tokens, context length), and
-with speculative decoding the bookkeeping of each verify step: appending the accepted tokens (cut at
-a stop), rolling the KV of rejected drafts back and counting drafts. The scheduler decides what
-runs, the proposer (common.engine.spec.spec_decode) drafts, the model runner computes it. Used
-in-process by
-`pdserve run-batch` and the benchmarks, and inside the prefill/decode workers.
+Owns the live sequences and the stop rules (eos, stop token ids, max_tokens, context length), the
+sampling of each step's logits and, with speculative decoding, the verification of drafts and its
+bookkeeping: appending the accepted tokens (cut at a stop), rolling the KV of rejected drafts back
+and counting drafts. The scheduler decides what runs, the proposer (`common.engine.spec.proposers`)
+drafts, the model runner turns rows of tokens into logits, the sampler and the verifier
+(`common.engine.spec.verify`) pick the tokens. `block_books` audits where every KV block is.
+Used in-process by `pdserve run-batch` and the benchmarks, and inside the prefill/decode workers.
 """
 
 from __future__ import annotations
@@ -18,12 +19,15 @@ from dataclasses import dataclass
 import torch
 
 from common.config import EngineConfig
-from common.engine.block_manager import BlockManager
+from common.engine.block_manager import BlockBooks, BlockManager
 from common.engine.block_pool import BlockPool
-from common.engine.sampler import SampleResult, make_generator, restore_generator
+from common.engine.sampler import Sampler, SampleResult, make_generator, restore_generator
 from common.engine.scheduler import ScheduledSeq, Scheduler
-from common.engine.sequence import Sequence, SequenceStatus
-from common.engine.spec.spec_decode import SpeculationGovernor, Verifier, make_proposer
+from common.engine.sequence import SequenceState, SequenceStatus
+from common.engine.spec.governor import SpeculationGovernor
+from common.engine.spec.proposers import make_proposer
+from common.engine.spec.verify import Verifier
+from common.kernels.attention import Row
 from common.model.model_runner import ModelRunner
 from common.prefix_hash import model_salt
 from common.sampling_params import SamplingParams
@@ -77,12 +81,16 @@ class Engine:
         self.eos_token_ids = (
             frozenset(eos_token_ids) if eos_token_ids is not None else (config_eos_ids(hf_config))
         )
-        self.runner = ModelRunner(config, hf_config, weights, self.eos_token_ids)
+        self.runner = ModelRunner(config, hf_config, weights)
         self.max_model_len = self.runner.max_model_len
         self.pool = BlockPool(self.runner.num_blocks, config.block_size)
         salt = model_salt(str(config.model), config.dtype, config.block_size)
         self.block_manager = BlockManager(self.pool, salt, config.enable_prefix_caching)
-        self.proposer = make_proposer(config, self.runner)
+        self.sampler = Sampler()
+        runner = self.runner
+        self.proposer = make_proposer(
+            config, runner.model, runner.draft_model, runner.build_rows, self.eos_token_ids
+        )
         self.verifier = Verifier(self.eos_token_ids)
         self.scheduler = Scheduler(
             self.block_manager,
@@ -98,11 +106,12 @@ class Engine:
         self.num_drafts = 0  # verify rows with at least one draft token
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
-        self.seqs: dict[str, Sequence] = {}  # waiting or running
-        self.held: dict[str, Sequence] = {}  # finished, blocks kept until their KV is sent
-        self.reserved: dict[str, Sequence] = {}  # blocks held for KV that is on its way
+        self.seqs: dict[str, SequenceState] = {}  # waiting or running
+        self.held: dict[str, SequenceState] = {}  # finished, blocks kept until their KV is sent
+        self.reserved: dict[str, SequenceState] = {}  # blocks held for KV that is on its way
         self.vocab_size = int(hf_config.vocab_size)
         self._ids = itertools.count()
+        self.check_books_when_idle = False  # tests: audit the blocks whenever the engine idles
 
     def _speculative_max_batch(self) -> int:
         """Most running sequences that still draft (0: no limit). On a CPU a verify row costs
@@ -131,10 +140,10 @@ class Engine:
 
     def _new_sequence(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
-    ) -> Sequence:
+    ) -> SequenceState:
         """A validated new sequence (ValueError naming the problem otherwise)."""
         self._check_new(request_id, prompt_token_ids, params)
-        return Sequence(
+        return SequenceState(
             request_id=request_id,
             token_ids=list(prompt_token_ids),
             num_prompt_tokens=len(prompt_token_ids),
@@ -189,11 +198,16 @@ class Engine:
         multiple of the block size): the sender need not send those blocks.
         """
         seq = self._new_sequence(request_id, prompt_token_ids, params)
-        cached = self.block_manager.match_prefix(seq)
-        # room for the prompt and the first token, plus the running sequences' next tokens
-        if not self.block_manager.ensure_slots(seq, seq.num_tokens + 1):
-            self.block_manager.free(seq)
+        manager = self.block_manager
+        cached = manager.match_prefix(seq)
+        # room for the prompt and the first token, plus the running sequences' next tokens: a
+        # reservation must not make the scheduler preempt anyone at its next step
+        headroom = sum(manager.num_new_blocks(s, s.num_tokens) for s in self.scheduler.running)
+        needed = manager.num_new_blocks(seq, seq.num_tokens + 1)
+        if needed + headroom > self.pool.num_free:
+            manager.free(seq)
             return None
+        manager.ensure_slots(seq, seq.num_tokens + 1)
         seq.num_cached_tokens = cached
         self.reserved[request_id] = seq
         return cached
@@ -223,7 +237,7 @@ class Engine:
         self.block_manager.commit(seq)
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
-        return self._append_token(seq, token_id, logprob, top_logprobs)
+        return self._append_tokens(seq, [SampleResult(token_id, logprob, top_logprobs)])
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -243,54 +257,60 @@ class Engine:
             drafted = any(item.draft_token_ids for item in batch)
             num_tokens = sum(len(out.new_token_ids) for out in outputs)
             governor.record(num_running, drafted, time.perf_counter() - start, num_tokens)
+        if self.check_books_when_idle and not self.has_unfinished():
+            books = self.block_books()
+            if books.errors:
+                raise RuntimeError(f"the KV block books do not balance: {books}")
         return outputs
 
     def _step(self, batch: list[ScheduledSeq]) -> list[RequestOutput]:
+        """Draft, run the model over the batch's rows, sample or verify, keep what was kept."""
         if self.proposer is not None:
             drafting = [item for item in batch if item.num_lookahead_tokens]
             if drafting:
                 self.proposer.propose(drafting)
-                return self._speculative_step(batch)
-        results = self.runner.execute(batch)
-        outputs = []
-        for item, result in zip(batch, results):
-            seq = item.seq
-            seq.num_computed_tokens += item.num_new_tokens
-            self.block_manager.commit(seq)
-            if result is None:
-                continue
-            outputs.append(
-                self._append_token(seq, result.token_id, result.logprob, result.top_logprobs)
-            )
-        return outputs
-
-    def _speculative_step(self, batch: list[ScheduledSeq]) -> list[RequestOutput]:
-        """Verify the drafts, keep the accepted tokens and give back the slots of the rest."""
-        results = self.runner.execute_speculative(batch, self.verifier)
+        rows: list[Row] = []
+        num_logits: list[int] = []  # per row: 0 (a prefill chunk), 1 (sample) or k+1 (verify)
+        for item in batch:
+            seq, start = item.seq, item.seq.num_computed_tokens
+            tokens = seq.token_ids[start : start + item.num_new_tokens] + item.draft_token_ids
+            rows.append((tokens, start, seq.block_table))
+            at_end = start + item.num_new_tokens == seq.num_tokens
+            num_logits.append(len(item.draft_token_ids) + 1 if at_end else 0)
+        logits = self.runner.run(rows, num_logits)
+        results = self.verifier.pick_tokens(self.sampler, batch, logits, num_logits)
         outputs = []
         for item, samples in zip(batch, results):
             seq = item.seq
             num_drafts = len(item.draft_token_ids)
-            num_accepted = len(samples) - 1 if num_drafts else 0
-            if num_drafts:
-                self.num_drafts += 1
-                self.num_draft_tokens += num_drafts
-                self.num_accepted_tokens += num_accepted
+            if not num_drafts:
+                seq.num_computed_tokens += item.num_new_tokens
+                self.block_manager.commit(seq)
+                if item.num_lookahead_tokens:
+                    self.block_manager.trim(seq)  # slots reserved for drafts that never came
+                if samples:
+                    outputs.append(self._append_tokens(seq, samples))
+                continue
+            num_accepted = len(samples) - 1
+            self.num_drafts += 1
+            self.num_draft_tokens += num_drafts
+            self.num_accepted_tokens += num_accepted
             # KV is valid up to the last accepted draft (the new token's is computed next step)
             computed = seq.num_computed_tokens + item.num_new_tokens + num_accepted
-            if samples:
-                outputs.append(self._append_tokens(seq, samples))
-                computed = min(computed, seq.num_tokens - 1)
+            outputs.append(self._append_tokens(seq, samples))
             if seq.is_finished and seq.request_id not in self.held:
                 continue  # its blocks are already freed
-            seq.num_computed_tokens = computed
+            seq.num_computed_tokens = min(computed, seq.num_tokens - 1)
             self.block_manager.commit(seq)  # only computed, accepted tokens' blocks
-            self.block_manager.trim(seq)
-            seq.num_draft_computed_tokens = min(seq.num_draft_computed_tokens, computed)
+            self.block_manager.trim(seq)  # the slots of rejected drafts
+            seq.num_draft_computed_tokens = min(
+                seq.num_draft_computed_tokens, seq.num_computed_tokens
+            )
         return outputs
 
-    def _append_tokens(self, seq: Sequence, samples: list[SampleResult]) -> RequestOutput:
-        """Append a verify step's tokens, stopping at the first that finishes the sequence."""
+    def _append_tokens(self, seq: SequenceState, samples: list[SampleResult]) -> RequestOutput:
+        """Append a step's tokens (one, or a verify step's accepted run), stopping at the first
+        that finishes the sequence."""
         reason = None
         kept = []
         for sample in samples:
@@ -314,7 +334,7 @@ class Engine:
             num_cached_tokens=seq.num_cached_tokens,
         )
 
-    def _finish(self, seq: Sequence, reason: str) -> None:
+    def _finish(self, seq: SequenceState, reason: str) -> None:
         seq.finish_reason = reason
         del self.seqs[seq.request_id]
         if seq.hold_blocks:
@@ -327,32 +347,7 @@ class Engine:
             self.scheduler.remove(seq)
         seq.status = SequenceStatus.FINISHED
 
-    def _append_token(
-        self,
-        seq: Sequence,
-        token_id: int,
-        logprob: float | None,
-        top_logprobs: list[tuple[int, float]] | None,
-    ) -> RequestOutput:
-        seq.token_ids.append(token_id)
-        seq.output_logprobs.append(logprob)
-        seq.output_top_logprobs.append(top_logprobs)
-        reason = self._finish_reason(seq, token_id)
-        if reason is not None:
-            self._finish(seq, reason)
-        return RequestOutput(
-            request_id=seq.request_id,
-            new_token_ids=[token_id],
-            new_logprobs=[logprob],
-            new_top_logprobs=[top_logprobs],
-            finished=reason is not None,
-            finish_reason=reason,
-            num_prompt_tokens=seq.num_prompt_tokens,
-            num_output_tokens=seq.num_output_tokens,
-            num_cached_tokens=seq.num_cached_tokens,
-        )
-
-    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+    def _finish_reason(self, seq: SequenceState, token: int) -> str | None:
         p = seq.params
         if seq.num_output_tokens >= p.min_tokens:
             if not p.ignore_eos and token in self.eos_token_ids:
@@ -365,7 +360,7 @@ class Engine:
 
     def generate(
         self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
-    ) -> list[Sequence]:
+    ) -> list[SequenceState]:
         """Run prompts to completion; returns their finished sequences in input order."""
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         seqs = []
@@ -376,6 +371,17 @@ class Engine:
         while any(not s.is_finished for s in seqs):
             self.step()
         return seqs
+
+    def block_books(self) -> BlockBooks:
+        """Where every KV block is (free, cached, running, reserved, held) and what does not add
+        up; call between steps. Tests run it whenever the engine idles; workers on request."""
+        scheduled = [*self.scheduler.running, *self.scheduler.waiting]
+        books = self.block_manager.check_books(
+            {"running": scheduled, "reserved": self.reserved.values(), "held": self.held.values()}
+        )
+        if {s.request_id for s in scheduled} != set(self.seqs):
+            books.errors.append("the scheduler's sequences are not the engine's live ones")
+        return books
 
     def stats(self) -> dict[str, float]:
         """Counters and gauges for metrics and tests."""

@@ -6,6 +6,10 @@ and calls `Sampler()(logits, states)`. Semantics follow vLLM v1: logprobs come f
 logits, penalties act on logits before temperature, and a seeded request draws only from its own
 generator, so its tokens do not depend on what else is in the batch.
 
+A state costs the same at any context length: it holds a count of output tokens, and, only for a
+request with penalties, the sequence's `TokenHistory` (its distinct prompt and output tokens and
+output counts), which the engine brings up to date with the step's new tokens, never rebuilding it.
+
 Truncation (top-k, top-p, min-p) is done in logit space as one per-row cutoff: a token survives when
 its scaled logit is >= the cutoff, so ties at the cutoff all survive.
 """
@@ -13,12 +17,13 @@ its scaled logit is >= the cutoff, so ties at the cutoff all survive.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import chain
 
 import numpy as np
 import torch
 
+from common.engine.penalties import TokenHistory, apply_penalties
 from common.sampling_params import SamplingParams
 
 # Top-p first looks for the nucleus among this many best tokens; rows whose nucleus is larger fall
@@ -28,13 +33,51 @@ TOP_P_CANDIDATES = 1024
 
 @dataclass
 class SamplingState:
-    """One running sequence's view of sampling, built by the engine each step."""
+    """One running sequence's view of sampling, built by the engine each step (O(1) to build)."""
 
     params: SamplingParams
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]  # generated so far, excluding the token being sampled now
+    num_output_tokens: int  # generated so far, excluding the token being sampled now
     generator: torch.Generator | None  # make_generator(params), reused every step of the request
     eos_token_ids: frozenset[int] = frozenset()
+    history: TokenHistory | None = None  # required when params.has_penalties
+    extra_output_ids: Sequence[int] = ()  # output past `history` (draft tokens being verified)
+
+    @classmethod
+    def from_tokens(
+        cls,
+        params: SamplingParams,
+        prompt_token_ids: Sequence[int],
+        output_token_ids: Sequence[int],
+        generator: torch.Generator | None,
+        eos_token_ids: frozenset[int] = frozenset(),
+    ) -> SamplingState:
+        """A state for a one-off call (tests, tools); the engine keeps histories instead."""
+        history = None
+        if params.has_penalties:
+            history = TokenHistory(prompt_token_ids)
+            history.extend(output_token_ids)
+        return cls(params, len(output_token_ids), generator, eos_token_ids, history)
+
+    def seen_ids(self) -> np.ndarray:
+        seen = self._history().seen_ids
+        if self.extra_output_ids:  # a token already seen may repeat: the scatter writes it twice
+            seen = np.concatenate([seen, np.asarray(self.extra_output_ids, dtype=np.int64)])
+        return seen
+
+    def output_counts(self) -> tuple[np.ndarray, np.ndarray]:
+        """(token ids, occurrences); an id may repeat, each entry counting its occurrences."""
+        history = self._history()
+        ids, counts = history.output_ids, history.output_counts
+        if self.extra_output_ids:
+            extra = np.asarray(self.extra_output_ids, dtype=np.int64)
+            ids = np.concatenate([ids, extra])
+            counts = np.concatenate([counts, np.ones(len(extra), dtype=np.float32)])
+        return ids, counts
+
+    def _history(self) -> TokenHistory:
+        if self.history is None:
+            raise ValueError("a request with penalties needs its TokenHistory")
+        return self.history
 
 
 @dataclass
@@ -93,7 +136,7 @@ class Sampler:
         raw = _raw_logprobs(x, states, scratch) if wants_logprobs else None
         if needs_processing:
             _mask_min_tokens(x, blocked)
-            _apply_penalties(x, states)
+            apply_penalties(x, states)
 
         token_ids = [0] * len(states)
         greedy_rows = [i for i, s in enumerate(states) if s.params.greedy]
@@ -119,7 +162,7 @@ class Sampler:
         blocked = [_min_tokens_blocked(s) for s in states]
         if any(blocked) or any(s.params.has_penalties for s in states):
             _mask_min_tokens(x, blocked)
-            _apply_penalties(x, states)
+            apply_penalties(x, states)
         random_rows = [i for i, s in enumerate(states) if not s.params.greedy]
         if random_rows:
             scratch = self._buffer("scratch", logits.shape, logits.device)
@@ -174,7 +217,7 @@ def _scale_and_truncate(
 def _min_tokens_blocked(state: SamplingState) -> list[int]:
     """Token ids that must not be sampled yet because min_tokens is not reached."""
     p = state.params
-    if len(state.output_token_ids) >= p.min_tokens:
+    if state.num_output_tokens >= p.min_tokens:
         return []
     # With ignore_eos the eos ids are not stops, so (as in vLLM) they are not masked.
     blocked = set(p.stop_token_ids)
@@ -189,51 +232,6 @@ def _mask_min_tokens(x: torch.Tensor, blocked: list[list[int]]) -> None:
     cols = [t for ids in blocked for t in ids if t < vocab]
     if rows:
         x[torch.tensor(rows, device=x.device), torch.tensor(cols, device=x.device)] = -math.inf
-
-
-def _apply_penalties(x: torch.Tensor, states: list[SamplingState]) -> None:
-    """In place on x [B, V] (contiguous float32), touching only tokens that occurred."""
-    flat = x.view(-1)
-    rep = [i for i, s in enumerate(states) if s.params.repetition_penalty != 1.0]
-    if rep:
-        # Positive logits divided, negative multiplied, once per distinct seen token (HF, vLLM).
-        seqs = [states[i].prompt_token_ids + states[i].output_token_ids for i in rep]
-        keys, lens = _flat_keys(x, rep, seqs)
-        penalty = _per_token([states[i].params.repetition_penalty for i in rep], lens, x)
-        vals = flat[keys]
-        # A token seen twice writes the same value twice, so the scatter is deterministic.
-        flat[keys] = torch.where(vals > 0, vals / penalty, vals * penalty)
-
-    add = [
-        i
-        for i, s in enumerate(states)
-        if (s.params.frequency_penalty != 0.0 or s.params.presence_penalty != 0.0)
-        and s.output_token_ids
-    ]
-    if add:
-        keys, lens = _flat_keys(x, add, [states[i].output_token_ids for i in add])
-        presence = [states[i].params.presence_penalty for i in add]
-        frequency = [states[i].params.frequency_penalty for i in add]
-        if any(presence):  # once per distinct token, by the same write-same-value scatter
-            flat[keys] = flat[keys] - _per_token(presence, lens, x)
-        if any(frequency):  # once per occurrence
-            flat.index_add_(0, keys, _per_token(frequency, lens, x), alpha=-1.0)
-
-
-def _flat_keys(
-    x: torch.Tensor, rows: list[int], seqs: list[list[int]]
-) -> tuple[torch.Tensor, np.ndarray]:
-    """Flat indices row * V + token into x for every token of seqs[j] (belonging to rows[j])."""
-    lens = np.fromiter(map(len, seqs), dtype=np.int64, count=len(seqs))
-    # numpy builds these from Python lists about 5x faster than torch.tensor.
-    tokens = np.fromiter(chain.from_iterable(seqs), dtype=np.int64, count=int(lens.sum()))
-    keys = np.repeat(np.asarray(rows, dtype=np.int64) * x.shape[1], lens) + tokens
-    return torch.from_numpy(keys).to(x.device), lens
-
-
-def _per_token(values: list[float], lens: np.ndarray, like: torch.Tensor) -> torch.Tensor:
-    """Each row's value repeated for each of its tokens, as float32 on like's device."""
-    return torch.from_numpy(np.repeat(np.asarray(values, dtype=np.float32), lens)).to(like.device)
 
 
 def _truncation_cutoffs(

@@ -4,7 +4,9 @@ One step mixes decode tokens of running sequences with (chunked) prefill of new 
 budget, as vLLM v1 does. Running sequences go first, oldest first; when blocks run out the newest
 running sequence is preempted (its blocks freed, its tokens recomputed later). With speculative
 decoding a decoding sequence also gets slots (and budget) for up to `num_lookahead_tokens` draft
-tokens, when they fit without preempting anyone. Called by the engine.
+tokens, when they fit without preempting anyone: the free blocks left after them must still cover
+what every running sequence behind it needs for this step's own tokens, and the token budget too.
+Called by the engine.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from common.engine.block_manager import BlockManager
-from common.engine.sequence import Sequence, SequenceStatus
+from common.engine.sequence import SequenceState, SequenceStatus
 
 if TYPE_CHECKING:
     import torch
@@ -22,7 +24,7 @@ if TYPE_CHECKING:
 
 @dataclass
 class ScheduledSeq:
-    seq: Sequence
+    seq: SequenceState
     num_new_tokens: int  # tokens whose KV this step computes, starting at seq.num_computed_tokens
     num_lookahead_tokens: int = 0  # slots reserved past them for draft tokens to verify
     draft_token_ids: list[int] = field(default_factory=list)  # set by the proposer, then verified
@@ -48,17 +50,17 @@ class Scheduler:
         self.speculative_max_batch = speculative_max_batch  # no drafts above this many; 0: any
         self.drafting = True  # the engine's governor may switch drafting off for a step
         self.max_model_len = max_model_len
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        self.waiting: deque[SequenceState] = deque()
+        self.running: list[SequenceState] = []
         self.num_preemptions = 0
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: SequenceState) -> None:
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def remove(self, seq: Sequence) -> None:
+    def remove(self, seq: SequenceState) -> None:
         """Take a finished or aborted sequence out and free its blocks."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
@@ -66,14 +68,14 @@ class Scheduler:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: SequenceState) -> None:
         self.running.remove(seq)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def _lookahead(self, seq: Sequence, n: int, budget: int) -> int:
+    def _lookahead(self, seq: SequenceState, n: int, budget: int) -> int:
         """How many draft tokens a decoding sequence may verify this step (0: plain decode)."""
         if (
             self.num_lookahead_tokens == 0
@@ -91,12 +93,30 @@ class Scheduler:
             room = min(room, self.max_model_len - seq.num_tokens - 1)
         return max(0, min(self.num_lookahead_tokens, budget - 1, room))
 
+    def _blocks_needed_behind(self, running: list[SequenceState]) -> list[int]:
+        """For each running sequence, the blocks the ones after it need for this step's tokens
+        (at most the whole token budget each: an upper bound)."""
+        needs = [
+            self.block_manager.num_new_blocks(
+                s,
+                s.num_computed_tokens
+                + min(s.num_tokens - s.num_computed_tokens, self.max_num_batched_tokens),
+            )
+            for s in running
+        ]
+        behind = [0] * len(running)
+        for i in range(len(running) - 2, -1, -1):
+            behind[i] = behind[i + 1] + needs[i + 1]
+        return behind
+
     def schedule(self) -> list[ScheduledSeq]:
         """Pick this step's work; every returned sequence has blocks for its new tokens."""
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
         preempted = False
         running = list(self.running)
+        manager = self.block_manager
+        behind = self._blocks_needed_behind(running) if self.num_lookahead_tokens else []
         for index, seq in enumerate(running):
             if budget == 0:
                 break
@@ -105,9 +125,12 @@ class Scheduler:
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             # drafts only from budget the running sequences behind this one do not need
             lookahead = self._lookahead(seq, n, budget - (len(running) - index - 1))
-            if lookahead and self.block_manager.ensure_slots(
-                seq, seq.num_computed_tokens + n + lookahead
+            # ... and only from blocks they do not need either: drafts never cause a preemption
+            if lookahead and (
+                manager.num_new_blocks(seq, seq.num_computed_tokens + n + lookahead) + behind[index]
+                <= manager.pool.num_free
             ):
+                manager.ensure_slots(seq, seq.num_computed_tokens + n + lookahead)
                 scheduled.append(ScheduledSeq(seq, n, lookahead))
                 budget -= n + lookahead
                 continue

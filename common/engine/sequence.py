@@ -1,7 +1,8 @@
-"""A request's running state inside an engine: its tokens, blocks and progress.
+"""A request's running state inside an engine: its tokens, blocks and progress (`SequenceState`).
 
 Owned by the scheduler (status, block table, computed-token count) and the engine (tokens appended,
-finish reason). The model runner only reads it.
+finish reason, the sampling state of each step). Proposers read it; the model runner never sees it
+(it gets rows of tokens and block tables).
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from common.engine.penalties import TokenHistory
+from common.engine.sampler import SamplingState
 from common.sampling_params import SamplingParams
 
 
@@ -22,7 +25,7 @@ class SequenceStatus(enum.Enum):
 
 
 @dataclass
-class Sequence:
+class SequenceState:
     """Prompt + generated tokens of one request, and how far its KV has been computed."""
 
     request_id: str
@@ -41,6 +44,7 @@ class Sequence:
     arrival_time: float = field(default_factory=time.monotonic)
     output_logprobs: list[float | None] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
+    history: TokenHistory | None = None  # for penalties; created by the first sampling_state
 
     @property
     def num_tokens(self) -> int:
@@ -61,3 +65,24 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    def sampling_state(
+        self, eos_token_ids: frozenset[int], drafts: list[int] | None = None
+    ) -> SamplingState:
+        """The sampler's view of the next token (after `drafts`, when verifying them).
+
+        O(1) without penalties; with them the token history takes in only the new tokens.
+        """
+        params = self.params
+        if params.has_penalties:
+            if self.history is None:
+                self.history = TokenHistory(self.token_ids[: self.num_prompt_tokens])
+            self.history.sync(self.token_ids)
+        return SamplingState(
+            params,
+            self.num_output_tokens + (len(drafts) if drafts else 0),
+            self.generator,
+            eos_token_ids,
+            self.history,
+            drafts or (),
+        )

@@ -1,8 +1,10 @@
 """Paged attention: the batch's attention metadata and the torch reference path.
 
-Owns `AttentionMetadata` (built once per step by the model runner, passed down to every attention
-layer) and the two operations on the paged KV cache: writing new keys/values into their slots and
-attending each new query token over its sequence's cached prefix plus the new tokens (causally).
+Owns `AttentionMetadata` and `build_batch`, which lays a step's rows (tokens, first position, block
+table) out as one flat batch with its metadata (called once per step by the model runner, and by
+the draft proposer for its own forwards), and the two operations on the paged KV cache: writing
+new keys/values into their slots and attending each new query token over its sequence's cached
+prefix plus the new tokens (causally).
 The torch code here is the CPU path and the reference the Triton kernels are tested against.
 
 Cache layout, per layer: `k_cache`, `v_cache` of shape
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -47,6 +50,44 @@ class AttentionMetadata:
     @property
     def max_seq_len(self) -> int:
         return max(self.seq_lens_cpu)
+
+
+# One row of a forward: input token ids, the position of the first, the sequence's block table.
+Row = tuple[list[int], int, list[int]]
+
+
+def build_batch(
+    rows: list[Row], block_size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """(input ids, positions, attention metadata) of one forward over `rows`, on `device`."""
+    input_ids: list[int] = []
+    slots: list[np.ndarray] = []
+    positions: list[np.ndarray] = []
+    query_lens: list[int] = []
+    seq_lens: list[int] = []
+    max_blocks = max(len(row[2]) for row in rows)
+    tables = np.zeros((len(rows), max_blocks), dtype=np.int32)
+    for i, (tokens, start, block_table) in enumerate(rows):
+        n = len(tokens)
+        input_ids.extend(tokens)
+        pos = np.arange(start, start + n)
+        table = np.asarray(block_table, dtype=np.int64)
+        tables[i, : len(table)] = table
+        positions.append(pos)
+        slots.append(table[pos // block_size] * block_size + pos % block_size)
+        query_lens.append(n)
+        seq_lens.append(start + n)
+    meta = AttentionMetadata(
+        slot_mapping=torch.from_numpy(np.concatenate(slots)).to(device),
+        query_start_loc=torch.tensor([0, *np.cumsum(query_lens)], dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=torch.from_numpy(tables).to(device),
+        query_lens_cpu=query_lens,
+        seq_lens_cpu=seq_lens,
+    )
+    ids = torch.tensor(input_ids, dtype=torch.long, device=device)
+    pos = torch.from_numpy(np.concatenate(positions)).to(device)
+    return ids, pos, meta
 
 
 def write_kv_cache(

@@ -116,6 +116,7 @@ class Attention(nn.Module):
         self.rotary = rotary
         self.k_cache = torch.empty(0)  # set by the model runner
         self.v_cache = torch.empty(0)
+        self.backend = "torch"  # set through CausalLM.set_attention_backend
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(x)
@@ -127,8 +128,9 @@ class Attention(nn.Module):
             qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
         qk = self.rotary(qk)  # q and k rotated in one go
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        kv_writer(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-        out = attention_backend(q, self.k_cache, self.v_cache, meta, self.scale, k, v)
+        KV_WRITERS[self.backend](k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        attend = ATTENTION_BACKENDS[self.backend]
+        out = attend(q, self.k_cache, self.v_cache, meta, self.scale, k, v)
         return self.o_proj(out.flatten(1))
 
 
@@ -150,15 +152,6 @@ def _triton_kv_writer(k, v, k_cache, v_cache, slot_mapping):
 
 ATTENTION_BACKENDS = {"torch": _torch_backend, "triton": _triton_backend}
 KV_WRITERS = {"torch": write_kv_cache, "triton": _triton_kv_writer}
-attention_backend = _torch_backend
-kv_writer = write_kv_cache
-
-
-def set_attention_backend(name: str) -> None:
-    """Choose the paged-attention implementation ('torch' on CPU, 'triton' on GPU)."""
-    global attention_backend, kv_writer
-    attention_backend = ATTENTION_BACKENDS[name]
-    kv_writer = KV_WRITERS[name]
 
 
 class MLP(nn.Module):
@@ -226,6 +219,14 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
+
+    def set_attention_backend(self, name: str) -> None:
+        """This model's paged-attention implementation ('torch' on CPU, 'triton' on GPU); each
+        model keeps its own, so engines in one process may differ."""
+        if name not in ATTENTION_BACKENDS:
+            raise ValueError(f"unknown attention backend {name!r}")
+        for layer in self.layers:
+            layer.self_attn.backend = name
 
     def pack_for_cpu(self) -> None:
         """Prepack every projection (and the LM head) for oneDNN; call after the final .to()."""

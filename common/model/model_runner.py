@@ -1,35 +1,34 @@
-"""Runs the model for one scheduled step: builds the flat batch, runs the forward, samples.
+"""Runs the model: rows of tokens in, logits out.
 
-Owns the model weights on their device, the KV cache tensors (sized from the memory budget) and the
-sampler; with `--draft-model` also the draft model and its KV cache, laid out like the target's and
-addressed by the same block tables; on CUDA (unless `--enforce-eager`) the captured decode graphs
-(`common.model.cuda_graph`) that replay uniform decode and verify steps. Called by the engine once
-per
-step with the scheduler's decision (`execute`, or `execute_speculative` when the step verifies
-draft tokens).
+Owns the model weights on their device, each model's attention backend, the KV cache tensors
+(sized from the memory budget); with `--draft-model` also the draft model and its KV cache, laid
+out like the target's and addressed by the same block tables; on CUDA (unless `--enforce-eager`)
+the captured decode graphs (`common.model.cuda_graph`) that replay uniform decode and verify steps.
+
+The engine calls `run` once per step with the step's rows (tokens, first position, block table;
+see `common.kernels.attention.build_batch`) and how many trailing logits each row wants; it samples
+and verifies drafts itself. The runner knows nothing of sequences, sampling or speculation.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from common.config import EngineConfig, parse_size
-from common.engine.sampler import Sampler, SampleResult, SamplingState
-from common.engine.scheduler import ScheduledSeq
-from common.kernels.attention import AttentionMetadata
-from common.model.llama import CausalLM, head_dim_of, set_attention_backend
+from common.kernels.attention import AttentionMetadata, Row, build_batch
+from common.model.llama import CausalLM, head_dim_of
 
 if TYPE_CHECKING:
-    from common.engine.spec.spec_decode import Verifier
     from common.model.cuda_graph import DecodeGraphs
 
-# One row of a forward: input token ids, the position of the first, the sequence's block table.
-Row = tuple[list[int], int, list[int]]
+# (input ids, positions, attention metadata) of a forward over some rows.
+Batch = tuple[torch.Tensor, torch.Tensor, AttentionMetadata]
 
 log = logging.getLogger(__name__)
 
@@ -55,19 +54,21 @@ class ModelRunner:
         config: EngineConfig,
         hf_config,
         weights: Iterable[tuple[str, torch.Tensor]],
-        eos_token_ids: frozenset[int] = frozenset(),
     ) -> None:
         self.config = config
         self.device = config.resolved_device()
         self.dtype = config.resolved_dtype()
         self.block_size = config.block_size
-        self.eos_token_ids = eos_token_ids
         if config.num_threads > 0:
             torch.set_num_threads(config.num_threads)
         backend = config.attention_backend
         if backend == "auto":
             backend = "triton" if self.device.type == "cuda" else "torch"
-        set_attention_backend(backend)
+        self.attention_backend = backend
+        # the row builder the engine hands to a draft proposer (which never sees the runner)
+        self.build_rows: Callable[[list[Row]], Batch] = functools.partial(
+            build_batch, block_size=self.block_size, device=self.device
+        )
 
         model_max = int(getattr(hf_config, "max_position_embeddings", 2048))
         self.max_model_len = config.max_model_len or model_max
@@ -81,6 +82,7 @@ class ModelRunner:
         if self.device.type == "cpu" and torch.backends.mkldnn.is_available():
             self.model.pack_for_cpu()
         self.model.rotary.to_device(self.device)
+        self.model.set_attention_backend(backend)
         self.draft_model: CausalLM | None = None
         if config.speculative == "draft":
             self._check_draft_layers(hf_config)
@@ -96,7 +98,6 @@ class ModelRunner:
         self.kv_cache = self._allocate_kv_cache(self.model, hf_config)
         if self.draft_model is not None:
             self.draft_kv_cache = self._allocate_kv_cache(self.draft_model, self.draft_model.config)
-        self.sampler = Sampler()
         self.graphs: dict[int, DecodeGraphs] = {}  # by query tokens per sequence
         if self.device.type == "cuda" and not config.enforce_eager and backend == "triton":
             self._capture_graphs()
@@ -181,6 +182,7 @@ class ModelRunner:
         if self.device.type == "cpu" and torch.backends.mkldnn.is_available():
             draft.pack_for_cpu()
         draft.rotary.to_device(self.device)
+        draft.set_attention_backend(self.attention_backend)
         return draft
 
     def _num_blocks(self, hf_config) -> int:
@@ -195,125 +197,26 @@ class ModelRunner:
             budget = parse_size(self.config.kv_cache_memory)
         return max(budget // per_block, 0)
 
-    def _prepare(self, batch: list[ScheduledSeq]):
-        rows = []
-        for item in batch:
-            seq, start = item.seq, item.seq.num_computed_tokens
-            tokens = seq.token_ids[start : start + item.num_new_tokens]
-            rows.append((tokens, start, seq.block_table))
-        return self.prepare_rows(rows)
-
-    def prepare_rows(self, rows: list[Row]):
+    def prepare_rows(self, rows: list[Row]) -> Batch:
         """(input ids, positions, attention metadata) of a forward over `rows`."""
-        bs = self.block_size
-        input_ids: list[int] = []
-        slots: list[np.ndarray] = []
-        positions: list[np.ndarray] = []
-        query_lens: list[int] = []
-        seq_lens: list[int] = []
-        max_blocks = max(len(row[2]) for row in rows)
-        tables = np.zeros((len(rows), max_blocks), dtype=np.int32)
-        for i, (tokens, start, block_table) in enumerate(rows):
-            n = len(tokens)
-            input_ids.extend(tokens)
-            pos = np.arange(start, start + n)
-            table = np.asarray(block_table, dtype=np.int64)
-            tables[i, : len(table)] = table
-            positions.append(pos)
-            slots.append(table[pos // bs] * bs + pos % bs)
-            query_lens.append(n)
-            seq_lens.append(start + n)
-        dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
-            query_start_loc=torch.tensor(
-                [0, *np.cumsum(query_lens)], dtype=torch.int32, device=dev
-            ),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.from_numpy(tables).to(dev),
-            query_lens_cpu=query_lens,
-            seq_lens_cpu=seq_lens,
-        )
-        ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
-        pos = torch.from_numpy(np.concatenate(positions)).to(dev)
-        return ids, pos, meta
-
-    def _states(self, batch: list[ScheduledSeq], rows: list[int]) -> list[SamplingState]:
-        """What the sampler needs to know of each of the batch's `rows`."""
-        return [
-            SamplingState(
-                params=batch[i].seq.params,
-                prompt_token_ids=batch[i].seq.prompt_token_ids,
-                output_token_ids=batch[i].seq.output_token_ids,
-                generator=batch[i].seq.generator,
-                eos_token_ids=self.eos_token_ids,
-            )
-            for i in rows
-        ]
+        return self.build_rows(rows)
 
     @torch.inference_mode()
-    def execute(self, batch: list[ScheduledSeq]) -> list[SampleResult | None]:
-        """Compute the batch's KV; sample one token for each sequence whose known tokens are all in.
+    def run(self, rows: list[Row], num_logits: list[int]) -> torch.Tensor | None:
+        """One forward over `rows`: writes their KV and returns the logits of each row's last
+        `num_logits[i]` tokens, row after row ([sum(num_logits), vocab]).
 
-        Returns one entry per scheduled sequence: its new token, or None for a prefill chunk that
-        does not reach the end of the prompt yet.
+        None when no row wants logits (prefill chunks short of the prompt's end: only their KV is
+        wanted).
         """
-        ids, pos, meta = self._prepare(batch)
-        ends = [
-            i
-            for i, s in enumerate(batch)
-            if s.seq.num_computed_tokens + s.num_new_tokens == s.seq.num_tokens
-        ]
-        results: list[SampleResult | None] = [None] * len(batch)
-        if not ends:
-            self.model(ids, pos, meta)  # a prefill chunk: only its KV is wanted
-            return results
-        last = meta.query_start_loc[1:][ends].long() - 1
-        logits = self._logits(ids, pos, meta, last)
-        for i, result in zip(ends, self.sampler(logits, self._states(batch, ends))):
-            results[i] = result
-        return results
-
-    @torch.inference_mode()
-    def execute_speculative(
-        self, batch: list[ScheduledSeq], verifier: Verifier
-    ) -> list[list[SampleResult]]:
-        """Like `execute`, in the same single forward, with each row's draft tokens appended.
-
-        A row with drafts gets logits at every one of its last k+1 positions and `verifier` keeps
-        the accepted drafts plus one token; other rows sample as in `execute`. Returns each row's
-        new tokens (none for a prefill chunk short of the prompt's end).
-        """
-        rows = []
-        for item in batch:
-            seq, start = item.seq, item.seq.num_computed_tokens
-            tokens = seq.token_ids[start : start + item.num_new_tokens] + item.draft_token_ids
-            rows.append((tokens, start, seq.block_table))
-        ids, pos, meta = self.prepare_rows(rows)
-        ends = np.cumsum(meta.query_lens_cpu).tolist()
-        plain: list[int] = []  # batch rows sampling one token
-        verify: list[int] = []  # batch rows verifying drafts
-        plain_index: list[int] = []  # hidden rows whose logits are needed
-        verify_index: list[int] = []
-        for i, item in enumerate(batch):
-            if item.draft_token_ids:
-                verify.append(i)
-                verify_index.extend(range(ends[i] - len(item.draft_token_ids) - 1, ends[i]))
-            elif item.seq.num_computed_tokens + item.num_new_tokens == item.seq.num_tokens:
-                plain.append(i)
-                plain_index.append(ends[i] - 1)
-        index = plain_index + verify_index
-        results: list[list[SampleResult]] = [[] for _ in batch]
-        if not index:
-            self.model(ids, pos, meta)  # prefill chunks only: their KV is what is wanted
-            return results
-        logits = self._logits(ids, pos, meta, torch.tensor(index, device=ids.device))
-        if plain:
-            states = self._states(batch, plain)
-            for i, result in zip(plain, self.sampler(logits[: len(plain)], states)):
-                results[i] = [result]
-        if verify:
-            accepted = verifier.verify(logits[len(plain) :], [batch[i] for i in verify])
-            for i, samples in zip(verify, accepted):
-                results[i] = samples
-        return results
+        ids, pos, meta = self.build_rows(rows)
+        if not any(num_logits):
+            self.model(ids, pos, meta)
+            return None
+        ends = np.cumsum(meta.query_lens_cpu)
+        if all(n == 1 for n in num_logits):
+            index = torch.from_numpy(ends - 1).to(self.device)
+        else:
+            wanted = [range(end - n, end) for end, n in zip(ends.tolist(), num_logits) if n]
+            index = torch.tensor([i for r in wanted for i in r], device=self.device)
+        return self._logits(ids, pos, meta, index)

@@ -7,7 +7,8 @@ worker, draining: on the first SIGTERM a worker stops taking new work (its heart
 and the router stops dispatching to it), finishes what it has, then exits; a second signal exits
 at once. After each step it reports its prefix-cache changes (`KVEvents`: block keys stored and
 evicted, numbered; a full snapshot after registering or when the router asks with `KVResync`),
-which feed the router's prefix-aware routing. `WorkerBase` is subclassed by prefill/worker.py and
+which feed the router's prefix-aware routing. Asked with `BlockBooksQuery`, it answers with its
+engine's block audit. `WorkerBase` is subclassed by prefill/worker.py and
 decode/worker.py.
 """
 
@@ -268,8 +269,18 @@ class WorkerBase:
             self.kv_snapshot_due = True
         elif isinstance(message, protocol.Abort):
             self.abort(message.request_id)
+        elif isinstance(message, protocol.BlockBooksQuery):
+            self.control.send(self.block_books(message.query_id))
         else:
             self.handle(message)
+
+    def block_books(self, query_id: int) -> protocol.BlockBooksReply:
+        """The engine's block audit, for the router's /debug/block_books (leak checks)."""
+        b = self.engine.block_books()
+        return protocol.BlockBooksReply(
+            self.worker_id, query_id, b.total, b.free, b.cached, b.running, b.reserved, b.held,
+            b.errors,
+        )  # fmt: skip
 
     def handle(self, message: protocol.ControlMessage) -> None:
         """One router command (not Abort or RegisterAck, handled above)."""

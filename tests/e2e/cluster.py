@@ -9,6 +9,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import httpx
+
 from common.runtime.launcher import LocalCluster, WorkerSpec
 
 
@@ -52,15 +54,30 @@ class Cluster(LocalCluster):
         names = [f"prefill-{i}" for i in range(prefill)] + [f"decode-{i}" for i in range(decode)]
         self.wait_ready(timeout_s, worker_ids=names)
 
+    def block_books(self) -> dict[str, dict | None]:
+        """Each worker's KV block audit, asked now (`GET /debug/block_books`); None: no answer."""
+        return httpx.get(self.url + "/debug/block_books", timeout=15).json()["workers"]
+
     def wait_blocks_free(self, workers: list[str], timeout_s: float = 10) -> dict[str, tuple]:
-        """Poll /metrics until each worker reports all blocks free; returns (free, total) each."""
+        """Ask the workers for their block books until each has every block free (or cached) and
+        its books balance; returns (free, total) each, or (errors, total) where they do not balance.
+
+        The workers answer between steps, after the request: unlike a heartbeat gauge, the answer
+        never predates what the test just did.
+        """
         deadline = time.monotonic() + timeout_s
         state: dict[str, tuple] = {}
         while time.monotonic() < deadline:
-            state = {
-                w: (self.worker_gauge("num_free_blocks", w), self.worker_gauge("num_blocks", w))
-                for w in workers
-            }
+            books = self.block_books()
+            state = {}
+            for w in workers:
+                b = books.get(w)
+                if b is None:
+                    state[w] = (None, None)
+                elif b["errors"]:
+                    state[w] = (b["errors"], b["total"])
+                else:
+                    state[w] = (b["free"] + b["cached"], b["total"])
             if all(f is not None and f == t for f, t in state.values()):
                 return state
             time.sleep(0.3)

@@ -299,3 +299,21 @@ def test_malformed_http_gets_openai_errors(router: RouterThread) -> None:
     # and it still serves
     r = httpx.post(router.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2})
     assert r.status_code == 200
+
+
+def test_debug_block_books_asks_every_worker(router: RouterThread) -> None:
+    """/debug/block_books sends each worker a BlockBooksQuery and reports its reply."""
+    import threading
+
+    from common.protocol import BlockBooksQuery, BlockBooksReply
+
+    result: dict = {}
+    url = router.url + "/debug/block_books"
+    fetch = threading.Thread(target=lambda: result.update(httpx.get(url, timeout=10).json()))
+    fetch.start()
+    query = router.decode.wait_for(BlockBooksQuery)
+    router.decode.send(BlockBooksReply("d0", query.query_id, 10, 6, 2, 2, 0, 0, ["block 3 ..."]))
+    fetch.join(10)
+    books = result["workers"]["d0"]
+    assert (books["free"], books["cached"], books["running"], books["total"]) == (6, 2, 2, 10)
+    assert books["ok"] is False and books["errors"] == ["block 3 ..."]

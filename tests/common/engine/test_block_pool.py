@@ -6,15 +6,15 @@ import pytest
 
 from common.engine.block_manager import BlockManager
 from common.engine.block_pool import BlockPool
-from common.engine.sequence import Sequence
+from common.engine.sequence import SequenceState
 from common.prefix_hash import block_key, block_keys, model_salt
 from common.sampling_params import SamplingParams
 
 SALT = model_salt("test-model", "float32", 4)
 
 
-def seq(tokens: list[int], rid: str = "r") -> Sequence:
-    return Sequence(
+def seq(tokens: list[int], rid: str = "r") -> SequenceState:
+    return SequenceState(
         request_id=rid,
         token_ids=list(tokens),
         num_prompt_tokens=len(tokens),
@@ -22,7 +22,7 @@ def seq(tokens: list[int], rid: str = "r") -> Sequence:
     )
 
 
-def compute(manager: BlockManager, s: Sequence) -> None:
+def compute(manager: BlockManager, s: SequenceState) -> None:
     """Pretend the model computed all of s's tokens: grow its table and register full blocks."""
     assert manager.ensure_slots(s, s.num_tokens)
     s.num_computed_tokens = s.num_tokens

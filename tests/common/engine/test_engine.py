@@ -21,7 +21,9 @@ def make_engine(hf_model, **overrides) -> Engine:
         max_num_batched_tokens=256,
     )
     cfg.update(overrides)
-    return Engine(EngineConfig(**cfg), hf_model.config, hf_model.state_dict().items())
+    engine = Engine(EngineConfig(**cfg), hf_model.config, hf_model.state_dict().items())
+    engine.check_books_when_idle = True  # every test audits the KV blocks whenever it idles
+    return engine
 
 
 def hf_greedy(hf_model, prompt: list[int], max_new_tokens: int) -> list[int]:
@@ -125,8 +127,7 @@ def test_stop_rules(tiny_llama):
     assert seq.output_token_ids == free_run[: first + 1]
     # the model's eos ends a sequence unless ignore_eos
     eng_eos = make_engine(hf_model)
-    eng_eos.eos_token_ids = frozenset([stop_at])
-    eng_eos.runner.eos_token_ids = eng_eos.eos_token_ids
+    eng_eos.eos_token_ids = eng_eos.verifier.eos_token_ids = frozenset([stop_at])
     assert (
         eng_eos.generate([p], SamplingParams(max_tokens=24, temperature=0.0))[0].output_token_ids
         == free_run[: first + 1]
@@ -166,3 +167,38 @@ def test_abort_frees_blocks(tiny_llama):
     assert not engine.abort("r0")
     assert not engine.has_unfinished()
     assert_block_pool_full(engine)
+
+
+def test_block_books_balance_and_catch_leaks(tiny_llama):
+    hf_model, _ = tiny_llama
+    engine = make_engine(hf_model, max_num_batched_tokens=16)
+    ps = prompts(3, seed=11)
+    for i, p in enumerate(ps):
+        engine.add_request(f"r{i}", p, GREEDY)
+    engine.step()
+    engine.step()
+    books = engine.block_books()  # mid-run: running blocks, free ones, nothing else
+    assert books.ok, books.errors
+    assert books.running > 0 and books.reserved == books.held == 0
+    assert books.free + books.cached + books.running == books.total == engine.pool.num_blocks
+    while engine.has_unfinished():
+        engine.step()  # and the engine audits itself when it goes idle
+    books = engine.block_books()
+    assert books.ok and books.running == 0 and books.free + books.cached == books.total
+    assert books.cached > 0  # the prompts' full blocks stay reusable
+    # a block nobody lists is a leak; a block listed but also free is in two places
+    leaked = engine.pool.allocate(1)
+    books = engine.block_books()
+    assert f"block {leaked[0]} is in use (ref count 1) by no sequence" in books.errors
+    assert books.free + books.cached + books.running == books.total - 1
+    engine.pool.free(leaked)
+    engine.add_request("x", ps[0], GREEDY)
+    engine.step()
+    spare = next(b.block_id for b in engine.pool.blocks if b.ref_count == 0)
+    engine.seqs["x"].block_table.append(spare)  # listed by a sequence, yet on the free list
+    books = engine.block_books()
+    assert f"block {spare}: ref count 0, listed 1 times" in books.errors
+    engine.seqs["x"].block_table.pop()
+    assert engine.block_books().ok
+    engine.abort("x")
+    assert engine.block_books().ok

@@ -107,3 +107,23 @@ def test_first_token_can_finish_the_request(tiny_llama):
     assert out.finished and out.finish_reason == "length"
     assert not decode.has_unfinished()
     assert_block_pool_full(decode)
+
+
+def test_reserve_leaves_room_for_the_running_sequences_next_tokens(tiny_llama):
+    hf_model, _ = tiny_llama
+    decode = make_engine(hf_model, kv_cache_memory=str(8 * 4096), max_model_len=64)
+    assert decode.pool.num_blocks == 8
+    decode.add_request("run", prompts(1, seed=2, lengths=(16,))[0], GREEDY)  # 2 full blocks
+    decode.step()
+    run = decode.seqs["run"]
+    assert run.num_tokens == 17 and len(run.block_table) == 2  # its next token needs block 3
+    # 6 blocks free; a 39-token prompt plus its first token needs 5: with the running
+    # sequence's next block that is 6, which fits; 6 blocks more (41 + 1 tokens) would not.
+    assert decode.reserve("too-big", list(range(2, 43)), GREEDY) is None
+    assert decode.reserve("fits", list(range(2, 41)), GREEDY) is not None
+    books = decode.block_books()
+    assert books.ok and books.reserved == 5 and books.running == 2
+    decode.step()  # the running sequence gets its block: no preemption
+    assert decode.scheduler.num_preemptions == 0 and len(run.block_table) == 3
+    assert decode.abort("fits") and decode.abort("run")
+    assert_block_pool_full(decode)

@@ -8,8 +8,10 @@ import math
 import pytest
 import torch
 
+from common.engine import penalties
 from common.engine import sampler as sampler_module
 from common.engine.sampler import Sampler, SampleResult, SamplingState, make_generator
+from common.engine.sequence import SequenceState
 from common.sampling_params import SamplingParams
 
 # Chi-square critical value for 7 degrees of freedom at p = 1e-4 (V = 8 tokens): a correct sampler
@@ -18,7 +20,8 @@ CHI2_DF7_P1E4 = 29.88
 
 
 def state(params: SamplingParams, prompt=(0,), output=(), eos=()) -> SamplingState:
-    return SamplingState(params, list(prompt), list(output), make_generator(params), frozenset(eos))
+    gen = make_generator(params)
+    return SamplingState.from_tokens(params, list(prompt), list(output), gen, frozenset(eos))
 
 
 def tokens(results: list[SampleResult]) -> list[int]:
@@ -110,7 +113,9 @@ def run_steps(sampler: Sampler, step_logits: list[torch.Tensor], st: SamplingSta
     for lg in step_logits:
         batch = others[:row] + [st] + others[row:]
         out.append(sampler(lg[: len(batch)], batch)[row].token_id)
-        st.output_token_ids.append(out[-1])
+        st.num_output_tokens += 1
+        if st.history is not None:
+            st.history.extend(out[-1:])
     return out
 
 
@@ -249,7 +254,7 @@ def test_penalties_match_hand_computation():
         state(SamplingParams(frequency_penalty=-1.0), prompt=[2], output=[5, 5, 5]),
     ]
     x = logits.clone()
-    sampler_module._apply_penalties(x, states)
+    penalties.apply_penalties(x, states)
     expected = torch.tensor(
         [
             # 2/2, -1*2, untouched, 3/2 - 2*0.5 - 0.25, -2*2 - 0.5 - 0.25, untouched
@@ -306,3 +311,108 @@ def test_empty_output_and_large_vocab_smoke():
     results = Sampler()(logits, [state(params, prompt=[1, 2, 3]) for _ in range(16)])
     assert all(0 <= r.token_id < 32000 and math.isfinite(r.logprob) for r in results)
     assert all(len(r.top_logprobs) == 2 for r in results)
+
+
+# ---- per-step cost: sampling states independent of the context, penalty history incremental ----
+
+
+class CountingList(list):
+    """A token list that counts the elements any slice or iteration copies out of it."""
+
+    copied = 0
+
+    def __getitem__(self, index):
+        item = super().__getitem__(index)
+        if isinstance(index, slice):
+            CountingList.copied += len(item)
+        return item
+
+    def __iter__(self):
+        CountingList.copied += len(self)
+        return super().__iter__()
+
+
+def reference_penalties(x: torch.Tensor, rows: list[tuple[SamplingParams, list, list]]) -> None:
+    """The penalty pass as it was before token histories: every token, every step."""
+    for i, (p, prompt, output) in enumerate(rows):
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(prompt + output)), dtype=torch.long)
+            vals = x[i, seen]
+            x[i, seen] = torch.where(
+                vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty
+            )
+        if output:
+            ids = torch.tensor(output, dtype=torch.long)
+            distinct = torch.tensor(sorted(set(output)), dtype=torch.long)
+            x[i, distinct] -= p.presence_penalty
+            x[i].index_add_(0, ids, torch.full((len(output),), -p.frequency_penalty))
+
+
+PENALTY_PARAMS = [
+    SamplingParams(temperature=0.0),
+    SamplingParams(temperature=0.0, repetition_penalty=1.3),
+    SamplingParams(temperature=0.0, frequency_penalty=0.7, presence_penalty=-0.4),
+    SamplingParams(temperature=0.9, seed=5, repetition_penalty=0.8, frequency_penalty=-0.3),
+    SamplingParams(temperature=1.1, seed=6, presence_penalty=1.5, min_tokens=3),
+]
+
+
+def test_incremental_history_samples_what_a_full_recount_does():
+    """Engine-style states (one SequenceState each, history synced step by step, drafts on top)
+    give the tokens and processed logits of states rebuilt from every token at every step."""
+    vocab, steps = 64, 40
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (5, 9, 1, 17, 30)]
+    seqs = [
+        SequenceState(f"s{i}", list(p), len(p), params, make_generator(params))
+        for i, (p, params) in enumerate(zip(prompts, PENALTY_PARAMS))
+    ]
+    fresh_gens = [make_generator(p) for p in PENALTY_PARAMS]
+    eos = frozenset([0])
+    incremental, recount = Sampler(), Sampler()
+    for step in range(steps):
+        logits = torch.randn(len(seqs), vocab, generator=g) * 2
+        drafts = [] if step % 3 else [7, 7, 8]  # every third step, states after three drafts
+        new = [s.sampling_state(eos, drafts) for s in seqs]
+        old = [
+            SamplingState.from_tokens(
+                s.params, s.prompt_token_ids, s.output_token_ids + drafts, s.generator, eos
+            )
+            for s in seqs
+        ]
+        torch.testing.assert_close(
+            incremental.process_logits(logits, new), recount.process_logits(logits, old)
+        )
+        ref = logits.clone()
+        reference_penalties(
+            ref, [(s.params, s.prompt_token_ids, s.output_token_ids + drafts) for s in seqs]
+        )
+        got = logits.clone()
+        penalties.apply_penalties(got, new)
+        torch.testing.assert_close(got, ref)
+        # sample with the new states, and with recounted states on twin generators
+        twins = [
+            SamplingState.from_tokens(s.params, s.prompt_token_ids, s.output_token_ids, gen, eos)
+            for s, gen in zip(seqs, fresh_gens)
+        ]
+        picked = tokens(incremental(logits, [s.sampling_state(eos) for s in seqs]))
+        assert picked == tokens(recount(logits, twins))
+        for s, t in zip(seqs, picked):
+            s.token_ids.append(t)
+
+
+def test_sampling_state_cost_does_not_grow_with_the_context():
+    def copied_per_step(num_tokens: int, params: SamplingParams) -> float:
+        s = SequenceState("s", CountingList(range(num_tokens)), num_tokens, params)
+        s.sampling_state(frozenset())  # the first call may read the prompt (once)
+        CountingList.copied = 0
+        for t in range(20):
+            s.token_ids.append(t)
+            state = s.sampling_state(frozenset(), [1, 2])
+            assert state.num_output_tokens == t + 1 + 2
+        return CountingList.copied / 20
+
+    plain = SamplingParams(temperature=0.0)
+    assert copied_per_step(10, plain) == copied_per_step(50_000, plain) == 0
+    penalized = SamplingParams(temperature=0.0, frequency_penalty=0.5)
+    assert copied_per_step(10, penalized) == copied_per_step(50_000, penalized) == 1  # the new one

@@ -1,4 +1,4 @@
-"""Speculative decoding (common/engine/spec/spec_decode.py and its engine path).
+"""Speculative decoding (common/engine/spec/: proposers, verify, governor; and its engine path).
 
 Greedy output equals plain decoding, the rejection sampler keeps the target distribution, and the
 KV of rejected drafts is rolled back.
@@ -16,13 +16,9 @@ from common.cli import build_parser
 from common.config import EngineConfig, config_from_args
 from common.engine.engine import Engine
 from common.engine.scheduler import ScheduledSeq
-from common.engine.spec.spec_decode import (
-    SpeculationGovernor,
-    greedy_accept,
-    mean_accepted_length,
-    ngram_propose,
-    rejection_sample,
-)
+from common.engine.spec.governor import SpeculationGovernor, mean_accepted_length
+from common.engine.spec.proposers import ngram_propose
+from common.engine.spec.verify import greedy_accept, rejection_sample
 from common.sampling_params import SamplingParams
 from tests.common.engine.test_engine import make_engine as make_plain_engine
 
@@ -286,7 +282,7 @@ def test_stops_inside_an_accepted_run(tiny_llama, mode):
     assert seq.output_token_ids == free_run[:7] and seq.finish_reason == "length"
     # eos, held back by min_tokens
     engine.eos_token_ids = engine.verifier.eos_token_ids = frozenset([stop_at])
-    engine.runner.eos_token_ids = engine.eos_token_ids
+    engine.proposer.eos_token_ids = engine.eos_token_ids
     seq = engine.generate([p], SamplingParams(max_tokens=40, temperature=0.0))[0]
     assert seq.output_token_ids == free_run[: first + 1]
     seq = engine.generate(

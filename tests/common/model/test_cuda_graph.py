@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from common.config import EngineConfig
-from common.model import llama as model_module
 from common.model.cuda_graph import DecodeGraphs, capture_sizes
 from common.model.model_runner import ModelRunner
 
@@ -94,23 +93,37 @@ def test_padding_rows_write_nothing_with_the_triton_path(tiny_llama, query_len: 
     hf_model, _ = tiny_llama
     runner = make_runner(hf_model, "cpu")
     graphs = make_graphs(runner, 4, query_len, capture=False)
-    model_module.set_attention_backend("triton")
-    try:
-        compare(runner, graphs, [3, 1], query_len)
-        # Padding rows left every slot outside the real rows' alone.
-        fill_cache(runner, seed=7)
-        before = runner.kv_cache.clone()
-        ids, pos, meta = runner.prepare_rows(rows(3, query_len, seed=0))
-        graphs.run(ids, pos, meta)
-        written = torch.zeros(runner.num_blocks * BS, dtype=torch.bool)
-        written[meta.slot_mapping] = True
-        num_layers = runner.kv_cache.shape[0]
-        per_slot = (runner.kv_cache != before).reshape(num_layers, 2, written.numel(), -1)
-        changed = per_slot.any(-1).any(1).any(0)
-        assert changed.any()  # the real rows did write
-        assert not (changed & ~written).any()
-    finally:
-        model_module.set_attention_backend("torch")
+    runner.model.set_attention_backend("triton")  # this model only: nothing global to restore
+    compare(runner, graphs, [3, 1], query_len)
+    # Padding rows left every slot outside the real rows' alone.
+    fill_cache(runner, seed=7)
+    before = runner.kv_cache.clone()
+    ids, pos, meta = runner.prepare_rows(rows(3, query_len, seed=0))
+    graphs.run(ids, pos, meta)
+    written = torch.zeros(runner.num_blocks * BS, dtype=torch.bool)
+    written[meta.slot_mapping] = True
+    num_layers = runner.kv_cache.shape[0]
+    per_slot = (runner.kv_cache != before).reshape(num_layers, 2, written.numel(), -1)
+    changed = per_slot.any(-1).any(1).any(0)
+    assert changed.any()  # the real rows did write
+    assert not (changed & ~written).any()
+
+
+def test_attention_backend_is_per_model(tiny_llama) -> None:
+    """Two runners in one process keep their own backends (no module-global state)."""
+    hf_model, _ = tiny_llama
+    a, b = make_runner(hf_model, "cpu"), make_runner(hf_model, "cpu")
+    a.model.set_attention_backend("triton")
+    assert {layer.self_attn.backend for layer in a.model.layers} == {"triton"}
+    assert {layer.self_attn.backend for layer in b.model.layers} == {"torch"}
+    step = rows(2, 1, seed=3)
+    fill_cache(a, seed=5)
+    fill_cache(b, seed=5)
+    logits_a = a.run(step, [1, 1])
+    logits_b = b.run(step, [1, 1])
+    torch.testing.assert_close(logits_a, logits_b, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        a.model.set_attention_backend("nope")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

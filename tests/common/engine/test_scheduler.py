@@ -1,0 +1,175 @@
+"""common/engine/scheduler.py on its own: a real block pool and manager, sequences, no model.
+
+Admission under the token budget and max_num_seqs, chunked prefill, preemption of the newest
+running sequence, and draft slots: granted only from blocks and budget nobody running needs.
+"""
+
+from __future__ import annotations
+
+from common.engine.block_manager import BlockManager
+from common.engine.block_pool import BlockPool
+from common.engine.scheduler import Scheduler
+from common.engine.sequence import SequenceState, SequenceStatus
+from common.sampling_params import SamplingParams
+
+BS = 4
+PARAMS = SamplingParams(max_tokens=100, temperature=0.0)
+
+
+def make(num_blocks: int, budget: int = 64, max_seqs: int = 8, lookahead: int = 0, **kw):
+    manager = BlockManager(BlockPool(num_blocks, BS), b"salt")
+    return Scheduler(manager, max_seqs, budget, num_lookahead_tokens=lookahead, **kw)
+
+
+def seq(rid: str, num_tokens: int, params: SamplingParams = PARAMS) -> SequenceState:
+    return SequenceState(rid, list(range(10, 10 + num_tokens)), num_tokens, params)
+
+
+def compute(sched: Scheduler, batch) -> None:
+    """What the engine does after a plain step: KV computed, one token sampled at a prompt's end."""
+    for item in batch:
+        s = item.seq
+        s.num_computed_tokens += item.num_new_tokens
+        sched.block_manager.commit(s)
+        if s.num_computed_tokens == s.num_tokens:
+            s.token_ids.append(7)
+
+
+def books(sched: Scheduler):
+    return sched.block_manager.check_books({"running": [*sched.running, *sched.waiting]})
+
+
+def test_admits_in_order_within_the_token_budget_and_chunks_the_rest():
+    sched = make(num_blocks=32, budget=10)
+    a, b, c = seq("a", 6), seq("b", 7), seq("c", 3)
+    for s in (a, b, c):
+        sched.add(s)
+    batch = sched.schedule()
+    assert [(i.seq.request_id, i.num_new_tokens) for i in batch] == [("a", 6), ("b", 4)]
+    assert list(sched.waiting) == [c] and sched.running == [a, b]
+    assert len(a.block_table) == 2 and len(b.block_table) == 1  # slots for what is computed
+    compute(sched, batch)
+    # running first (a decodes one token, b finishes its prompt), then c within what is left
+    batch = sched.schedule()
+    assert [(i.seq.request_id, i.num_new_tokens) for i in batch] == [("a", 1), ("b", 3), ("c", 3)]
+    assert books(sched).ok
+
+
+def test_max_num_seqs_caps_the_running_set():
+    sched = make(num_blocks=32, max_seqs=2)
+    for i in range(3):
+        sched.add(seq(f"s{i}", 2))
+    assert [i.seq.request_id for i in sched.schedule()] == ["s0", "s1"]
+    assert [s.request_id for s in sched.waiting] == ["s2"]
+
+
+def test_out_of_blocks_preempts_the_newest_running_sequence():
+    sched = make(num_blocks=4)
+    old, new = seq("old", 8), seq("new", 8)  # two blocks each: the pool is full
+    sched.add(old)
+    sched.add(new)
+    batch = sched.schedule()
+    assert len(batch) == 2 and sched.block_manager.pool.num_free == 0
+    compute(sched, batch)
+    # old's next token needs a third block: new is preempted, its blocks freed, first in line
+    batch = sched.schedule()
+    assert [(i.seq.request_id, i.num_new_tokens) for i in batch] == [("old", 1)]
+    assert sched.num_preemptions == 1 and new.status is SequenceStatus.WAITING
+    assert list(sched.waiting) == [new] and new.block_table == [] and new.num_computed_tokens == 0
+    assert len(old.block_table) == 3
+    assert books(sched).ok
+
+
+def test_a_waiting_prompt_that_does_not_fit_waits_holding_nothing():
+    sched = make(num_blocks=3)
+    sched.add(seq("fits", 8))
+    sched.add(seq("big", 8))
+    assert [i.seq.request_id for i in sched.schedule()] == ["fits"]
+    big = sched.waiting[0]
+    assert big.block_table == [] and sched.block_manager.pool.num_free == 1
+    assert books(sched).ok
+
+
+def decoding(sched: Scheduler, *lengths: int) -> list[SequenceState]:
+    """Sequences admitted and past their prompts, each with one sampled token to compute."""
+    seqs = [seq(f"d{i}", n) for i, n in enumerate(lengths)]
+    for s in seqs:
+        sched.add(s)
+    compute(sched, sched.schedule())
+    assert all(s.num_tokens - s.num_computed_tokens == 1 for s in seqs)
+    return seqs
+
+
+def test_drafts_get_slots_and_budget_when_free():
+    sched = make(num_blocks=16, lookahead=3)
+    a, b = decoding(sched, 5, 6)
+    batch = sched.schedule()
+    assert [(i.num_new_tokens, i.num_lookahead_tokens) for i in batch] == [(1, 3), (1, 3)]
+    # each holds slots for its new token and three drafts: 6 + 3 and 7 + 3 tokens
+    assert len(a.block_table) == 3 and len(b.block_table) == 3
+
+
+def test_draft_slots_never_take_a_block_a_running_sequence_needs():
+    # a (5 tokens computed + 1 new) can draft into a third block; b (8 + 1) needs its third block
+    # for its own next token. One block is free: it must go to b, not to a's drafts (b's own
+    # drafts then fit in it).
+    sched = make(num_blocks=5, lookahead=3)
+    a, b = decoding(sched, 5, 8)
+    assert sched.block_manager.pool.num_free == 1
+    batch = sched.schedule()
+    assert [(i.seq.request_id, i.num_lookahead_tokens) for i in batch] == [("d0", 0), ("d1", 3)]
+    assert sched.num_preemptions == 0 and sched.running == [a, b]
+    assert len(a.block_table) == 2 and len(b.block_table) == 3
+    assert books(sched).ok
+
+
+def test_drafts_take_a_block_nobody_behind_needs():
+    sched = make(num_blocks=5, lookahead=3)
+    a, b = decoding(sched, 5, 6)  # b's next token fits its second block
+    batch = sched.schedule()
+    assert [i.num_lookahead_tokens for i in batch] == [3, 0]  # a took the last free block
+    assert sched.num_preemptions == 0 and len(a.block_table) == 3
+
+
+def test_drafts_leave_budget_for_the_sequences_behind():
+    sched = make(num_blocks=32, budget=4, lookahead=3)
+    decoding_seqs = decoding(sched, 2, 2)
+    assert len(decoding_seqs) == 2
+    batch = sched.schedule()
+    # 4 tokens: the second sequence keeps 1, so the first drafts at most 2
+    assert [(i.num_new_tokens, i.num_lookahead_tokens) for i in batch] == [(1, 2), (1, 0)]
+
+
+def test_lookahead_stays_within_max_tokens_and_the_context():
+    sched = make(num_blocks=32, lookahead=5, max_model_len=9)
+    near_max = seq("m", 3, SamplingParams(max_tokens=3, temperature=0.0))
+    near_ctx = seq("c", 5)
+    for s in (near_max, near_ctx):
+        sched.add(s)
+    compute(sched, sched.schedule())
+    batch = sched.schedule()
+    # m has 1 output and 2 to go: 1 draft; c has 6 of 9 tokens: 2 drafts
+    assert [i.num_lookahead_tokens for i in batch] == [1, 2]
+
+
+def test_no_drafts_when_switched_off_or_above_the_batch_limit():
+    sched = make(num_blocks=32, lookahead=3, speculative_max_batch=1)
+    decoding(sched, 3, 3)
+    assert [i.num_lookahead_tokens for i in sched.schedule()] == [0, 0]  # 2 running > 1
+    sched = make(num_blocks=32, lookahead=3)
+    decoding(sched, 3)
+    sched.drafting = False
+    assert [i.num_lookahead_tokens for i in sched.schedule()] == [0]
+
+
+def test_prefix_hit_at_admission_counts_cached_tokens():
+    sched = make(num_blocks=16)
+    first = seq("first", 9)
+    sched.add(first)
+    compute(sched, sched.schedule())  # 9 prompt tokens computed: two full blocks registered
+    sched.remove(first)
+    again = seq("again", 9)
+    sched.add(again)
+    [item] = sched.schedule()
+    assert again.num_cached_tokens == 8 and item.num_new_tokens == 1
+    assert books(sched).ok
