@@ -29,8 +29,17 @@ log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).parent / "csrc" / "fused_ops.c"
 # -ffp-contract=off: no FMA contraction, so products and sums round exactly as torch's separate
-# ops do. -fno-math-errno only lets sqrtf inline; it changes no result and no process state.
-_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC"]
+# ops do. -fno-math-errno (sqrtf inline) and -fno-trapping-math (lets the selects and the
+# float-to-int conversion in exp vectorise) change no result and no process-wide float state.
+_FLAGS = [
+    "-O3",
+    "-march=native",
+    "-ffp-contract=off",
+    "-fno-math-errno",
+    "-fno-trapping-math",
+    "-shared",
+    "-fPIC",
+]
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _lib: ctypes.CDLL | None = None
 _failed = False
@@ -98,6 +107,12 @@ def supports(x: torch.Tensor) -> bool:
     return enabled and x.device.type == "cpu" and x.dtype in _DTYPES and available()
 
 
+def _library() -> ctypes.CDLL:
+    if not available():
+        raise RuntimeError("the fused CPU ops could not be built")
+    return _lib
+
+
 def _check_rows(name: str, t: torch.Tensor, width: int) -> None:
     # The kernels walk rows of `width` contiguous elements at t.stride(0) apart.
     if t.dim() != 2 or t.shape[1] != width or t.stride(1) != 1:
@@ -110,22 +125,23 @@ def add_rms_norm(
     """RMSNorm of x [T, dim]; with `residual`, first residual += x (in place) and norm that.
 
     Same rounding as the eager code: float32 statistics, and in bfloat16 the normalised value is
-    rounded before the weight multiply.
+    rounded before the weight multiply. `weight` must have x's dtype.
     """
     dim = weight.shape[0]
     _check_rows("x", x, dim)
-    dtype = _DTYPES[x.dtype]
-    out = torch.empty(x.shape, dtype=x.dtype)
+    if weight.dtype != x.dtype or not weight.is_contiguous():
+        raise ValueError("weight must be contiguous, in x's dtype")
+    # empty_like costs a third of torch.empty(shape, dtype=...): this runs 61 times a step
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
     res_ptr, res_stride = None, 0
     if residual is not None:
         _check_rows("residual", residual, dim)
         if residual.dtype != x.dtype:
             raise ValueError("residual and x must share a dtype")
         res_ptr, res_stride = residual.data_ptr(), residual.stride(0)
-    w = weight if weight.dtype == x.dtype and weight.is_contiguous() else weight.to(x.dtype)
-    rc = _lib.add_rms_norm(
-        x.data_ptr(), x.stride(0), res_ptr, res_stride, w.contiguous().data_ptr(),
-        out.data_ptr(), dim, x.shape[0], dim, eps, dtype,
+    rc = _library().add_rms_norm(
+        x.data_ptr(), x.stride(0), res_ptr, res_stride, weight.data_ptr(), out.data_ptr(), dim,
+        x.shape[0], dim, eps, _DTYPES[x.dtype],
     )  # fmt: skip
     if rc != 0:
         raise ValueError(f"add_rms_norm: hidden size {dim} not supported")
@@ -164,7 +180,7 @@ def rope_qk(
             raise ValueError("KV cache dtype or slot mapping dtype mismatch")
         k_ptr, v_ptr = k_cache.data_ptr(), v_cache.data_ptr()
         slots_ptr = slot_mapping.contiguous().data_ptr()
-    rc = _lib.rope_qk(
+    rc = _library().rope_qk(
         qkv.data_ptr(), qkv.stride(0), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
         cos.shape[0], qkv.shape[0], num_heads, num_kv_heads, head_dim, k_ptr, v_ptr, slots_ptr,
         _DTYPES[qkv.dtype],
@@ -179,7 +195,7 @@ def silu_mul(gate_up: torch.Tensor, intermediate: int) -> torch.Tensor:
     """silu(gate) * up of gate_up [T, 2 * I] -> [T, I] (SiLU rounded to dtype first)."""
     _check_rows("gate_up", gate_up, 2 * intermediate)
     out = torch.empty(gate_up.shape[0], intermediate, dtype=gate_up.dtype)
-    rc = _lib.silu_mul(
+    rc = _library().silu_mul(
         gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), intermediate, gate_up.shape[0],
         intermediate, _DTYPES[gate_up.dtype],
     )  # fmt: skip

@@ -51,9 +51,12 @@ class RMSNorm(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """norm(x); with `residual`, (norm(x + residual), x + residual), the sum made in place
         on the CPU's fused path (the caller hands over its residual stream)."""
-        if cpu_ops.supports(x) and x.stride(-1) == 1:
-            out = cpu_ops.add_rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps, residual)
-            return out.view(x.shape) if residual is None else (out, residual)
+        if cpu_ops.supports(x) and x.stride(-1) == 1 and self.weight.dtype == x.dtype:
+            if x.dim() != 2:  # Qwen3's per-head q/k norms: [T, heads, D] as rows of D
+                rows = x.reshape(-1, x.shape[-1])
+                return cpu_ops.add_rms_norm(rows, self.weight, self.eps).view(x.shape)
+            out = cpu_ops.add_rms_norm(x, self.weight, self.eps, residual)
+            return out if residual is None else (out, residual)
         if residual is not None:
             residual = x + residual
             return self._norm(residual), residual
@@ -98,7 +101,7 @@ class RotaryEmbedding(nn.Module):
 
     def set_positions(self, positions: torch.Tensor, dtype: torch.dtype) -> None:
         """This step's positions; the eager path looks its cos/sin up once, on first use."""
-        self.positions = positions
+        self.positions = positions.long().contiguous()  # what the fused kernel reads
         self.dtype = dtype
         self.step_cos = self.step_sin = None
 
@@ -115,7 +118,7 @@ class RotaryEmbedding(nn.Module):
         Returns whether the cache was written; False means the caller writes it."""
         store = kv_writer is write_kv_cache and attn.k_cache.is_contiguous()
         cpu_ops.rope_qk(
-            qkv, self.positions.long().contiguous(), self.cos, self.sin, attn.num_heads,
+            qkv, self.positions, self.cos, self.sin, attn.num_heads,
             attn.num_kv_heads, attn.head_dim, attn.k_cache if store else None,
             attn.v_cache if store else None, meta.slot_mapping if store else None,
         )  # fmt: skip

@@ -5,7 +5,7 @@
  * Each op rounds where the eager torch code rounds (bfloat16 after every torch op, float32
  * statistics in RMSNorm), and is built with -ffp-contract=off (no FMA contraction), so rotary
  * and the residual add are bit-exact against torch; RMSNorm differs only in the order of its
- * sum of squares, SiLU only in the last bit of exp. No -ffast-math: it would also set the
+ * sum of squares, SiLU only in the last bits of exp (a vectorisable polynomial). No -ffast-math: it would also set the
  * process-wide flush-to-zero flags when the library loads.
  *
  * dtype: 0 = float32, 1 = bfloat16. Strides are in elements.
@@ -24,9 +24,9 @@ static inline float bf16_to_f32(uint16_t h) {
 static inline uint16_t f32_to_bf16(float f) {
     uint32_t u;
     memcpy(&u, &f, 4);
-    if ((u & 0x7fffffff) > 0x7f800000) return 0x7fc0; /* NaN, as torch rounds it */
-    u += 0x7fff + ((u >> 16) & 1);                    /* round to nearest even, as torch does */
-    return (uint16_t)(u >> 16);
+    const uint32_t rounded = (u + 0x7fff + ((u >> 16) & 1)) >> 16; /* nearest even, as torch */
+    /* NaN becomes torch's 0x7fc0; a select, not a branch, so the loops vectorise */
+    return (uint16_t)((u & 0x7fffffff) > 0x7f800000 ? 0x7fc0 : rounded);
 }
 
 /* bfloat16 rounding of a float, kept as a float: what a bf16 torch op stores. */
@@ -156,6 +156,27 @@ int rope_qk(void *qkv, long qkv_stride, const int64_t *positions, const float *c
     return 0;
 }
 
+/* exp(x) within about 1 ulp in plain float arithmetic (Cephes' polynomial), so that loops over
+ * it vectorise: libm's expf is a call per element. Below -87.3 it returns 2^-126 instead of a
+ * subnormal (silu(x) = x / (1 + exp(-x)) is x either way); above 88.72 it gives inf. */
+static inline float exp_approx(float x) {
+    x = x < -87.33654f ? -87.33654f : (x > 88.72283f ? 88.72283f : x);
+    const float n = floorf(x * 1.44269504088896341f + 0.5f);
+    float r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * (r * r) + r + 1.0f;
+    const uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, 4);
+    return p * scale;
+}
+
 /* out[t, i] = silu(gate_up[t, i]) * gate_up[t, I + i], silu rounded to dtype before the
  * multiply (F.silu(gate).mul_(up)). */
 int silu_mul(const void *gate_up, long in_stride, void *out, long out_stride, int T, int I,
@@ -165,10 +186,10 @@ int silu_mul(const void *gate_up, long in_stride, void *out, long out_stride, in
     for (int t = 0; t < T; t++) {
         load_row(gate_up, t * in_stride, I, dtype, g);
         load_row(gate_up, t * in_stride + I, I, dtype, u);
-        for (int i = 0; i < I; i++) {
-            float a = g[i] / (1.0f + expf(-g[i]));
-            if (dtype == 1) a = round_bf16(a);
-            g[i] = a * u[i];
+        if (dtype == 0) {
+            for (int i = 0; i < I; i++) g[i] = g[i] / (1.0f + exp_approx(-g[i])) * u[i];
+        } else {
+            for (int i = 0; i < I; i++) g[i] = round_bf16(g[i] / (1.0f + exp_approx(-g[i]))) * u[i];
         }
         store_row(out, t * out_stride, I, dtype, g);
     }
