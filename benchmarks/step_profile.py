@@ -15,9 +15,12 @@ kernel wrapped in timers, which gives each one's exclusive time per step:
 
 The floor is the weight bytes one step reads (every parameter and buffer except an untied
 embedding, of which a step reads a few rows) over the copy bandwidth of a 256 MiB tensor copy
-measured here. Run: `python benchmarks/step_profile.py [--model default] [--dtype bfloat16]
-[--batches 1,8] [--context 256] [--iters 20] [--repeats 3] [--threads N]`. Result: a line with
-the floor, then a Markdown table per batch size (ms per step by part, eager and fused).
+measured here. `--clock cpu` times with the process's CPU time instead of the wall clock: on a
+machine shared with other jobs, use it with `--threads 1` (time spent waiting for a core is then
+not counted). Run: `python benchmarks/step_profile.py [--model default] [--dtype bfloat16]
+[--batches 1,8] [--context 256] [--iters 20] [--repeats 3] [--threads N] [--clock wall|cpu]`.
+Result: a line with the floor, then a Markdown table per batch size (ms per step by part, eager
+and fused, and the step over the floor).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from common.model.model_files import resolve_model
 from common.model.model_runner import ModelRunner
 from common.model.weights import iter_weights
 
+clock = time.perf_counter  # --clock cpu: time.process_time
 PARTS = ["linear", "attention kernel", "norm + residual", "attention glue", "mlp glue", "other"]
 
 
@@ -49,11 +53,11 @@ class PartTimer:
     def wrap(self, part: str, fn: Callable) -> Callable:
         def timed(*args, **kwargs):
             self.stack.append(0.0)
-            start = time.perf_counter()
+            start = clock()
             try:
                 return fn(*args, **kwargs)
             finally:
-                elapsed = time.perf_counter() - start
+                elapsed = clock() - start
                 children = self.stack.pop()
                 self.totals[part] += elapsed - children
                 if self.stack:
@@ -94,10 +98,10 @@ def step_ms(runner: ModelRunner, inputs, iters: int) -> float:
     ids, pos, meta = inputs
     model = runner.model
     model.compute_logits(model(ids, pos, meta))  # warm-up (and the kernel build)
-    start = time.perf_counter()
+    start = clock()
     for _ in range(iters):
         model.compute_logits(model(ids, pos, meta))
-    return (time.perf_counter() - start) / iters * 1e3
+    return (clock() - start) / iters * 1e3
 
 
 def profile_ms(runner: ModelRunner, inputs, iters: int) -> dict[str, float]:
@@ -129,9 +133,9 @@ def copy_bandwidth() -> float:
     dst.copy_(src)
     best = float("inf")
     for _ in range(5):
-        start = time.perf_counter()
+        start = clock()
         dst.copy_(src)
-        best = min(best, time.perf_counter() - start)
+        best = min(best, clock() - start)
     return src.numel() / best
 
 
@@ -144,7 +148,10 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall")
     args = parser.parse_args()
+    global clock
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
     batches = [int(b) for b in args.batches.split(",")]
     source = resolve_model(args.model)
     blocks_needed = max(batches) * (args.context // 16 + 1)
@@ -163,7 +170,8 @@ def main() -> None:
     bandwidth = copy_bandwidth()
     floor_ms = floor_bytes / bandwidth * 1e3
     print(
-        f"model {args.model}, {args.dtype}, {torch.get_num_threads()} threads, context "
+        f"model {args.model}, {args.dtype}, {torch.get_num_threads()} threads, {args.clock} "
+        f"clock, context "
         f"{args.context}; weights {floor_bytes / 1e6:.1f} MB per step, copy bandwidth "
         f"{bandwidth / 1e9:.2f} GB/s, floor {floor_ms:.2f} ms per step"
     )
