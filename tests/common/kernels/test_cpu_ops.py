@@ -107,9 +107,7 @@ def test_rope_qk_stores_k_and_v_like_write_kv_cache(dtype):
     k = reference[:, heads * head_dim : qk_width].view(tokens, kv_heads, head_dim)
     v = reference[:, qk_width:].view(tokens, kv_heads, head_dim)
     write_kv_cache(k, v, ref_k, ref_v, slots)
-    cpu_ops.rope_qk(
-        qkv, positions, cos, sin, heads, kv_heads, head_dim, k_cache, v_cache, slots
-    )
+    cpu_ops.rope_qk(qkv, positions, cos, sin, heads, kv_heads, head_dim, k_cache, v_cache, slots)
     assert torch.equal(qkv, reference)
     assert torch.equal(k_cache, ref_k)
     assert torch.equal(v_cache, ref_v)
