@@ -36,7 +36,7 @@ from common.config import EngineConfig
 from common.kernels import cpu_ops
 from common.model import llama
 from common.model.model_files import resolve_model
-from common.model.model_runner import ModelRunner
+from common.model.model_runner import ModelRunner, kv_bytes_per_block
 from common.model.weights import iter_weights
 
 clock = time.perf_counter  # --clock cpu: time.process_time
@@ -155,12 +155,14 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     source = resolve_model(args.model)
     blocks_needed = max(batches) * (args.context // 16 + 1)
+    dtype = EngineConfig(dtype=args.dtype).resolved_dtype()
+    kv_bytes = blocks_needed * kv_bytes_per_block(source.hf_config, 16, dtype)
     config = EngineConfig(
         model=args.model,
         dtype=args.dtype,
         block_size=16,
         max_model_len=args.context + 16,
-        kv_cache_memory=f"{max(64, blocks_needed // 8 + 16)}MiB",
+        kv_cache_memory=f"{kv_bytes // (1 << 20) + 16}MiB",
         num_threads=args.threads,
     )
     runner = ModelRunner(config, source.hf_config, iter_weights(source))

@@ -51,7 +51,7 @@ _SIGNATURES = {
     "add_rms_norm": [_ptr, _c_long, _ptr, _c_long, _ptr, _ptr, _c_long, _c_int, _c_int,
                      ctypes.c_float, _c_int],
     "rope_qk": [_ptr, _c_long, _ptr, _ptr, _ptr, _c_long, _c_int, _c_int, _c_int, _c_int, _ptr,
-                _ptr, _ptr, _c_int],
+                _ptr, _ptr, _c_long, _c_int],
     "silu_mul": [_ptr, _c_long, _ptr, _c_long, _c_int, _c_int, _c_int],
 }  # fmt: skip
 
@@ -173,20 +173,28 @@ def rope_qk(
     if cos.dtype != torch.float32 or not (cos.is_contiguous() and sin.is_contiguous()):
         raise ValueError("cos/sin tables must be contiguous float32")
     k_ptr = v_ptr = slots_ptr = None
+    num_slots = 0
     if k_cache is not None:
         if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
             raise ValueError("the KV caches must be contiguous")
         if k_cache.dtype != qkv.dtype or slot_mapping.dtype != torch.int64:
             raise ValueError("KV cache dtype or slot mapping dtype mismatch")
+        if k_cache.shape != v_cache.shape or k_cache.shape[-2:] != (num_kv_heads, head_dim):
+            raise ValueError(f"KV cache shape {tuple(k_cache.shape)} does not fit the heads")
+        if slot_mapping.shape[0] != qkv.shape[0]:
+            raise ValueError("one slot per token expected")
         k_ptr, v_ptr = k_cache.data_ptr(), v_cache.data_ptr()
+        num_slots = k_cache.numel() // (num_kv_heads * head_dim)
         slots_ptr = slot_mapping.contiguous().data_ptr()
     rc = _library().rope_qk(
         qkv.data_ptr(), qkv.stride(0), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
         cos.shape[0], qkv.shape[0], num_heads, num_kv_heads, head_dim, k_ptr, v_ptr, slots_ptr,
-        _DTYPES[qkv.dtype],
+        num_slots, _DTYPES[qkv.dtype],
     )  # fmt: skip
     if rc == 2:
         raise IndexError("rope_qk: a position is outside the cos/sin tables")
+    if rc == 3:
+        raise IndexError(f"rope_qk: a slot is outside the KV cache ({num_slots} slots)")
     if rc != 0:
         raise ValueError(f"rope_qk: head_dim {head_dim} not supported")
 

@@ -119,17 +119,21 @@ static inline void rotate_head(float *restrict h, const float *restrict c,
 
 /* qkv [T, (H + 2*Hkv) * D] with row stride qkv_stride: rotates q's H heads and k's Hkv heads in
  * place at positions[t] (cos/sin tables float32 [max_pos, D]). If k_cache is given (contiguous
- * [slots, Hkv, D]), also stores the rotated k and the v heads at slot_mapping[t] (negative slots
- * are padding and skipped). */
+ * [num_slots, Hkv, D]), also stores the rotated k and the v heads at slot_mapping[t] (negative
+ * slots are padding and skipped). Returns 2 for a position outside the tables, 3 for a slot
+ * past the cache, both checked before anything is written. */
 int rope_qk(void *qkv, long qkv_stride, const int64_t *positions, const float *cos_table,
             const float *sin_table, long max_pos, int T, int H, int Hkv, int D, void *k_cache,
-            void *v_cache, const int64_t *slot_mapping, int dtype) {
+            void *v_cache, const int64_t *slot_mapping, long num_slots, int dtype) {
     if (D <= 0 || D % 2 != 0 || D > 1024) return 1;
+    for (int t = 0; t < T; t++) {
+        if (positions[t] < 0 || positions[t] >= max_pos) return 2;
+        if (k_cache != NULL && slot_mapping[t] >= num_slots) return 3;
+    }
     float c[D], s[D], head[D];
     const int heads = H + Hkv;
     for (int t = 0; t < T; t++) {
         const int64_t p = positions[t];
-        if (p < 0 || p >= max_pos) return 2;
         for (int i = 0; i < D; i++) {
             c[i] = cos_table[p * D + i];
             s[i] = sin_table[p * D + i];

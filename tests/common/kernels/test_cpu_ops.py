@@ -113,7 +113,7 @@ def test_rope_qk_stores_k_and_v_like_write_kv_cache(dtype):
     assert torch.equal(v_cache, ref_v)
 
 
-def test_rope_qk_skips_padding_slots_and_rejects_bad_positions():
+def test_rope_qk_skips_padding_slots_and_rejects_out_of_range():
     heads, kv_heads, head_dim = 2, 1, 8
     qkv = _qkv(2, heads, kv_heads, head_dim, torch.float32, seed=2)
     cos, sin = _tables(16, head_dim)
@@ -123,8 +123,12 @@ def test_rope_qk_skips_padding_slots_and_rejects_bad_positions():
     cpu_ops.rope_qk(qkv, torch.tensor([0, 1]), cos, sin, 2, 1, 8, k_cache, v_cache, slots)
     assert k_cache.view(-1, head_dim)[3].abs().sum() > 0
     assert k_cache.view(-1, head_dim)[[0, 1, 2, 4, 5, 6, 7]].abs().sum() == 0
+    before = qkv.clone()
     with pytest.raises(IndexError):
         cpu_ops.rope_qk(qkv, torch.tensor([0, 16]), cos, sin, heads, kv_heads, head_dim)
+    with pytest.raises(IndexError):  # slot 8 is past a cache of 2 blocks of 4
+        cpu_ops.rope_qk(qkv, torch.tensor([0, 1]), cos, sin, 2, 1, 8, k_cache, v_cache, slots + 5)
+    assert torch.equal(qkv, before)  # checked before anything is written
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
