@@ -11,7 +11,10 @@ kernel wrapped in timers, which gives each one's exclusive time per step:
 - norm + residual: RMSNorm with the residual add;
 - attention glue: the rest of Attention.forward (q/k/v views, rotary, the KV-cache store);
 - mlp glue: SiLU * up;
-- other: embedding, the layer loop, the wrappers' own cost (total minus the above).
+- other: embedding, the layer loop, the wrappers' own cost (total minus the above);
+
+and, without the timers, the step with every Linear returning zeros at once: the time that is not
+weight streaming.
 
 The floor is the weight bytes one step reads (every parameter and buffer except an untied
 embedding, of which a step reads a few rows) over the copy bandwidth of a 256 MiB tensor copy
@@ -118,6 +121,25 @@ def profile_ms(runner: ModelRunner, inputs, iters: int) -> dict[str, float]:
     return parts
 
 
+def step_without_linear_ms(runner: ModelRunner, inputs, iters: int) -> float:
+    """The step with every Linear returning a cached zero tensor: all that is not the projections'
+    weight streaming (the overhead this benchmark is about), measured without per-part timers."""
+    zeros: dict[int, torch.Tensor] = {}
+    original = llama.Linear.forward
+
+    def no_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        key = id(self)
+        if key not in zeros or zeros[key].shape[0] != x.shape[0]:
+            zeros[key] = x.new_zeros(x.shape[0], self.out_features)
+        return zeros[key]
+
+    llama.Linear.forward = no_matmul
+    try:
+        return step_ms(runner, inputs, iters)
+    finally:
+        llama.Linear.forward = original
+
+
 def weight_bytes(model: llama.CausalLM) -> int:
     tensors = list(model.parameters()) + list(model.buffers())
     total = sum(t.numel() * t.element_size() for t in tensors)
@@ -184,9 +206,12 @@ def main() -> None:
             cpu_ops.enabled = mode == "fused"
             best = min(step_ms(runner, inputs, args.iters) for _ in range(args.repeats))
             results[mode] = {"step": best, **profile_ms(runner, inputs, args.iters)}
+            results[mode]["step without linear work"] = min(
+                step_without_linear_ms(runner, inputs, args.iters) for _ in range(args.repeats)
+            )
         cpu_ops.enabled = True
         print(f"\nbatch {batch} (ms per step)\n\n| part | eager | fused |\n|---|---:|---:|")
-        for part in ["step", *PARTS, "step (instrumented)"]:
+        for part in ["step", *PARTS, "step (instrumented)", "step without linear work"]:
             e, f = results["eager"][part], results["fused"][part]
             print(f"| {part} | {e:.2f} | {f:.2f} |")
         print(f"| step / floor | {results['eager']['step'] / floor_ms:.2f} | "
