@@ -41,6 +41,7 @@ _FLAGS = [
     "-fPIC",
 ]
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+MAX_HIDDEN = 16384  # MAX_DIM in fused_ops.c: the widest row add_rms_norm takes
 _lib: ctypes.CDLL | None = None
 _failed = False
 # PDSERVE_FUSED_OPS=0 forces the eager torch ops; tests and benchmarks flip this attribute.
@@ -122,7 +123,7 @@ def _check_rows(name: str, t: torch.Tensor, width: int) -> None:
 def add_rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """RMSNorm of x [T, dim]; with `residual`, first residual += x (in place) and norm that.
+    """RMSNorm of x [T, dim <= MAX_HIDDEN]; with `residual`, first residual += x (in place).
 
     Same rounding as the eager code: float32 statistics, and in bfloat16 the normalised value is
     rounded before the weight multiply. `weight` must have x's dtype.

@@ -51,7 +51,12 @@ class RMSNorm(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """norm(x); with `residual`, (norm(x + residual), x + residual), the sum made in place
         on the CPU's fused path (the caller hands over its residual stream)."""
-        if cpu_ops.supports(x) and x.stride(-1) == 1 and self.weight.dtype == x.dtype:
+        if (
+            cpu_ops.supports(x)
+            and x.stride(-1) == 1
+            and self.weight.dtype == x.dtype
+            and x.shape[-1] <= cpu_ops.MAX_HIDDEN
+        ):
             if x.dim() != 2:  # Qwen3's per-head q/k norms: [T, heads, D] as rows of D
                 rows = x.reshape(-1, x.shape[-1])
                 return cpu_ops.add_rms_norm(rows, self.weight, self.eps).view(x.shape)

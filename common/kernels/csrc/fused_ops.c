@@ -33,7 +33,7 @@ static inline uint16_t f32_to_bf16(float f) {
 /* bfloat16 rounding of a float, kept as a float: what a bf16 torch op stores. */
 static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 
-#define MAX_DIM 16384
+#define MAX_DIM 16384 /* widest RMSNorm row (cpu_ops.MAX_HIDDEN): the largest hidden size */
 
 static inline void load_row(const void *base, long idx, int n, int dtype, float *restrict dst) {
     if (dtype == 0) {
@@ -186,17 +186,22 @@ static inline float exp_approx(float x) {
  * multiply (F.silu(gate).mul_(up)). */
 int silu_mul(const void *gate_up, long in_stride, void *out, long out_stride, int T, int I,
              int dtype) {
-    if (I <= 0 || I > MAX_DIM) return 1;
-    float g[MAX_DIM], u[MAX_DIM];
+    if (I <= 0) return 1;
+    enum { CHUNK = 4096 }; /* element-wise: any width, in chunks that stay in L1 */
+    float g[CHUNK], u[CHUNK];
     for (int t = 0; t < T; t++) {
-        load_row(gate_up, t * in_stride, I, dtype, g);
-        load_row(gate_up, t * in_stride + I, I, dtype, u);
-        if (dtype == 0) {
-            for (int i = 0; i < I; i++) g[i] = g[i] / (1.0f + exp_approx(-g[i])) * u[i];
-        } else {
-            for (int i = 0; i < I; i++) g[i] = round_bf16(g[i] / (1.0f + exp_approx(-g[i]))) * u[i];
+        for (int i0 = 0; i0 < I; i0 += CHUNK) {
+            const int n = I - i0 < CHUNK ? I - i0 : CHUNK;
+            load_row(gate_up, t * in_stride + i0, n, dtype, g);
+            load_row(gate_up, t * in_stride + I + i0, n, dtype, u);
+            if (dtype == 0) {
+                for (int i = 0; i < n; i++) g[i] = g[i] / (1.0f + exp_approx(-g[i])) * u[i];
+            } else {
+                for (int i = 0; i < n; i++)
+                    g[i] = round_bf16(g[i] / (1.0f + exp_approx(-g[i]))) * u[i];
+            }
+            store_row(out, t * out_stride + i0, n, dtype, g);
         }
-        store_row(out, t * out_stride, I, dtype, g);
     }
     return 0;
 }

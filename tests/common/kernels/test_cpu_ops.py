@@ -132,7 +132,7 @@ def test_rope_qk_skips_padding_slots_and_rejects_out_of_range():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("tokens,intermediate", [(1, 1536), (3, 13), (8, 100)])
+@pytest.mark.parametrize("tokens,intermediate", [(1, 1536), (3, 13), (8, 100), (2, 9000)])
 def test_silu_mul_matches_eager(dtype, tokens, intermediate):
     g = torch.Generator().manual_seed(tokens * intermediate)
     gate_up = (torch.randn(tokens, 2 * intermediate, generator=g) * 4).to(dtype)
