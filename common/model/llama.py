@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from common.kernels import cpu_ops
 from common.kernels.attention import AttentionMetadata, paged_attention, write_kv_cache
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -45,7 +46,28 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """norm(x); with `residual`, (norm(x + residual), x + residual), the sum made in place
+        on the CPU's fused path (the caller hands over its residual stream)."""
+        if (
+            cpu_ops.supports(x)
+            and x.stride(-1) == 1
+            and self.weight.dtype == x.dtype
+            and x.shape[-1] <= cpu_ops.MAX_HIDDEN
+        ):
+            if x.dim() != 2:  # Qwen3's per-head q/k norms: [T, heads, D] as rows of D
+                rows = x.reshape(-1, x.shape[-1])
+                return cpu_ops.add_rms_norm(rows, self.weight, self.eps).view(x.shape)
+            out = cpu_ops.add_rms_norm(x, self.weight, self.eps, residual)
+            return out if residual is None else (out, residual)
+        if residual is not None:
+            residual = x + residual
+            return self._norm(residual), residual
+        return self._norm(x)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         # float32 statistics, cast back before the weight: the order HF uses, so bf16 rounds alike
         if x.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
@@ -83,13 +105,29 @@ class RotaryEmbedding(nn.Module):
         self.cos, self.sin = self.cos.to(device), self.sin.to(device)
 
     def set_positions(self, positions: torch.Tensor, dtype: torch.dtype) -> None:
-        """Look up this step's cos/sin once; every layer's forward then reuses them."""
-        self.step_cos = self.cos[positions].to(dtype)[:, None, :]
-        self.step_sin = self.sin[positions].to(dtype)[:, None, :]
+        """This step's positions; the eager path looks its cos/sin up once, on first use."""
+        self.positions = positions.long().contiguous()  # what the fused kernel reads
+        self.dtype = dtype
+        self.step_cos = self.step_sin = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Rotate x [T, heads, D] at this step's positions (half-split layout, as HF)."""
+        if self.step_cos is None:  # cast once per step, reused by every layer
+            self.step_cos = self.cos[self.positions].to(self.dtype)[:, None, :]
+            self.step_sin = self.sin[self.positions].to(self.dtype)[:, None, :]
         return _rotate(x, self.step_cos, self.step_sin)
+
+    def rotate_qkv_(self, qkv: torch.Tensor, attn: Attention, meta: AttentionMetadata) -> bool:
+        """The fused CPU path: rotate q and k inside qkv [T, (H + 2*Hkv) * D] in one pass and,
+        when the torch KV writer is in use, store k and v in their cache slots in the same pass.
+        Returns whether the cache was written; False means the caller writes it."""
+        store = attn.backend == "torch" and attn.k_cache.is_contiguous()
+        cpu_ops.rope_qk(
+            qkv, self.positions, self.cos, self.sin, attn.num_heads,
+            attn.num_kv_heads, attn.head_dim, attn.k_cache if store else None,
+            attn.v_cache if store else None, meta.slot_mapping if store else None,
+        )  # fmt: skip
+        return store
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -120,15 +158,22 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(x)
+        fused = cpu_ops.supports(qkv) and qkv.stride(-1) == 1
         qk_width = (self.num_heads + self.num_kv_heads) * self.head_dim
         qk = qkv[:, :qk_width].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
         v = qkv[:, qk_width:].view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
-            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
-        qk = self.rotary(qk)  # q and k rotated in one go
+            normed = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
+            qk = qk.copy_(normed) if fused else normed  # the fused rotary works inside qkv
+        written = False
+        if fused:  # q and k rotated in place in one pass, k and v stored in the same pass
+            written = self.rotary.rotate_qkv_(qkv, self, meta)
+        else:
+            qk = self.rotary(qk)  # q and k rotated in one go
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        KV_WRITERS[self.backend](k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        if not written:
+            KV_WRITERS[self.backend](k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         attend = ATTENTION_BACKENDS[self.backend]
         out = attend(q, self.k_cache, self.v_cache, meta, self.scale, k, v)
         return self.o_proj(out.flatten(1))
@@ -163,7 +208,10 @@ class MLP(nn.Module):
         self.down_proj = Linear(self.intermediate, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if cpu_ops.supports(gate_up) and gate_up.stride(-1) == 1:
+            return self.down_proj(cpu_ops.silu_mul(gate_up, self.intermediate))
+        gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate).mul_(up))
 
 
@@ -175,9 +223,17 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(MLP output, residual stream): the residual add happens inside the next RMSNorm
+        (fused on the CPU); `residual` None on the first layer, where x is the stream."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h, residual = self.post_attention_layernorm(self.self_attn(h, meta), residual)
+        return self.mlp(h), residual
 
 
 class CausalLM(nn.Module):
@@ -213,9 +269,10 @@ class CausalLM(nn.Module):
         x = self.embed_tokens(input_ids)
         self.rotary.set_positions(positions, x.dtype)
         layers = self.layers if num_layers is None else self.layers[:num_layers]
+        residual = None
         for layer in layers:
-            x = layer(x, meta)
-        return self.norm(x)
+            x, residual = layer(x, residual, meta)
+        return self.norm(x) if residual is None else self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

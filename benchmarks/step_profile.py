@@ -1,0 +1,222 @@
+"""Where a decode step's time goes, eager torch ops vs the fused CPU ops, next to its memory floor.
+
+Loads the model into a ModelRunner in this process, builds one decode step (every sequence one
+token at `--context` cached positions) at each batch size, and for the eager ops
+(`cpu_ops.enabled = False`) and the fused ones: the plain step time (forward + LM head, best of
+`--repeats`), then the same steps with every Linear, RMSNorm, Attention, MLP and the attention
+kernel wrapped in timers, which gives each one's exclusive time per step:
+
+- linear: the projections and the LM head (weight streaming);
+- attention kernel: paged attention over the KV cache;
+- norm + residual: RMSNorm with the residual add;
+- attention glue: the rest of Attention.forward (q/k/v views, rotary, the KV-cache store);
+- mlp glue: SiLU * up;
+- other: embedding, the layer loop, the wrappers' own cost (total minus the above);
+
+and, without the timers, the step with every Linear returning zeros at once: the time that is not
+weight streaming.
+
+The floor is the weight bytes one step reads (every parameter and buffer except an untied
+embedding, of which a step reads a few rows) over the copy bandwidth of a 256 MiB tensor copy
+measured here. `--clock cpu` times with the process's CPU time instead of the wall clock: on a
+machine shared with other jobs, use it with `--threads 1` (time spent waiting for a core is then
+not counted). Run: `python benchmarks/step_profile.py [--model default] [--dtype bfloat16]
+[--batches 1,8] [--context 256] [--iters 20] [--repeats 3] [--threads N] [--clock wall|cpu]`.
+Result: a line with the floor, then a Markdown table per batch size (ms per step by part, eager
+and fused, and the step over the floor).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections import defaultdict
+from collections.abc import Callable
+
+import torch
+
+from common.config import EngineConfig
+from common.kernels import cpu_ops
+from common.model import llama
+from common.model.model_files import resolve_model
+from common.model.model_runner import ModelRunner, kv_bytes_per_block
+from common.model.weights import iter_weights
+
+clock = time.perf_counter  # --clock cpu: time.process_time
+PARTS = ["linear", "attention kernel", "norm + residual", "attention glue", "mlp glue", "other"]
+
+
+class PartTimer:
+    """Exclusive wall time per part: a part's time excludes the timed parts called inside it."""
+
+    def __init__(self) -> None:
+        self.totals: dict[str, float] = defaultdict(float)
+        self.stack: list[float] = []  # time spent in timed children, per open frame
+
+    def wrap(self, part: str, fn: Callable) -> Callable:
+        def timed(*args, **kwargs):
+            self.stack.append(0.0)
+            start = clock()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                elapsed = clock() - start
+                children = self.stack.pop()
+                self.totals[part] += elapsed - children
+                if self.stack:
+                    self.stack[-1] += elapsed
+
+        return timed
+
+
+def instrument(timer: PartTimer) -> Callable[[], None]:
+    """Wrap the model's building blocks in `timer`; returns the function that unwraps them."""
+    patches = [
+        (llama.Linear, "forward", "linear"),
+        (llama.RMSNorm, "forward", "norm + residual"),
+        (llama.Attention, "forward", "attention glue"),
+        (llama.MLP, "forward", "mlp glue"),
+        (llama, "attention_backend", "attention kernel"),
+    ]
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
+    for owner, name, part in patches:
+        setattr(owner, name, timer.wrap(part, getattr(owner, name)))
+
+    def undo() -> None:
+        for owner, name, fn in saved:
+            setattr(owner, name, fn)
+
+    return undo
+
+
+def decode_inputs(runner: ModelRunner, batch: int, context: int):
+    """One decode token per sequence at position `context`, each sequence in its own blocks."""
+    blocks = context // runner.block_size + 1
+    rows = [([7], context, list(range(i * blocks, (i + 1) * blocks))) for i in range(batch)]
+    return runner.prepare_rows(rows)
+
+
+@torch.inference_mode()
+def step_ms(runner: ModelRunner, inputs, iters: int) -> float:
+    ids, pos, meta = inputs
+    model = runner.model
+    model.compute_logits(model(ids, pos, meta))  # warm-up (and the kernel build)
+    start = clock()
+    for _ in range(iters):
+        model.compute_logits(model(ids, pos, meta))
+    return (clock() - start) / iters * 1e3
+
+
+def profile_ms(runner: ModelRunner, inputs, iters: int) -> dict[str, float]:
+    timer = PartTimer()
+    undo = instrument(timer)
+    try:
+        total = step_ms(runner, inputs, iters)
+    finally:
+        undo()
+    # the warm-up step was timed by the wrappers too: iters + 1 steps
+    parts = {p: timer.totals[p] / (iters + 1) * 1e3 for p in PARTS[:-1]}
+    parts["other"] = max(total - sum(parts.values()), 0.0)
+    parts["step (instrumented)"] = total
+    return parts
+
+
+def step_without_linear_ms(runner: ModelRunner, inputs, iters: int) -> float:
+    """The step with every Linear returning a cached zero tensor: all that is not the projections'
+    weight streaming (the overhead this benchmark is about), measured without per-part timers."""
+    zeros: dict[int, torch.Tensor] = {}
+    original = llama.Linear.forward
+
+    def no_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        key = id(self)
+        if key not in zeros or zeros[key].shape[0] != x.shape[0]:
+            zeros[key] = x.new_zeros(x.shape[0], self.out_features)
+        return zeros[key]
+
+    llama.Linear.forward = no_matmul
+    try:
+        return step_ms(runner, inputs, iters)
+    finally:
+        llama.Linear.forward = original
+
+
+def weight_bytes(model: llama.CausalLM) -> int:
+    tensors = list(model.parameters()) + list(model.buffers())
+    total = sum(t.numel() * t.element_size() for t in tensors)
+    if not model.tie_word_embeddings:  # a step reads a few embedding rows, not the table
+        total -= model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
+    return total
+
+
+def copy_bandwidth() -> float:
+    """Bytes per second of a large tensor copy (source bytes over time), best of five."""
+    src = torch.ones(256 << 20, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(5):
+        start = clock()
+        dst.copy_(src)
+        best = min(best, clock() - start)
+    return src.numel() / best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--context", type=int, default=256)
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall")
+    args = parser.parse_args()
+    global clock
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    batches = [int(b) for b in args.batches.split(",")]
+    source = resolve_model(args.model)
+    blocks_needed = max(batches) * (args.context // 16 + 1)
+    dtype = EngineConfig(dtype=args.dtype).resolved_dtype()
+    kv_bytes = blocks_needed * kv_bytes_per_block(source.hf_config, 16, dtype)
+    config = EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        block_size=16,
+        max_model_len=args.context + 16,
+        kv_cache_memory=f"{kv_bytes // (1 << 20) + 16}MiB",
+        num_threads=args.threads,
+    )
+    runner = ModelRunner(config, source.hf_config, iter_weights(source))
+    if not cpu_ops.available():
+        raise SystemExit("the fused CPU ops could not be built (no C compiler?)")
+    floor_bytes = weight_bytes(runner.model)
+    bandwidth = copy_bandwidth()
+    floor_ms = floor_bytes / bandwidth * 1e3
+    print(
+        f"model {args.model}, {args.dtype}, {torch.get_num_threads()} threads, {args.clock} "
+        f"clock, context "
+        f"{args.context}; weights {floor_bytes / 1e6:.1f} MB per step, copy bandwidth "
+        f"{bandwidth / 1e9:.2f} GB/s, floor {floor_ms:.2f} ms per step"
+    )
+    for batch in batches:
+        inputs = decode_inputs(runner, batch, args.context)
+        results: dict[str, dict[str, float]] = {}
+        for mode in ("eager", "fused"):
+            cpu_ops.enabled = mode == "fused"
+            best = min(step_ms(runner, inputs, args.iters) for _ in range(args.repeats))
+            results[mode] = {"step": best, **profile_ms(runner, inputs, args.iters)}
+            results[mode]["step without linear work"] = min(
+                step_without_linear_ms(runner, inputs, args.iters) for _ in range(args.repeats)
+            )
+        cpu_ops.enabled = True
+        print(f"\nbatch {batch} (ms per step)\n\n| part | eager | fused |\n|---|---:|---:|")
+        for part in ["step", *PARTS, "step (instrumented)", "step without linear work"]:
+            e, f = results["eager"][part], results["fused"][part]
+            print(f"| {part} | {e:.2f} | {f:.2f} |")
+        print(f"| step / floor | {results['eager']['step'] / floor_ms:.2f} | "
+              f"{results['fused']['step'] / floor_ms:.2f} |")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,213 @@
+"""Fused element-wise decoder ops for the CPU path: a small C file compiled once with gcc.
+
+At decode batch sizes the non-matmul part of a layer is a dozen tiny torch ops (residual add,
+RMSNorm's casts and reductions, rotary's slices and products, the KV-cache index copies, SiLU),
+each costing far more in dispatch than in arithmetic. `csrc/fused_ops.c` does each group in one
+call: `add_rms_norm`, `rope_qk` (q and k rotated in place, k and v stored into the cache) and
+`silu_mul`. It is built on first use into `$PDSERVE_CACHE/kernels/` (no -ffast-math, no
+contraction: results round where torch's do) and called through ctypes. Called by
+common.model.llama's RMSNorm, RotaryEmbedding, Attention and MLP forwards; `supports(x)` is
+False (and llama uses its eager torch code) off the CPU, for other dtypes, without a C
+compiler, or with PDSERVE_FUSED_OPS=0.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).parent / "csrc" / "fused_ops.c"
+# -ffp-contract=off: no FMA contraction, so products and sums round exactly as torch's separate
+# ops do. -fno-math-errno (sqrtf inline) and -fno-trapping-math (lets the selects and the
+# float-to-int conversion in exp vectorise) change no result and no process-wide float state.
+_FLAGS = [
+    "-O3",
+    "-march=native",
+    "-ffp-contract=off",
+    "-fno-math-errno",
+    "-fno-trapping-math",
+    "-shared",
+    "-fPIC",
+]
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+MAX_HIDDEN = 16384  # MAX_DIM in fused_ops.c: the widest row add_rms_norm takes
+_lib: ctypes.CDLL | None = None
+_failed = False
+# PDSERVE_FUSED_OPS=0 forces the eager torch ops; tests and benchmarks flip this attribute.
+enabled = os.environ.get("PDSERVE_FUSED_OPS", "1") != "0"
+
+_c_long, _c_int, _ptr = ctypes.c_long, ctypes.c_int, ctypes.c_void_p
+_SIGNATURES = {
+    "add_rms_norm": [_ptr, _c_long, _ptr, _c_long, _ptr, _ptr, _c_long, _c_int, _c_int,
+                     ctypes.c_float, _c_int],
+    "rope_qk": [_ptr, _c_long, _ptr, _ptr, _ptr, _c_long, _c_int, _c_int, _c_int, _c_int, _ptr,
+                _ptr, _ptr, _c_long, _c_int],
+    "silu_mul": [_ptr, _c_long, _ptr, _c_long, _c_int, _c_int, _c_int],
+}  # fmt: skip
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("PDSERVE_CACHE") or os.path.join(Path.home(), ".cache", "pdserve")
+    return Path(base) / "kernels"
+
+
+def _build() -> ctypes.CDLL | None:
+    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if compiler is None:
+        log.warning("no C compiler found: the fused CPU ops fall back to torch")
+        return None
+    source = _SOURCE.read_bytes()
+    # -march=native output only runs where it was built: key the file by source and host.
+    key = [source, " ".join(_FLAGS).encode(), platform.node().encode(), platform.machine().encode()]
+    tag = hashlib.sha256(b"\0".join(key)).hexdigest()[:16]
+    target = _cache_dir() / f"fused_ops-{tag}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            out = Path(tmp) / target.name
+            cmd = [compiler, *_FLAGS, str(_SOURCE), "-o", str(out), "-lm"]
+            result = subprocess.run(cmd, capture_output=True, text=True)
+            if result.returncode != 0:
+                log.warning("building %s failed: %s", _SOURCE.name, result.stderr[-2000:])
+                return None
+            os.replace(out, target)  # atomic: concurrent builders never load a half-written file
+    lib = ctypes.CDLL(str(target))
+    for name, argtypes in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.restype = ctypes.c_int
+        fn.argtypes = argtypes
+    return lib
+
+
+def available() -> bool:
+    """True when the kernels are built (building them on the first call)."""
+    global _lib, _failed
+    if _lib is None and not _failed:
+        try:
+            _lib = _build()
+        except OSError as exc:
+            log.warning("loading the fused CPU ops failed: %s", exc)
+            _lib = None
+        _failed = _lib is None
+    return _lib is not None
+
+
+def supports(x: torch.Tensor) -> bool:
+    """Whether the fused ops can take activations like `x` (CPU, float32 or bfloat16)."""
+    return enabled and x.device.type == "cpu" and x.dtype in _DTYPES and available()
+
+
+def _library() -> ctypes.CDLL:
+    if not available():
+        raise RuntimeError("the fused CPU ops could not be built")
+    return _lib
+
+
+def _check_rows(name: str, t: torch.Tensor, width: int) -> None:
+    # The kernels walk rows of `width` contiguous elements at t.stride(0) apart.
+    if t.dim() != 2 or t.shape[1] != width or t.stride(1) != 1:
+        raise ValueError(f"{name}: expected rows of {width} contiguous elements, got {t.shape}")
+
+
+def add_rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor:
+    """RMSNorm of x [T, dim <= MAX_HIDDEN]; with `residual`, first residual += x (in place).
+
+    Same rounding as the eager code: float32 statistics, and in bfloat16 the normalised value is
+    rounded before the weight multiply. `weight` must have x's dtype.
+    """
+    dim = weight.shape[0]
+    _check_rows("x", x, dim)
+    if weight.dtype != x.dtype or not weight.is_contiguous():
+        raise ValueError("weight must be contiguous, in x's dtype")
+    # empty_like costs a third of torch.empty(shape, dtype=...): this runs 61 times a step
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    res_ptr, res_stride = None, 0
+    if residual is not None:
+        _check_rows("residual", residual, dim)
+        if residual.dtype != x.dtype:
+            raise ValueError("residual and x must share a dtype")
+        res_ptr, res_stride = residual.data_ptr(), residual.stride(0)
+    rc = _library().add_rms_norm(
+        x.data_ptr(), x.stride(0), res_ptr, res_stride, weight.data_ptr(), out.data_ptr(), dim,
+        x.shape[0], dim, eps, _DTYPES[x.dtype],
+    )  # fmt: skip
+    if rc != 0:
+        raise ValueError(f"add_rms_norm: hidden size {dim} not supported")
+    return out
+
+
+def rope_qk(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    k_cache: torch.Tensor | None = None,
+    v_cache: torch.Tensor | None = None,
+    slot_mapping: torch.Tensor | None = None,
+) -> None:
+    """Rotate q's and k's heads of qkv [T, (H + 2*Hkv) * D] in place (half-split layout).
+
+    `positions` int64 [T]; `cos`/`sin` float32 tables [max_positions, D]. With the caches
+    ([blocks, block_size, Hkv, D], contiguous) and `slot_mapping` also stores the rotated k and
+    the v heads in their slots (negative slots are skipped), replacing write_kv_cache.
+    """
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    _check_rows("qkv", qkv, width)
+    if positions.dtype != torch.int64 or not positions.is_contiguous():
+        raise ValueError("positions must be contiguous int64")
+    if cos.dtype != torch.float32 or not (cos.is_contiguous() and sin.is_contiguous()):
+        raise ValueError("cos/sin tables must be contiguous float32")
+    k_ptr = v_ptr = slots_ptr = None
+    num_slots = 0
+    if k_cache is not None:
+        if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+            raise ValueError("the KV caches must be contiguous")
+        if k_cache.dtype != qkv.dtype or slot_mapping.dtype != torch.int64:
+            raise ValueError("KV cache dtype or slot mapping dtype mismatch")
+        if k_cache.shape != v_cache.shape or k_cache.shape[-2:] != (num_kv_heads, head_dim):
+            raise ValueError(f"KV cache shape {tuple(k_cache.shape)} does not fit the heads")
+        if slot_mapping.shape[0] != qkv.shape[0]:
+            raise ValueError("one slot per token expected")
+        k_ptr, v_ptr = k_cache.data_ptr(), v_cache.data_ptr()
+        num_slots = k_cache.numel() // (num_kv_heads * head_dim)
+        slots_ptr = slot_mapping.contiguous().data_ptr()
+    rc = _library().rope_qk(
+        qkv.data_ptr(), qkv.stride(0), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+        cos.shape[0], qkv.shape[0], num_heads, num_kv_heads, head_dim, k_ptr, v_ptr, slots_ptr,
+        num_slots, _DTYPES[qkv.dtype],
+    )  # fmt: skip
+    if rc == 2:
+        raise IndexError("rope_qk: a position is outside the cos/sin tables")
+    if rc == 3:
+        raise IndexError(f"rope_qk: a slot is outside the KV cache ({num_slots} slots)")
+    if rc != 0:
+        raise ValueError(f"rope_qk: head_dim {head_dim} not supported")
+
+
+def silu_mul(gate_up: torch.Tensor, intermediate: int) -> torch.Tensor:
+    """silu(gate) * up of gate_up [T, 2 * I] -> [T, I] (SiLU rounded to dtype first)."""
+    _check_rows("gate_up", gate_up, 2 * intermediate)
+    out = torch.empty(gate_up.shape[0], intermediate, dtype=gate_up.dtype)
+    rc = _library().silu_mul(
+        gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), intermediate, gate_up.shape[0],
+        intermediate, _DTYPES[gate_up.dtype],
+    )  # fmt: skip
+    if rc != 0:
+        raise ValueError(f"silu_mul: intermediate size {intermediate} not supported")
+    return out

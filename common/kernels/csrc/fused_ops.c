@@ -1,0 +1,207 @@
+/* Fused element-wise ops of the decoder layer for the CPU path: residual add + RMSNorm, rotary
+ * embedding of q and k in one pass (plus storing k and v into their KV-cache slots), SiLU * up.
+ * Compiled on first use by common/kernels/cpu_ops.py.
+ *
+ * Each op rounds where the eager torch code rounds (bfloat16 after every torch op, float32
+ * statistics in RMSNorm), and is built with -ffp-contract=off (no FMA contraction), so rotary
+ * and the residual add are bit-exact against torch; RMSNorm differs only in the order of its
+ * sum of squares, SiLU only in the last bits of exp (a vectorisable polynomial). No -ffast-math:
+ * it would also set the process-wide flush-to-zero flags when the library loads.
+ * Single-threaded: at decode sizes a row is a few microseconds of work, less than a fork-join.
+ *
+ * dtype: 0 = float32, 1 = bfloat16. Strides are in elements.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = ((uint32_t)h) << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    const uint32_t rounded = (u + 0x7fff + ((u >> 16) & 1)) >> 16; /* nearest even, as torch */
+    /* NaN becomes torch's 0x7fc0; a select, not a branch, so the loops vectorise */
+    return (uint16_t)((u & 0x7fffffff) > 0x7f800000 ? 0x7fc0 : rounded);
+}
+
+/* bfloat16 rounding of a float, kept as a float: what a bf16 torch op stores. */
+static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
+
+#define MAX_DIM 16384 /* widest RMSNorm row (cpu_ops.MAX_HIDDEN): the largest hidden size */
+
+static inline void load_row(const void *base, long idx, int n, int dtype, float *restrict dst) {
+    if (dtype == 0) {
+        memcpy(dst, (const float *)base + idx, sizeof(float) * n);
+    } else {
+        const uint16_t *restrict src = (const uint16_t *)base + idx;
+        for (int i = 0; i < n; i++) dst[i] = bf16_to_f32(src[i]);
+    }
+}
+
+static inline void store_row(void *base, long idx, int n, int dtype, const float *restrict src) {
+    if (dtype == 0) {
+        memcpy((float *)base + idx, src, sizeof(float) * n);
+    } else {
+        uint16_t *restrict dst = (uint16_t *)base + idx;
+        for (int i = 0; i < n; i++) dst[i] = f32_to_bf16(src[i]);
+    }
+}
+
+/* Sum of squares in eight float lanes (vectorises without reassociation flags). */
+static inline float sum_squares(const float *restrict v, int n) {
+    float lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int l = 0; l < 8; l++) lanes[l] += v[i + l] * v[i + l];
+    float tail = 0.0f;
+    for (; i < n; i++) tail += v[i] * v[i];
+    return ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) +
+           ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7])) + tail;
+}
+
+/* Per row: if residual is given, residual = x + residual (rounded to dtype), normalised row =
+ * residual; else normalised row = x. out = weight * norm(row), where for bfloat16 the normalised
+ * value is rounded to bfloat16 before the weight multiply (HF's order). */
+int add_rms_norm(const void *x, long x_stride, void *residual, long res_stride,
+                 const void *weight, void *out, long out_stride, int rows, int dim, float eps,
+                 int dtype) {
+    if (dim <= 0 || dim > MAX_DIM) return 1;
+    float row[MAX_DIM], w[MAX_DIM], tmp[MAX_DIM];
+    load_row(weight, 0, dim, dtype, w);
+    for (int r = 0; r < rows; r++) {
+        load_row(x, r * x_stride, dim, dtype, row);
+        if (residual != NULL) {
+            load_row(residual, r * res_stride, dim, dtype, tmp);
+            if (dtype == 0) {
+                for (int i = 0; i < dim; i++) row[i] += tmp[i];
+            } else {
+                for (int i = 0; i < dim; i++) row[i] = round_bf16(row[i] + tmp[i]);
+            }
+            store_row(residual, r * res_stride, dim, dtype, row);
+        }
+        const float inv = 1.0f / sqrtf(sum_squares(row, dim) / (float)dim + eps);
+        if (dtype == 0) {
+            for (int i = 0; i < dim; i++) tmp[i] = row[i] * inv * w[i];
+        } else {
+            for (int i = 0; i < dim; i++) tmp[i] = round_bf16(row[i] * inv) * w[i];
+        }
+        store_row(out, r * out_stride, dim, dtype, tmp);
+    }
+    return 0;
+}
+
+/* Rotate one head in place (half-split layout): x*cos + cat(-x2, x1)*sin, each product and the
+ * sum rounded to dtype as the eager ops round them; cos/sin rounded to dtype first, as eager
+ * casts its tables. */
+static inline void rotate_head(float *restrict h, const float *restrict c,
+                               const float *restrict s, int D, int dtype) {
+    const int half = D / 2;
+    float out[D];
+    if (dtype == 0) {
+        for (int i = 0; i < half; i++) {
+            out[i] = h[i] * c[i] + (-h[i + half]) * s[i];
+            out[i + half] = h[i + half] * c[i + half] + h[i] * s[i + half];
+        }
+    } else {
+        for (int i = 0; i < half; i++) {
+            out[i] = round_bf16(round_bf16(h[i] * c[i]) + round_bf16(-h[i + half] * s[i]));
+            out[i + half] = round_bf16(round_bf16(h[i + half] * c[i + half]) +
+                                       round_bf16(h[i] * s[i + half]));
+        }
+    }
+    memcpy(h, out, sizeof(float) * D);
+}
+
+/* qkv [T, (H + 2*Hkv) * D] with row stride qkv_stride: rotates q's H heads and k's Hkv heads in
+ * place at positions[t] (cos/sin tables float32 [max_pos, D]). If k_cache is given (contiguous
+ * [num_slots, Hkv, D]), also stores the rotated k and the v heads at slot_mapping[t] (negative
+ * slots are padding and skipped). Returns 2 for a position outside the tables, 3 for a slot
+ * past the cache, both checked before anything is written. */
+int rope_qk(void *qkv, long qkv_stride, const int64_t *positions, const float *cos_table,
+            const float *sin_table, long max_pos, int T, int H, int Hkv, int D, void *k_cache,
+            void *v_cache, const int64_t *slot_mapping, long num_slots, int dtype) {
+    if (D <= 0 || D % 2 != 0 || D > 1024) return 1;
+    for (int t = 0; t < T; t++) {
+        if (positions[t] < 0 || positions[t] >= max_pos) return 2;
+        if (k_cache != NULL && slot_mapping[t] >= num_slots) return 3;
+    }
+    float c[D], s[D], head[D];
+    const int heads = H + Hkv;
+    for (int t = 0; t < T; t++) {
+        const int64_t p = positions[t];
+        for (int i = 0; i < D; i++) {
+            c[i] = cos_table[p * D + i];
+            s[i] = sin_table[p * D + i];
+            if (dtype == 1) {
+                c[i] = round_bf16(c[i]);
+                s[i] = round_bf16(s[i]);
+            }
+        }
+        const long row = t * qkv_stride;
+        const int64_t slot = k_cache != NULL ? slot_mapping[t] : -1;
+        for (int h = 0; h < heads; h++) {
+            const long idx = row + (long)h * D;
+            load_row(qkv, idx, D, dtype, head);
+            rotate_head(head, c, s, D, dtype);
+            store_row(qkv, idx, D, dtype, head);
+            if (slot >= 0 && h >= H) store_row(k_cache, (slot * Hkv + (h - H)) * D, D, dtype, head);
+        }
+        if (slot >= 0) {
+            const size_t elem = dtype == 0 ? 4 : 2;
+            const char *v = (const char *)qkv + (row + (long)heads * D) * elem;
+            memcpy((char *)v_cache + slot * Hkv * D * elem, v, (size_t)Hkv * D * elem);
+        }
+    }
+    return 0;
+}
+
+/* exp(x) within about 1 ulp in plain float arithmetic (Cephes' polynomial), so that loops over
+ * it vectorise: libm's expf is a call per element. Below -87.3 it returns 2^-126 instead of a
+ * subnormal (silu(x) = x / (1 + exp(-x)) is x either way); above 88.72 it gives inf. */
+static inline float exp_approx(float x) {
+    x = x < -87.33654f ? -87.33654f : (x > 88.72283f ? 88.72283f : x);
+    const float n = floorf(x * 1.44269504088896341f + 0.5f);
+    float r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * (r * r) + r + 1.0f;
+    const uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, 4);
+    return p * scale;
+}
+
+/* out[t, i] = silu(gate_up[t, i]) * gate_up[t, I + i], silu rounded to dtype before the
+ * multiply (F.silu(gate).mul_(up)). */
+int silu_mul(const void *gate_up, long in_stride, void *out, long out_stride, int T, int I,
+             int dtype) {
+    if (I <= 0) return 1;
+    enum { CHUNK = 4096 }; /* element-wise: any width, in chunks that stay in L1 */
+    float g[CHUNK], u[CHUNK];
+    for (int t = 0; t < T; t++) {
+        for (int i0 = 0; i0 < I; i0 += CHUNK) {
+            const int n = I - i0 < CHUNK ? I - i0 : CHUNK;
+            load_row(gate_up, t * in_stride + i0, n, dtype, g);
+            load_row(gate_up, t * in_stride + I + i0, n, dtype, u);
+            if (dtype == 0) {
+                for (int i = 0; i < n; i++) g[i] = g[i] / (1.0f + exp_approx(-g[i])) * u[i];
+            } else {
+                for (int i = 0; i < n; i++)
+                    g[i] = round_bf16(g[i] / (1.0f + exp_approx(-g[i]))) * u[i];
+            }
+            store_row(out, t * out_stride + i0, n, dtype, g);
+        }
+    }
+    return 0;
+}

@@ -1,0 +1,191 @@
+"""The fused C ops (common/kernels/cpu_ops.py) against the eager torch code they replace.
+
+Tolerances: the residual add and rotary round exactly where torch rounds (bit-exact); RMSNorm
+sums its squares in another order (float32: a few ulp; bfloat16: a rounding flip of one bf16 ulp
+in rare elements); SiLU's exp differs from torch's in the last float32 bit.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from common.kernels import cpu_ops
+from common.kernels.attention import write_kv_cache
+from common.model.llama import _rotate
+
+pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="no C compiler")
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def eager_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """llama.RMSNorm's eager formula."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
+    return weight * F.rms_norm(x.float(), weight.shape, eps=eps).to(x.dtype)
+
+
+def assert_close_ulp(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    if actual.dtype == torch.float32:
+        torch.testing.assert_close(actual, expected, rtol=4e-6, atol=1e-6)
+    else:  # one bf16 rounding flip at most: 2**-7 relative
+        torch.testing.assert_close(actual.float(), expected.float(), rtol=8e-3, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,dim", [(1, 576), (3, 7), (8, 1000), (5, 64)])
+def test_rms_norm_matches_eager(dtype, rows, dim):
+    g = torch.Generator().manual_seed(rows * dim)
+    x = (torch.randn(rows, dim, generator=g) * 3).to(dtype)
+    weight = torch.randn(dim, generator=g).to(dtype)
+    assert_close_ulp(cpu_ops.add_rms_norm(x, weight, 1e-5), eager_rms_norm(x, weight, 1e-5))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,dim", [(1, 576), (3, 7), (9, 129)])
+def test_add_rms_norm_updates_residual_in_place(dtype, rows, dim):
+    g = torch.Generator().manual_seed(rows + dim)
+    x = torch.randn(rows, dim, generator=g).to(dtype)
+    residual = torch.randn(rows, dim, generator=g).to(dtype)
+    weight = torch.randn(dim, generator=g).to(dtype)
+    expected_sum = x + residual
+    out = cpu_ops.add_rms_norm(x, weight, 1e-6, residual)
+    assert torch.equal(residual, expected_sum)  # bit-exact: one rounding, as torch's add
+    assert_close_ulp(out, eager_rms_norm(expected_sum, weight, 1e-6))
+
+
+def test_rms_norm_reads_strided_rows():
+    base = torch.randn(4, 100)
+    x = base[:, 10:60]  # rows 100 apart, as a slice of a fused projection
+    weight = torch.rand(50)
+    assert_close_ulp(cpu_ops.add_rms_norm(x, weight, 1e-5), eager_rms_norm(x, weight, 1e-5))
+
+
+def _qkv(tokens, heads, kv_heads, head_dim, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype)
+
+
+def _tables(max_pos, head_dim):
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    freqs = torch.arange(max_pos).float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 6), (2, 1, 128)])
+def test_rope_qk_bit_exact_against_eager(dtype, heads, kv_heads, head_dim):
+    tokens = 5
+    qkv = _qkv(tokens, heads, kv_heads, head_dim, dtype, seed=heads * head_dim)
+    cos, sin = _tables(40, head_dim)
+    positions = torch.tensor([0, 3, 17, 39, 8])
+    qk_width = (heads + kv_heads) * head_dim
+    qk = qkv[:, :qk_width].view(tokens, heads + kv_heads, head_dim)
+    expected = _rotate(qk, cos[positions].to(dtype)[:, None], sin[positions].to(dtype)[:, None])
+    v_before = qkv[:, qk_width:].clone()
+    cpu_ops.rope_qk(qkv, positions, cos, sin, heads, kv_heads, head_dim)
+    assert torch.equal(qk, expected)
+    assert torch.equal(qkv[:, qk_width:], v_before)  # v untouched
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_qk_stores_k_and_v_like_write_kv_cache(dtype):
+    heads, kv_heads, head_dim, block_size, tokens = 6, 2, 32, 4, 7
+    qkv = _qkv(tokens, heads, kv_heads, head_dim, dtype, seed=1)
+    cos, sin = _tables(64, head_dim)
+    positions = torch.arange(10, 10 + tokens)
+    slots = torch.tensor([5, 6, 7, 8, 20, 21, 2])
+    shape = (8, block_size, kv_heads, head_dim)
+    k_cache, v_cache = torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
+    ref_k, ref_v = torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
+    reference = qkv.clone()
+    cpu_ops.rope_qk(reference, positions, cos, sin, heads, kv_heads, head_dim)
+    qk_width = (heads + kv_heads) * head_dim
+    k = reference[:, heads * head_dim : qk_width].view(tokens, kv_heads, head_dim)
+    v = reference[:, qk_width:].view(tokens, kv_heads, head_dim)
+    write_kv_cache(k, v, ref_k, ref_v, slots)
+    cpu_ops.rope_qk(qkv, positions, cos, sin, heads, kv_heads, head_dim, k_cache, v_cache, slots)
+    assert torch.equal(qkv, reference)
+    assert torch.equal(k_cache, ref_k)
+    assert torch.equal(v_cache, ref_v)
+
+
+def test_rope_qk_skips_padding_slots_and_rejects_out_of_range():
+    heads, kv_heads, head_dim = 2, 1, 8
+    qkv = _qkv(2, heads, kv_heads, head_dim, torch.float32, seed=2)
+    cos, sin = _tables(16, head_dim)
+    k_cache = torch.zeros(2, 4, kv_heads, head_dim)
+    v_cache = torch.zeros(2, 4, kv_heads, head_dim)
+    slots = torch.tensor([-1, 3])
+    cpu_ops.rope_qk(qkv, torch.tensor([0, 1]), cos, sin, 2, 1, 8, k_cache, v_cache, slots)
+    assert k_cache.view(-1, head_dim)[3].abs().sum() > 0
+    assert k_cache.view(-1, head_dim)[[0, 1, 2, 4, 5, 6, 7]].abs().sum() == 0
+    before = qkv.clone()
+    with pytest.raises(IndexError):
+        cpu_ops.rope_qk(qkv, torch.tensor([0, 16]), cos, sin, heads, kv_heads, head_dim)
+    with pytest.raises(IndexError):  # slot 8 is past a cache of 2 blocks of 4
+        cpu_ops.rope_qk(qkv, torch.tensor([0, 1]), cos, sin, 2, 1, 8, k_cache, v_cache, slots + 5)
+    assert torch.equal(qkv, before)  # checked before anything is written
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,intermediate", [(1, 1536), (3, 13), (8, 100), (2, 9000)])
+def test_silu_mul_matches_eager(dtype, tokens, intermediate):
+    g = torch.Generator().manual_seed(tokens * intermediate)
+    gate_up = (torch.randn(tokens, 2 * intermediate, generator=g) * 4).to(dtype)
+    gate, up = gate_up.split(intermediate, dim=-1)
+    expected = F.silu(gate) * up
+    assert_close_ulp(cpu_ops.silu_mul(gate_up, intermediate), expected)
+
+
+def test_supports_only_cpu_float32_and_bfloat16():
+    assert cpu_ops.supports(torch.zeros(2, dtype=torch.float32))
+    assert cpu_ops.supports(torch.zeros(2, dtype=torch.bfloat16))
+    assert not cpu_ops.supports(torch.zeros(2, dtype=torch.float16))
+    cpu_ops.enabled = False
+    try:
+        assert not cpu_ops.supports(torch.zeros(2))
+    finally:
+        cpu_ops.enabled = True
+
+
+def _forward_logits(runner, rows) -> tuple[torch.Tensor, torch.Tensor]:
+    ids, pos, meta = runner.prepare_rows(rows)
+    with torch.inference_mode():
+        logits = runner.model.compute_logits(runner.model(ids, pos, meta))
+    return logits, runner.kv_cache.clone()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_model_forward_fused_matches_eager(tiny_model, dtype):
+    """The whole model (prefill, then a batched decode step) with the fused ops vs without."""
+    from common.config import EngineConfig
+    from common.model.model_runner import ModelRunner
+
+    family, hf_model, _ = tiny_model
+    config = EngineConfig(model="tiny", dtype=dtype, kv_cache_memory="2MiB", block_size=8)
+    runner = ModelRunner(config, hf_model.config, hf_model.state_dict().items())
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(2, 250, (n,), generator=g).tolist() for n in (11, 3, 17)]
+    tables = [[0, 1], [2], [3, 4, 5]]
+    prefill = [(p, 0, t) for p, t in zip(prompts, tables)]
+    decode = [([7], len(p), t) for p, t in zip(prompts, tables)]
+    results = {}
+    for fused in (False, True):
+        cpu_ops.enabled = fused
+        runner.kv_cache.zero_()  # each mode starts from the same (empty) cache
+        try:
+            results[fused] = [_forward_logits(runner, prefill), _forward_logits(runner, decode)]
+        finally:
+            cpu_ops.enabled = True
+    # float32: ulp-level differences (RMSNorm's sum order, SiLU's exp); bfloat16: a few
+    # bf16 rounding flips, amplified through two layers, on logits of magnitude ~10
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == "float32" else dict(rtol=0.05, atol=0.1)
+    for (eager_logits, eager_kv), (fused_logits, fused_kv) in zip(results[False], results[True]):
+        torch.testing.assert_close(fused_logits.float(), eager_logits.float(), **tol)
+        torch.testing.assert_close(fused_kv.float(), eager_kv.float(), **tol)
+        if dtype == "float32":
+            assert torch.equal(fused_logits.argmax(-1), eager_logits.argmax(-1)), family
