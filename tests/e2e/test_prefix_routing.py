@@ -109,6 +109,14 @@ def test_prefix_goes_to_its_holder_until_the_holder_is_overloaded(chat_model_dir
         assert all(r["usage"]["completion_tokens"] >= 1 for r in results.values())
         state = cluster.wait_blocks_free([*PREFILL, "decode-0"])
         assert all(f == t for f, t in state.values()), state
+        # the block books answer at once; worker counters travel with the next heartbeat
+        wait_for(
+            lambda: all(
+                (cluster.worker_gauge("kv_transfer_seconds_count", w) or 0) >= 1 for w in PREFILL
+            )
+            and cluster.worker_gauge("kv_cache_usage_perc", "decode-0") == 0.0,
+            10, "the workers' last heartbeats never reached the router", cluster,
+        )  # fmt: skip
         check_metrics(cluster.metrics())
 
 
