@@ -8,7 +8,8 @@ Paths, all computing x [M, K] @ W.T for W = the dequantized weight:
   dequant    dequantize to x's dtype, then F.linear: the reference.
 `PICK` says which runs for (bits, batch) — chosen from measurements on an AVX2-only host (see the
 report in benchmarks/README.md); a path that does not apply falls through to the next candidate.
-`PDSERVE_CPU_QUANT_KERNEL=c|int4pack|int8pack|dequant` forces one (tests use it). Called by
+`PDSERVE_CPU_QUANT_KERNEL=c|int4pack|int8pack|dequant` forces one where it applies (tests and the
+benchmark use it). Called by
 `common.model.quant.QuantLinear`.
 """
 
@@ -78,7 +79,7 @@ def _build() -> ctypes.CDLL | None:
             os.replace(out, target)  # atomic: concurrent builders never load a half-written file
     lib = ctypes.CDLL(str(target))
     lib.quant_matmul.restype = ctypes.c_int
-    lib.quant_matmul.argtypes = [ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int] * 5 + [
+    lib.quant_matmul.argtypes = [ctypes.c_void_p, ctypes.c_long] + [ctypes.c_int] * 6 + [
         ctypes.c_void_p,
         ctypes.c_void_p,
         ctypes.c_void_p,
@@ -132,9 +133,8 @@ def choose(layer: QuantLinear, x: torch.Tensor) -> str:
     if forced:
         if forced not in PATHS:
             raise ValueError(f"PDSERVE_CPU_QUANT_KERNEL must be one of {PATHS}, not {forced!r}")
-        if not applies(forced, layer, x):
-            raise ValueError(f"CPU quantized kernel {forced!r} does not apply to {layer}")
-        return forced
+        if applies(forced, layer, x):
+            return forced  # else the usual choice: forcing int8pack must not break int4 layers
     m = x.shape[0]
     for bits, max_m, candidates in PICK:
         if bits == layer.bits and m <= max_m:
@@ -180,23 +180,22 @@ def _prepare_int4pack(layer: QuantLinear, dtype: torch.dtype):
 
 
 def _c_matmul(x: torch.Tensor, layer: QuantLinear) -> torch.Tensor:
+    # one call: the kernel converts/reorders x and writes x's dtype (torch ops per call cost more
+    # than the matmul itself at decode sizes)
     m, k = x.shape
-    g = layer.group_size
-    xf = x.to(torch.float32).reshape(m, k // g, g)
-    xsum = xf.sum(dim=-1).contiguous()
-    if layer.bits == 4:  # [even | odd] columns within each group, as the packed nibbles are
-        xf = torch.cat((xf[..., 0::2], xf[..., 1::2]), dim=-1)
-    xf = xf.reshape(m, k).contiguous()
-    out = torch.empty(m, layer.out_features, dtype=torch.float32)
+    if x.stride(1) != 1 or x.dtype not in (torch.float32, torch.bfloat16):
+        x = x.to(torch.float32).contiguous()
+    out = torch.empty(m, layer.out_features, dtype=x.dtype)
     zero = layer.zero
     rc = _lib.quant_matmul(
-        xf.data_ptr(),
-        xsum.data_ptr(),
+        x.data_ptr(),
+        x.stride(0),
+        0 if x.dtype == torch.float32 else 1,
         m,
         k,
         layer.out_features,
         layer.bits,
-        g,
+        layer.group_size,
         layer.qweight.data_ptr(),
         layer.scale.data_ptr(),
         None if zero is None else zero.data_ptr(),
@@ -205,5 +204,5 @@ def _c_matmul(x: torch.Tensor, layer: QuantLinear) -> torch.Tensor:
         torch.get_num_threads(),
     )
     if rc != 0:
-        raise ValueError(f"shape not supported by the CPU quantized kernel: {layer}")
-    return out.to(x.dtype)
+        raise ValueError(f"shape not supported by the CPU quantized kernel: {layer} (rc {rc})")
+    return out
