@@ -79,14 +79,18 @@ def _build() -> ctypes.CDLL | None:
             os.replace(out, target)  # atomic: concurrent builders never load a half-written file
     lib = ctypes.CDLL(str(target))
     lib.quant_matmul.restype = ctypes.c_int
-    lib.quant_matmul.argtypes = [ctypes.c_void_p, ctypes.c_long] + [ctypes.c_int] * 6 + [
-        ctypes.c_void_p,
-        ctypes.c_void_p,
-        ctypes.c_void_p,
-        ctypes.c_int,
-        ctypes.c_void_p,
-        ctypes.c_int,
-    ]
+    lib.quant_matmul.argtypes = (
+        [ctypes.c_void_p, ctypes.c_long]
+        + [ctypes.c_int] * 6
+        + [
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_int,
+            ctypes.c_void_p,
+            ctypes.c_int,
+        ]
+    )
     return lib
 
 

@@ -50,7 +50,10 @@ class QuantizedTensor:
                 f"group size {self.group_size} does not divide the input dimension {k}"
             )
         want_q = (n, k // 2) if self.bits == 4 else (n, k)
-        if tuple(self.qweight.shape) != want_q or tuple(self.scale.shape) != (n, k // self.group_size):
+        if tuple(self.qweight.shape) != want_q or tuple(self.scale.shape) != (
+            n,
+            k // self.group_size,
+        ):
             raise ValueError(
                 f"{self.bits}-bit weight {self.shape}: qweight {tuple(self.qweight.shape)} and "
                 f"scale {tuple(self.scale.shape)} do not fit (group {self.group_size})"
@@ -69,10 +72,10 @@ class QuantizedTensor:
         return torch.stack((q & 0xF, q >> 4), dim=-1).reshape(self.shape)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The dense [N, K] weight in `dtype` (computed in the scale's precision, float32 at most)."""
+        """The dense [N, K] weight in `dtype`, computed in float32 then rounded once."""
         n, k = self.shape
         groups = k // self.group_size
-        compute = torch.float32 if self.scale.dtype == torch.float64 else self.scale.dtype
+        compute = torch.float32
         q = self.unpack().to(compute)
         if self.bits == 4:
             q = q - 8
@@ -212,7 +215,9 @@ class QuantLinear(nn.Module):
 
             out = cpu_quant.quant_matmul(x2, self)
         elif x2.device.type == "cuda" and _triton_quant() is not None:
-            out = _triton_quant()(x2, self.qweight, self.scale, self.zero, self.bits, self.group_size)
+            out = _triton_quant()(
+                x2, self.qweight, self.scale, self.zero, self.bits, self.group_size
+            )
         else:
             out = quant_matmul_reference(x2, self.qt)
         if self.bias is not None:
