@@ -1,8 +1,8 @@
 """CPU matmuls over quantized weights (common.model.quant's format), one path chosen per call.
 
 Paths, all computing x [M, K] @ W.T for W = the dequantized weight:
-  c          csrc/quant_matmul.c: unpacks each weight group once for all M rows, float32
-             accumulation, OpenMP over N; built on first use like cpu_attention's kernel. M <= 16.
+  c          csrc/quant_matmul.c: dequantizes each weight group in registers once per 8 rows of x,
+             float32 accumulation, OpenMP over N; built on first use like cpu_attention's kernel.
   int4pack   torch's _weight_int4pack_mm_for_cpu on a repacked copy (int4, power-of-two groups).
   int8pack   torch's _weight_int8pack_mm (int8 per channel only).
   dequant    dequantize to x's dtype, then F.linear: the reference.
@@ -37,16 +37,15 @@ log = logging.getLogger(__name__)
 _SOURCE = Path(__file__).parent / "csrc" / "quant_matmul.c"
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-shared", "-fPIC",
           "-fopenmp"]  # fmt: skip
-C_MAX_M = 16  # MAX_M in the C file
 _lib: ctypes.CDLL | None = None
 _failed = False
 
 # Candidates per (bits, batch upper bound), fastest first as measured; the first that applies runs.
 PICK: list[tuple[int, int, tuple[str, ...]]] = [
     (4, 8, ("c", "int4pack", "dequant")),
-    (4, 1 << 30, ("int4pack", "dequant")),
+    (4, 1 << 30, ("int4pack", "c", "dequant")),
     (8, 8, ("c", "int8pack", "dequant")),
-    (8, 1 << 30, ("int8pack", "dequant")),
+    (8, 1 << 30, ("int8pack", "c", "dequant")),  # int8pack: per channel only; groups -> c
 ]
 PATHS = ("c", "int4pack", "int8pack", "dequant")
 
@@ -108,11 +107,9 @@ def c_available() -> bool:
 
 def applies(path: str, layer: QuantLinear, x: torch.Tensor) -> bool:
     """Whether `path` can compute this layer for this input."""
-    m = x.shape[0]
     if path == "c":
         return (
-            m <= C_MAX_M
-            and layer.scale.dtype in (torch.float32, torch.bfloat16)
+            layer.scale.dtype in (torch.float32, torch.bfloat16)
             and (layer.zero is None or layer.zero.dtype == layer.scale.dtype)
             and c_available()
         )

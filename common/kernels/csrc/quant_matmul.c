@@ -21,7 +21,7 @@
 #include <immintrin.h>
 #endif
 
-#define MAX_M 16
+#define MAX_M 16 /* rows per pass of the portable (non-AVX2) loop */
 
 static inline float load_s(const void *p, long i, int sdtype) {
     if (sdtype == 0) return ((const float *)p)[i];
@@ -57,7 +57,7 @@ static inline float hsum(__m256 v) {
 
 /* One output column n for rows m0..m0+mc (mc <= 8): each group's weights are dequantized in
  * registers (w = q*s + zc, zc = z - 8s for int4) and multiplied into every row's accumulator. */
-static void column_avx2(const float *x, int m0, int mc, int K, int G, int gs, int bits,
+static inline __attribute__((always_inline)) void column_avx2(const float *x, int m0, int mc, int K, int G, int gs, int bits,
                         const uint8_t *qrow, const void *scale, const void *zero, int sdtype,
                         long sidx, float *out, long N, int n) {
     __m256 acc[8];
@@ -170,7 +170,7 @@ static float column1_avx2(const float *x, int G, int gs, int bits, const uint8_t
 static int quant_matmul_f32(const float *x, const float *xsum, int M, int K, int N, int bits, int gs,
                  const void *qweight, const void *scale, const void *zero, int sdtype, float *out,
                  int nthreads) {
-    if (M < 1 || M > MAX_M || gs <= 0 || K % gs || (bits != 4 && bits != 8) || (gs & 1))
+    if (M < 1 || gs <= 0 || K % gs || (bits != 4 && bits != 8) || (gs & 1))
         return 1;
     const int G = K / gs;
     const long row_bytes = bits == 4 ? K / 2 : K;
@@ -179,34 +179,49 @@ static int quant_matmul_f32(const float *x, const float *xsum, int M, int K, int
 #pragma omp parallel for schedule(static) num_threads(nthreads)
         for (int n = 0; n < N; n++) {
             const uint8_t *qrow = (const uint8_t *)qweight + (long)n * row_bytes;
-            if (M == 1) {
-                out[n] = column1_avx2(x, G, gs, bits, qrow, scale, zero, sdtype, (long)n * G);
-                continue;
+            int m0 = 0;
+            /* constant row counts, so the accumulators live in registers */
+            for (; m0 + 8 <= M; m0 += 8)
+                column_avx2(x, m0, 8, K, G, gs, bits, qrow, scale, zero, sdtype, (long)n * G,
+                            out, N, n);
+            if (M - m0 >= 4) {
+                column_avx2(x, m0, 4, K, G, gs, bits, qrow, scale, zero, sdtype, (long)n * G,
+                            out, N, n);
+                m0 += 4;
             }
-            for (int m0 = 0; m0 < M; m0 += 8)
-                column_avx2(x, m0, M - m0 < 8 ? M - m0 : 8, K, G, gs, bits, qrow, scale, zero,
-                            sdtype, (long)n * G, out, N, n);
+            if (M - m0 >= 2) {
+                column_avx2(x, m0, 2, K, G, gs, bits, qrow, scale, zero, sdtype, (long)n * G,
+                            out, N, n);
+                m0 += 2;
+            }
+            if (M - m0 == 1)
+                out[(long)m0 * N + n] = column1_avx2(x + (long)m0 * K, G, gs, bits, qrow, scale,
+                                                     zero, sdtype, (long)n * G);
         }
         return 0;
     }
 #endif
 #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int n = 0; n < N; n++) {
-        float acc[MAX_M];
-        for (int m = 0; m < M; m++) acc[m] = 0.0f;
         const uint8_t *qrow = (const uint8_t *)qweight + (long)n * row_bytes;
-        for (int g = 0; g < G; g++) {
-            const float s = load_s(scale, (long)n * G + g, sdtype);
-            const float z = zero ? load_s(zero, (long)n * G + g, sdtype) : 0.0f;
-            const float zc = bits == 4 ? z - 8.0f * s : z;
-            for (int m = 0; m < M; m++) {
-                const float *xg = x + (long)m * K + (long)g * gs;
-                float d = bits == 4 ? dot4(qrow + (long)g * (gs / 2), xg, xg + gs / 2, gs / 2)
-                                    : dot8((const int8_t *)qrow + (long)g * gs, xg, gs);
-                acc[m] += s * d + zc * xsum[(long)m * G + g];
+        for (int m0 = 0; m0 < M; m0 += MAX_M) {
+            const int mc = M - m0 < MAX_M ? M - m0 : MAX_M;
+            float acc[MAX_M];
+            for (int m = 0; m < mc; m++) acc[m] = 0.0f;
+            for (int g = 0; g < G; g++) {
+                const float s = load_s(scale, (long)n * G + g, sdtype);
+                const float z = zero ? load_s(zero, (long)n * G + g, sdtype) : 0.0f;
+                const float zc = bits == 4 ? z - 8.0f * s : z;
+                for (int m = 0; m < mc; m++) {
+                    const float *xg = x + (long)(m0 + m) * K + (long)g * gs;
+                    float d = bits == 4
+                                  ? dot4(qrow + (long)g * (gs / 2), xg, xg + gs / 2, gs / 2)
+                                  : dot8((const int8_t *)qrow + (long)g * gs, xg, gs);
+                    acc[m] += s * d + zc * xsum[(long)(m0 + m) * G + g];
+                }
             }
+            for (int m = 0; m < mc; m++) out[(long)(m0 + m) * N + n] = acc[m];
         }
-        for (int m = 0; m < M; m++) out[(long)m * N + n] = acc[m];
     }
     return 0;
 }
@@ -223,7 +238,7 @@ static inline uint16_t f32_to_bf16(float f) {
 int quant_matmul(const void *x_in, long x_stride, int xdtype, int M, int K, int N, int bits, int gs,
                  const void *qweight, const void *scale, const void *zero, int sdtype, void *out_,
                  int nthreads) {
-    if (M < 1 || M > MAX_M || gs <= 0 || K % gs || (bits != 4 && bits != 8) || (gs & 1))
+    if (M < 1 || gs <= 0 || K % gs || (bits != 4 && bits != 8) || (gs & 1))
         return 1;
     const int G = K / gs;
     float *x = malloc(sizeof(float) * ((size_t)M * K + (size_t)M * G + (size_t)M * N));
