@@ -42,7 +42,7 @@ _failed = False
 
 # Candidates per (bits, batch upper bound), fastest first as measured; the first that applies runs.
 PICK: list[tuple[int, int, tuple[str, ...]]] = [
-    (4, 8, ("c", "int4pack", "dequant")),
+    (4, 1, ("c", "int4pack", "dequant")),
     (4, 1 << 30, ("int4pack", "c", "dequant")),
     (8, 8, ("c", "int8pack", "dequant")),
     (8, 1 << 30, ("int8pack", "c", "dequant")),  # int8pack: per channel only; groups -> c
