@@ -207,3 +207,41 @@ def test_run_batch_quantized(smol_dir, tmp_path, mode) -> None:
     results = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["custom_id"] for r in results] == ["r0", "r1", "r2"]
     assert all(r["response"]["status_code"] == 200 for r in results)
+
+
+def test_default_model_native_q4_1_agrees_with_dequantized() -> None:
+    """The default model served natively (Q4_1 projections as int4, Q8_0 embedding and head as
+    int8) against the same weights dequantized, float32, greedy. Only summation order differs,
+    so the outputs should agree almost everywhere; measured: 100% of tokens (4 x 24)."""
+    from common.api.tokenizer import Tokenizer
+    from common.model.model_files import resolve_model
+
+    tok = Tokenizer.from_source(resolve_model("default"))
+    texts = [
+        "The three primary colors are",
+        "def fibonacci(n):\n",
+        "Once upon a time, in a small village at the edge of a great forest,",
+        "Q: What is 12 times 12?\nA:",
+    ]
+    ps = [tok.encode(t) for t in texts]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    outputs = {}
+    for mode in ("auto", "none"):
+        cfg = EngineConfig(
+            model="default", dtype="float32", kv_cache_memory="64MiB", max_model_len=256,
+            num_threads=1, quantization=mode,
+        )  # fmt: skip
+        engine = Engine(cfg)
+        model = engine.runner.model
+        assert isinstance(model.layers[0].mlp.down_proj, QuantLinear) == (mode == "auto")
+        outputs[mode] = [s.output_token_ids for s in engine.generate(ps, params)]
+        del engine
+    same = 0
+    for a, b in zip(outputs["auto"], outputs["none"]):
+        for x, y in zip(a, b):
+            if x != y:
+                break
+            same += 1
+    agreement = same / (len(ps) * params.max_tokens)
+    print(f"native Q4_1 vs dequantized: {agreement:.1%} of greedy tokens agree")
+    assert agreement >= 0.9
