@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from common.kernels import cpu_quant
+
 QUANTIZATION_MODES = ("auto", "none", "int8", "int4")
 # Tried in this order when --quantization-group-size is 0 (auto) for int4: the largest that divides
 # the layer's input size. 128 is what GPTQ/AWQ checkpoints use; SmolLM2's hidden size 576 needs 64.
@@ -211,8 +213,6 @@ class QuantLinear(nn.Module):
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         if x2.device.type == "cpu":
-            from common.kernels import cpu_quant
-
             out = cpu_quant.quant_matmul(x2, self)
         elif x2.device.type == "cuda" and _triton_quant() is not None:
             out = _triton_quant()(

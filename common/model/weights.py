@@ -68,12 +68,20 @@ def iter_weights(source: ModelSource) -> Iterator[tuple[str, Weight]]:
 def _iter_safetensors(model_dir: Path, hf_config=None) -> Iterator[tuple[str, Weight]]:
     from safetensors import safe_open
 
-    if hf_config is not None and getattr(hf_config, "quantization_config", None) is not None:
-        from common.model import compressed_tensors
-
-        if compressed_tensors.is_compressed_tensors(hf_config):
+    qconfig = getattr(hf_config, "quantization_config", None) if hf_config is not None else None
+    if qconfig is not None:
+        try:
+            from common.model import compressed_tensors
+        except ImportError:
+            compressed_tensors = None
+        if compressed_tensors is not None and compressed_tensors.is_compressed_tensors(hf_config):
             yield from compressed_tensors.iter_compressed_tensors(model_dir, hf_config)
             return
+        method = qconfig.get("quant_method") if isinstance(qconfig, dict) else qconfig
+        raise ValueError(
+            f"{model_dir}: quantized checkpoint ({method!r}) is not supported; pdserve loads "
+            "compressed-tensors checkpoints (llm-compressor), GGUF Q4_0/Q4_1/Q8_0 and 16-bit ones"
+        )
 
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:

@@ -276,3 +276,14 @@ def test_flag_mismatch_with_a_quantized_checkpoint(tmp_path: Path) -> None:
         ours.load_weights(iter_weights(source), mode)
         assert isinstance(ours.layers[0].mlp.down_proj, QuantLinear) == quantized
         assert isinstance(ours.lm_head, QuantLinear) == quantized  # the file quantizes the head
+
+
+def test_unsupported_quantized_hf_checkpoint_is_named(tmp_path: Path) -> None:
+    model = _tiny_model("llama")
+    model.config.quantization_config = {"quant_method": "gptq", "bits": 4}
+    model.save_pretrained(tmp_path)
+    source = ModelSource(
+        path=tmp_path, kind="hf", hf_dir=tmp_path, hf_config=model.config, name=str(tmp_path)
+    )
+    with pytest.raises(ValueError, match="'gptq'"):
+        list(iter_weights(source))
