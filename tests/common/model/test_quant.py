@@ -245,3 +245,25 @@ def test_default_model_native_q4_1_agrees_with_dequantized() -> None:
     agreement = same / (len(ps) * params.max_tokens)
     print(f"native Q4_1 vs dequantized: {agreement:.1%} of greedy tokens agree")
     assert agreement >= 0.9
+
+
+def test_quantized_kv_handoff_matches_single_engine(tiny_llama) -> None:
+    """1P1D with int4 on both sides: the KV handed over is the quantized model's, and decoding
+    continues exactly as one quantized engine would."""
+    from tests.common.engine.test_engine import make_engine
+    from tests.common.engine.test_engine_handoff import handoff
+
+    hf_model, _ = tiny_llama
+    ps = [[5, 9, 23, 7, 100, 3, 8, 8, 41], list(range(10, 33))]
+    single = make_engine(hf_model, quantization="int4")
+    expected = [s.output_token_ids for s in single.generate(ps, GREEDY)]
+    prefill = make_engine(hf_model, quantization="int4")
+    decode = make_engine(hf_model, quantization="int4")
+    outputs = {}
+    for i, p in enumerate(ps):
+        _, first = handoff(prefill, decode, f"r{i}", p, GREEDY)
+        outputs[f"r{i}"] = list(first.new_token_ids)
+    while decode.has_unfinished():
+        for out in decode.step():
+            outputs[out.request_id] += out.new_token_ids
+    assert [outputs[f"r{i}"] for i in range(len(ps))] == expected
