@@ -210,19 +210,19 @@ class QuantLinear(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features)
-        if x2.device.type == "cpu":
-            out = cpu_quant.quant_matmul(x2, self)
-        elif x2.device.type == "cuda" and _triton_quant() is not None:
-            out = _triton_quant()(
-                x2, self.qweight, self.scale, self.zero, self.bits, self.group_size
-            )
+        lead = None
+        if x.dim() != 2:  # decode batches are already [tokens, K]: no reshape per call
+            lead, x = x.shape[:-1], x.reshape(-1, self.in_features)
+        if x.device.type == "cpu":
+            out = cpu_quant.quant_matmul(x, self)
+        elif x.device.type == "cuda" and _triton_quant() is not None:
+            kernel = _triton_quant()
+            out = kernel(x, self.qweight, self.scale, self.zero, self.bits, self.group_size)
         else:
-            out = quant_matmul_reference(x2, self.qt)
+            out = quant_matmul_reference(x, self.qt)
         if self.bias is not None:
             out = out + self.bias
-        return out.reshape(*lead, self.out_features)
+        return out if lead is None else out.reshape(*lead, self.out_features)
 
 
 class QuantEmbedding(QuantLinear):
