@@ -3,8 +3,10 @@
 Embedding, N x (RMSNorm, attention, residual, RMSNorm, SwiGLU MLP, residual), RMSNorm, LM head.
 Differences inside the family are switches read from the HF config: GQA, RoPE (incl. scaling types,
 through transformers' own RoPE init functions), attention bias (Qwen2), per-head q/k RMSNorm
-(Qwen3), tied embeddings. Q/K/V and gate/up projections are fused into one matmul each. Called by
-the model runner, which owns the KV cache tensors and the attention metadata.
+(Qwen3), tied embeddings. Q/K/V and gate/up projections are fused into one matmul each; with
+quantized weights (a GGUF's blocks, or `--quantization int8|int4`) `load_weights` swaps projections
+for common.model.quant's QuantLinear (parts concatenated along N). Called by the model runner,
+which owns the KV cache tensors and the attention metadata.
 """
 
 from __future__ import annotations
