@@ -1,18 +1,21 @@
 /* Weight-only quantized matmul for the CPU path: out[M, N] = x[M, K] @ W.T with W stored as int4
  * (group-wise scale and zero) or int8 (group-wise or per-channel scale), the format of
- * common/model/quant.py. Each weight group is unpacked once and used for every row of x (M is a
- * decode batch, small), float32 accumulation, OpenMP over output columns. Compiled on first use by
- * common/kernels/cpu_quant.py.
+ * common/model/quant.py. float32 accumulation, OpenMP over output columns. Compiled on first use
+ * by common/kernels/cpu_quant.py; entry point `quant_matmul` (at the end).
  *
  * For a group g of row n with codes q_j, scale s and zero z:
  *   int4: sum_j x_j * ((q_j - 8) s + z) = s * sum_j x_j q_j + (z - 8 s) * sum_j x_j
  *   int8: sum_j x_j * (q_j s + z)       = s * sum_j x_j q_j + z * sum_j x_j
- * so the caller passes the per-group sums of x (xsum [M, G]) and the inner loop is a plain dot.
- * For int4 the caller also reorders x within each group as [even columns | odd columns], matching
- * the packed bytes (low nibble = column 2j, high nibble = column 2j+1).
+ * M = 1 (single-stream decode, the latency case) uses that form: a plain dot per group, the scale
+ * applied once per group, the zero point through the group's sum of x. M > 1 dequantizes each
+ * group in registers once (w = q s + zc) and multiplies it into 8 (or 4, 2) rows of x at a time.
+ * The entry point first copies x to float32, reordering each int4 group as [even columns | odd
+ * columns] to match the packed bytes (low nibble = column 2j, high nibble = column 2j+1), and
+ * computes the per-group sums; without AVX2 a portable loop computes the same.
  *
- * Layouts: x [M, K] float32 contiguous; xsum [M, G] float32; qweight uint8 [N, K/2] or int8 [N, K];
- * scale, zero [N, G] float32 (sdtype 0) or bfloat16 (sdtype 1), zero may be NULL; out [M, N] f32.
+ * Layouts: x [M, K] float32/bfloat16 with row stride; qweight uint8 [N, K/2] or int8 [N, K];
+ * scale, zero [N, G] float32 (sdtype 0) or bfloat16 (sdtype 1), zero may be NULL; out [M, N] in
+ * x's dtype.
  */
 #include <stdint.h>
 #include <stdlib.h>
