@@ -68,6 +68,8 @@ class EngineConfig:
     speculative_adaptive: bool = True
     enforce_eager: bool = False
     cuda_graph_max_batch: int = 256
+    quantization: str = "auto"  # auto | none | int8 | int4 (weights only)
+    quantization_group_size: int = 0  # 0 = automatic (see the flag's help)
 
     def resolved_device(self) -> torch.device:
         import torch
@@ -102,6 +104,19 @@ class EngineConfig:
         if self.cuda_graph_max_batch < 1:
             raise ValueError("--cuda-graph-max-batch must be >= 1")
         self._validate_speculative()
+        self._validate_quantization()
+
+    def _validate_quantization(self) -> None:
+        modes = ("auto", "none", "int8", "int4")  # common.model.quant.QUANTIZATION_MODES
+        if self.quantization not in modes:
+            raise ValueError(
+                f"--quantization must be one of {', '.join(modes)}, not {self.quantization!r}"
+            )
+        group = self.quantization_group_size
+        if group != 0 and (group < 2 or group & (group - 1)):
+            raise ValueError(
+                f"--quantization-group-size must be 0 (automatic) or a power of two, not {group}"
+            )
 
     def _validate_speculative(self) -> None:
         if self.speculative not in ("none", "ngram", "draft"):
@@ -157,6 +172,11 @@ _HELP = {
     "enforce_eager": "never capture CUDA graphs (the CPU path is always eager)",
     "cuda_graph_max_batch": "largest decode batch captured as a CUDA graph (sizes 1, 2, 4, 8, "
     "then every 8); larger batches run eagerly",
+    "quantization": "weight-only quantization of the linear layers: auto (serve what the "
+    "checkpoint holds, e.g. GGUF Q4_1 as int4), none (dequantize to --dtype), int8 or int4 "
+    "(quantize a 16-bit checkpoint on load, round to nearest); the KV cache is unaffected",
+    "quantization_group_size": "weights per scale along the input dimension for int8/int4; 0 = "
+    "automatic: int4 the largest of 128/64/32 that divides the layer, int8 per output channel",
 }
 
 

@@ -3,12 +3,15 @@
 Embedding, N x (RMSNorm, attention, residual, RMSNorm, SwiGLU MLP, residual), RMSNorm, LM head.
 Differences inside the family are switches read from the HF config: GQA, RoPE (incl. scaling types,
 through transformers' own RoPE init functions), attention bias (Qwen2), per-head q/k RMSNorm
-(Qwen3), tied embeddings. Q/K/V and gate/up projections are fused into one matmul each. Called by
-the model runner, which owns the KV cache tensors and the attention metadata.
+(Qwen3), tied embeddings. Q/K/V and gate/up projections are fused into one matmul each; with
+quantized weights (a GGUF's blocks, or `--quantization int8|int4`) `load_weights` swaps projections
+for common.model.quant's QuantLinear (parts concatenated along N). Called by the model runner,
+which owns the KV cache tensors and the attention metadata.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 
 import torch
@@ -17,6 +20,18 @@ from torch import nn
 
 from common.kernels import cpu_ops
 from common.kernels.attention import AttentionMetadata, paged_attention, write_kv_cache
+from common.model.quant import (
+    QUANTIZATION_MODES,
+    QuantEmbedding,
+    QuantizedTensor,
+    QuantLinear,
+    TiedQuantHead,
+    cat_rows,
+    quantize_rtn,
+    resolve_group_size,
+)
+
+log = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -292,9 +307,25 @@ class CausalLM(nn.Module):
                 module.pack_for_cpu()
 
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors in, fusing q/k/v and gate/up; every parameter must be filled."""
+    def load_weights(
+        self,
+        weights: Iterable[tuple[str, torch.Tensor | QuantizedTensor]],
+        quantization: str = "none",
+        group_size: int = 0,
+    ) -> None:
+        """Copy HF-named weights in, fusing q/k/v and gate/up; every parameter must be filled.
+
+        `quantization` (see common.model.quant.QUANTIZATION_MODES): 'auto' keeps quantized
+        checkpoint tensors as they are, 'none' dequantizes them, 'int8'/'int4' quantize dense
+        projection weights on load (round to nearest; `group_size` 0 = automatic). Projections
+        whose weights end up quantized become QuantLinear; a quantized embedding (and the head
+        tied to it) stays quantized unless 'none'.
+        """
+        if quantization not in QUANTIZATION_MODES:
+            raise ValueError(f"--quantization must be one of {QUANTIZATION_MODES}")
         params = dict(self.named_parameters())
+        linears = {n for n, m in self.named_modules() if isinstance(m, Linear)}
+        pending: dict[str, list[tuple[int, QuantizedTensor]]] = {}  # module -> (row, part)
         filled: set[str] = set()
         for hf_name, tensor in weights:
             name, offset = _fused_target(hf_name, self.config)
@@ -304,7 +335,17 @@ class CausalLM(nn.Module):
                 continue
             if name not in params:
                 raise ValueError(f"checkpoint tensor {hf_name!r} has no place in this model")
+            module = name.rsplit(".", 1)[0]
+            projection = name.endswith(".weight") and module in linears and module != "lm_head"
+            tensor = _apply_quantization(hf_name, tensor, quantization, group_size, projection)
             param = params[name]
+            if isinstance(tensor, QuantizedTensor):
+                want = param.shape if offset is None else (offset[1], param.shape[1])
+                if tuple(tensor.shape) != tuple(want):
+                    raise ValueError(f"{hf_name}: shape {tensor.shape}, expected {tuple(want)}")
+                pending.setdefault(module, []).append((0 if offset is None else offset[0], tensor))
+                filled.add(name if offset is None else f"{name}[{offset[0]}]")
+                continue
             if offset is None:
                 if param.shape != tensor.shape:
                     raise ValueError(
@@ -323,6 +364,70 @@ class CausalLM(nn.Module):
         ]
         if missing:
             raise ValueError(f"checkpoint is missing weights: {missing[:5]}")
+        for module, parts in pending.items():
+            self._install_quantized(module, parts, params[f"{module}.weight"])
+
+    def _install_quantized(
+        self, module: str, parts: list[tuple[int, QuantizedTensor]], dense: torch.Tensor
+    ) -> None:
+        """Swap a projection (or the embedding) for its quantized form.
+
+        A fused projection whose parts do not all share one format (some dense, or different
+        bits/groups, as in llama.cpp's mixed files) is dequantized into the dense weight instead.
+        """
+        parts.sort(key=lambda p: p[0])
+        try:
+            qt = cat_rows([p for _, p in parts])
+        except ValueError:
+            qt = None
+        if qt is None or qt.shape != tuple(dense.shape):
+            log.warning("%s: mixed dense/quantized parts, served dequantized", module)
+            for start, part in parts:
+                dense[start : start + part.shape[0]].copy_(part.dequantize(torch.float32))
+            return
+        if module == "embed_tokens":
+            self.embed_tokens = QuantEmbedding(qt)
+            if self.tie_word_embeddings:
+                self.lm_head = TiedQuantHead(self.embed_tokens)
+            return
+        old = self.get_submodule(module)
+        self.set_submodule(module, QuantLinear(qt, old.bias))
+
+
+def _apply_quantization(
+    hf_name: str,
+    tensor: torch.Tensor | QuantizedTensor,
+    mode: str,
+    group_size: int,
+    projection: bool,
+) -> torch.Tensor | QuantizedTensor:
+    """What `--quantization mode` makes of one checkpoint tensor (see load_weights).
+
+    A checkpoint already quantized to other bits than asked is an error (requantizing int4 to
+    int8 gains no quality, int8 to int4 loses some silently): use auto or none.
+    """
+    if isinstance(tensor, QuantizedTensor):
+        if mode == "none":
+            return tensor.dequantize(torch.float32)
+        if mode in ("int4", "int8") and projection:
+            bits = int(mode[3:])
+            if tensor.bits != bits or (group_size and group_size != tensor.group_size):
+                raise ValueError(
+                    f"{hf_name}: the checkpoint holds int{tensor.bits} weights in groups of "
+                    f"{tensor.group_size}, but --quantization {mode}"
+                    + (f" --quantization-group-size {group_size}" if group_size else "")
+                    + " was asked: use --quantization auto to serve them as stored, or none to "
+                    "dequantize them"
+                )
+        return tensor
+    if mode in ("int4", "int8") and projection and tensor.dim() == 2:
+        bits = int(mode[3:])
+        try:
+            group = resolve_group_size(tensor.shape[1], bits, group_size)
+        except ValueError as exc:
+            raise ValueError(f"{hf_name}: {exc}") from None
+        return quantize_rtn(tensor, bits, group)
+    return tensor
 
 
 def head_dim_of(config) -> int:

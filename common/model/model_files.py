@@ -163,7 +163,8 @@ def _gguf_sidecar(gguf_path: Path) -> Path:
         tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
         config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        # Our loader dequantizes the weights, so the saved config must not claim a quantization.
+        # transformers' GGUF quantization_config describes its own loader; ours reads the GGUF
+        # block types itself (common.model.weights), so the sidecar config must not carry it.
         config_file = tmp / "config.json"
         saved = json.loads(config_file.read_text())
         if saved.pop("quantization_config", None) is not None:

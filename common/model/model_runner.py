@@ -77,7 +77,7 @@ class ModelRunner:
                 f"--max-model-len {self.max_model_len} exceeds the model's {model_max}"
             )
         model = CausalLM(hf_config, max_positions=self.max_model_len)
-        model.load_weights(weights)
+        model.load_weights(weights, config.quantization, config.quantization_group_size)
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
         if self.device.type == "cpu" and torch.backends.mkldnn.is_available():
             self.model.pack_for_cpu()
@@ -177,7 +177,9 @@ class ModelRunner:
                 f"target {hf_config.vocab_size}: they must share one vocabulary"
             )
         draft = CausalLM(source.hf_config, max_positions=self.max_model_len)
-        draft.load_weights(iter_weights(source))
+        draft.load_weights(
+            iter_weights(source), self.config.quantization, self.config.quantization_group_size
+        )
         draft = draft.to(device=self.device, dtype=self.dtype).eval()
         if self.device.type == "cpu" and torch.backends.mkldnn.is_available():
             draft.pack_for_cpu()

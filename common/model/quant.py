@@ -1,8 +1,13 @@
-"""The in-memory quantized weight format shared by the loaders and the kernels.
+"""Weight-only quantization: the in-memory format, round-to-nearest quantization, quantized layers.
 
-Minimal copy made on the `triton` branch so the compressed-tensors loader and the Triton kernel can
-be tested before the quant helper's `common/model/quant.py` lands; the quant helper's module (same
-fields, same dequantization, see /work/wt/QUANT-FORMAT.md) replaces this file at merge.
+Owns `QuantizedTensor` (the format agreed in QUANT-FORMAT.md: int4 with a group-wise scale and
+zero point, or int8 per channel / per group; activations stay 16/32-bit), RTN quantization of a
+dense weight, and the two modules the Llama family swaps in when its checkpoint or `--quantization`
+asks for it: `QuantLinear` (projections, LM head) and `QuantEmbedding` (row lookup, dequantized per
+row). The matmul dispatches on the device: CPU -> `common.kernels.cpu_quant`, CUDA ->
+`common.kernels.triton_quant.quant_matmul` (imported lazily, never on CPU), anything else ->
+dequantize then matmul (the reference every kernel is tested against). Called by
+`common.model.llama` (load_weights) and the weight loaders in `common.model.weights`.
 """
 
 from __future__ import annotations
@@ -10,15 +15,25 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
+from torch import nn
+
+from common.kernels import cpu_quant
+
+QUANTIZATION_MODES = ("auto", "none", "int8", "int4")
+# Tried in this order when --quantization-group-size is 0 (auto) for int4: the largest that divides
+# the layer's input size. 128 is what GPTQ/AWQ checkpoints use; SmolLM2's hidden size 576 needs 64.
+INT4_AUTO_GROUPS = (128, 64, 32)
 
 
 @dataclass
 class QuantizedTensor:
-    """A weight [N, K] quantized along K in groups of `group_size` (K itself = per channel).
+    """A [N, K] weight stored as int4/int8 codes with per-group scale (and zero) along K.
 
-    bits=4: qweight uint8 [N, K//2], low nibble = column 2j, high nibble = column 2j+1, values
-    0..15, w = (q - 8) * scale + zero. bits=8: qweight int8 [N, K], w = q * scale + zero.
-    scale and zero are [N, K // group_size]; zero None means 0.
+    bits=4: qweight uint8 [N, K//2], low nibble = column 2j, high nibble = column 2j+1 (0..15),
+            w = (q - 8) * scale + zero
+    bits=8: qweight int8 [N, K], w = q * scale + (zero or 0)
+    scale, zero: [N, K // group_size], float32 (or the model dtype); zero None means 0.
     """
 
     bits: int
@@ -28,18 +43,234 @@ class QuantizedTensor:
     zero: torch.Tensor | None
     shape: tuple[int, int]
 
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def __post_init__(self) -> None:
         n, k = self.shape
+        if self.bits not in (4, 8):
+            raise ValueError(f"only 4- and 8-bit weights are supported, not {self.bits}")
+        if self.group_size <= 0 or k % self.group_size:
+            raise ValueError(
+                f"group size {self.group_size} does not divide the input dimension {k}"
+            )
+        want_q = (n, k // 2) if self.bits == 4 else (n, k)
+        if tuple(self.qweight.shape) != want_q or tuple(self.scale.shape) != (
+            n,
+            k // self.group_size,
+        ):
+            raise ValueError(
+                f"{self.bits}-bit weight {self.shape}: qweight {tuple(self.qweight.shape)} and "
+                f"scale {tuple(self.scale.shape)} do not fit (group {self.group_size})"
+            )
+
+    @property
+    def nbytes(self) -> int:
+        zero = 0 if self.zero is None else self.zero.nbytes
+        return self.qweight.nbytes + self.scale.nbytes + zero
+
+    def unpack(self) -> torch.Tensor:
+        """The codes as int16 [N, K]: 0..15 for int4, -128..127 for int8."""
+        if self.bits == 8:
+            return self.qweight.to(torch.int16)
+        q = self.qweight.to(torch.int16)
+        return torch.stack((q & 0xF, q >> 4), dim=-1).reshape(self.shape)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The dense [N, K] weight in `dtype`, computed in float32 then rounded once."""
+        n, k = self.shape
+        groups = k // self.group_size
+        compute = torch.float32
+        q = self.unpack().to(compute)
         if self.bits == 4:
-            lo = (self.qweight & 0xF).to(torch.float32)
-            hi = (self.qweight >> 4).to(torch.float32)
-            q = torch.stack((lo, hi), dim=-1).reshape(n, k) - 8.0
-        elif self.bits == 8:
-            q = self.qweight.to(torch.float32)
-        else:
-            raise ValueError(f"unsupported bits {self.bits}")
-        groups = q.view(n, k // self.group_size, self.group_size)
-        w = groups * self.scale.float()[:, :, None]
+            q = q - 8
+        w = q.view(n, groups, self.group_size) * self.scale.to(compute)[..., None]
         if self.zero is not None:
-            w = w + self.zero.float()[:, :, None]
+            w = w + self.zero.to(compute)[..., None]
         return w.reshape(n, k).to(dtype)
+
+    def rows(self, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Dequantize only the rows `index` (an embedding lookup)."""
+        sub = QuantizedTensor(
+            self.bits,
+            self.group_size,
+            self.qweight[index],
+            self.scale[index],
+            None if self.zero is None else self.zero[index],
+            (index.numel(), self.shape[1]),
+        )
+        return sub.dequantize(dtype)
+
+
+def resolve_group_size(k: int, bits: int, requested: int) -> int:
+    """The group size for a K-wide weight: `requested`, or for 0 the auto choice.
+
+    Auto: int8 per channel (group = K), int4 the largest of 128/64/32 that divides K.
+    """
+    if requested > 0:
+        if k % requested:
+            raise ValueError(
+                f"--quantization-group-size {requested} does not divide the input dimension {k} "
+                f"(choose a divisor of {k}, or 0 for automatic)"
+            )
+        return requested
+    if bits == 8:
+        return k
+    for g in INT4_AUTO_GROUPS:
+        if k % g == 0:
+            return g
+    raise ValueError(f"int4 needs an input dimension divisible by 32, this weight has {k}")
+
+
+def quantize_rtn(weight: torch.Tensor, bits: int, group_size: int) -> QuantizedTensor:
+    """Round-to-nearest quantization of a dense [N, K] weight.
+
+    int4: asymmetric per group (min..max onto 0..15, zero point as a float).
+    int8: symmetric per group (or per channel with group_size = K), codes -127..127.
+    """
+    n, k = weight.shape
+    if k % group_size:
+        raise ValueError(f"group size {group_size} does not divide the input dimension {k}")
+    w = weight.detach().to(torch.float32).reshape(n, k // group_size, group_size)
+    if bits == 4:
+        lo, hi = w.amin(dim=-1), w.amax(dim=-1)
+        scale = (hi - lo) / 15
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # constant group: any scale
+        q = torch.round((w - lo[..., None]) / scale[..., None]).clamp_(0, 15).to(torch.uint8)
+        q = q.reshape(n, k)
+        packed = q[:, 0::2] | (q[:, 1::2] << 4)
+        return QuantizedTensor(4, group_size, packed.contiguous(), scale, lo + 8 * scale, (n, k))
+    if bits == 8:
+        scale = w.abs().amax(dim=-1) / 127
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        q = torch.round(w / scale[..., None]).clamp_(-127, 127).to(torch.int8).reshape(n, k)
+        return QuantizedTensor(8, group_size, q, scale, None, (n, k))
+    raise ValueError(f"only 4- and 8-bit quantization is supported, not {bits}")
+
+
+def cat_rows(parts: list[QuantizedTensor]) -> QuantizedTensor:
+    """Concatenate along N (the fused q/k/v and gate/up projections); formats must agree."""
+    first = parts[0]
+    for p in parts[1:]:
+        if (p.bits, p.group_size, p.shape[1], p.zero is None) != (
+            first.bits,
+            first.group_size,
+            first.shape[1],
+            first.zero is None,
+        ):
+            raise ValueError(
+                f"cannot fuse {first.bits}-bit group-{first.group_size} with {p.bits}-bit "
+                f"group-{p.group_size} weights"
+            )
+    zero = None if first.zero is None else torch.cat([p.zero for p in parts])
+    return QuantizedTensor(
+        first.bits,
+        first.group_size,
+        torch.cat([p.qweight for p in parts]),
+        torch.cat([p.scale for p in parts]),
+        zero,
+        (sum(p.shape[0] for p in parts), first.shape[1]),
+    )
+
+
+def quant_matmul_reference(x: torch.Tensor, qt: QuantizedTensor) -> torch.Tensor:
+    """x [M, K] @ W.T by dequantizing W to x's dtype first: the reference every kernel matches."""
+    return F.linear(x, qt.dequantize(x.dtype))
+
+
+class QuantLinear(nn.Module):
+    """A linear layer over a QuantizedTensor weight (codes, scale and zero are buffers).
+
+    `.to(dtype)` converts scale/zero (float buffers) and leaves the integer codes alone, so the
+    format holds after the model runner's cast. CPU kernels cache a repacked copy per dtype.
+    """
+
+    def __init__(self, qt: QuantizedTensor, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.bits, self.group_size = qt.bits, qt.group_size
+        self.out_features, self.in_features = qt.shape
+        self.register_buffer("qweight", qt.qweight.contiguous())
+        self.register_buffer("scale", qt.scale.contiguous())
+        self.register_buffer("zero", None if qt.zero is None else qt.zero.contiguous())
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), False)
+        self.cpu_cache: dict = {}  # common.kernels.cpu_quant's repacked weights, by dtype
+
+    @property
+    def qt(self) -> QuantizedTensor:
+        return QuantizedTensor(
+            self.bits,
+            self.group_size,
+            self.qweight,
+            self.scale,
+            self.zero,
+            (self.out_features, self.in_features),
+        )
+
+    def extra_repr(self) -> str:
+        return (
+            f"in={self.in_features}, out={self.out_features}, int{self.bits}, "
+            f"group={self.group_size}, bias={self.bias is not None}"
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = None
+        if x.dim() != 2:  # decode batches are already [tokens, K]: no reshape per call
+            lead, x = x.shape[:-1], x.reshape(-1, self.in_features)
+        if x.device.type == "cpu":
+            out = cpu_quant.quant_matmul(x, self)
+        elif x.device.type == "cuda" and _triton_quant() is not None:
+            kernel = _triton_quant()
+            out = kernel(x, self.qweight, self.scale, self.zero, self.bits, self.group_size)
+        else:
+            out = quant_matmul_reference(x, self.qt)
+        if self.bias is not None:
+            out = out + self.bias
+        return out if lead is None else out.reshape(*lead, self.out_features)
+
+
+class QuantEmbedding(QuantLinear):
+    """A quantized embedding table: forward looks rows up and dequantizes only those.
+
+    A tied LM head (`TiedQuantHead`) multiplies by the same buffers through `linear`.
+    """
+
+    def __init__(self, qt: QuantizedTensor, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__(qt)
+        self.register_buffer("dtype_marker", torch.empty(0, dtype=dtype))  # follows .to(dtype)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1)
+        rows = self.qt.rows(flat, self.dtype_marker.dtype)
+        return rows.reshape(*ids.shape, self.in_features)
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        return QuantLinear.forward(self, x)
+
+
+class TiedQuantHead(nn.Module):
+    """The LM head tied to a QuantEmbedding: its buffers, not a copy (so .to() moves them once)."""
+
+    def __init__(self, embedding: QuantEmbedding) -> None:
+        super().__init__()
+        self.__dict__["embedding"] = embedding  # not a submodule: the model owns it once
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.embedding.linear(x)
+
+
+_TRITON_UNSET = object()
+_triton_fn = _TRITON_UNSET
+
+
+def _triton_quant():
+    """common.kernels.triton_quant.quant_matmul, or None (then the reference path runs)."""
+    global _triton_fn
+    if _triton_fn is _TRITON_UNSET:
+        try:
+            from common.kernels.triton_quant import quant_matmul
+        except ImportError as exc:
+            import logging
+
+            logging.getLogger(__name__).warning(
+                "no Triton quantized matmul (%s): dequantizing per call instead", exc
+            )
+            quant_matmul = None
+        _triton_fn = quant_matmul
+    return _triton_fn

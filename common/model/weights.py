@@ -1,12 +1,17 @@
 """Reading model weights, one tensor at a time, under Hugging Face transformers parameter names.
 
-Owns the two on-disk formats: HF safetensors directories (tensors as stored) and GGUF files
-(dequantized to float32, renamed from GGUF's `blk.N.*` names, Llama q/k un-permuted). The model code
-calls `iter_weights` and copies each tensor into its own (possibly fused) parameters.
+Owns the two on-disk formats: HF safetensors directories (tensors as stored; compressed-tensors
+checkpoints through `common.model.compressed_tensors`) and GGUF files (renamed from GGUF's `blk.N.*`
+names, Llama q/k rows un-permuted). GGUF Q4_0, Q4_1 and Q8_0 tensors come out as
+`common.model.quant.QuantizedTensor`s built straight from the block bytes (never a float copy);
+F32/F16/BF16 as they are; other quantized types dequantized to float32 with a warning. The model
+code calls `iter_weights` and copies each tensor into its own (possibly fused) parameters or
+quantized layers.
 """
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +20,10 @@ import numpy as np
 import torch
 
 from common.model.model_files import ModelSource
+from common.model.quant import QuantizedTensor
+
+log = logging.getLogger(__name__)
+Weight = torch.Tensor | QuantizedTensor
 
 # GGUF architectures we load, and whether their q/k projections were permuted by llama.cpp's
 # converter (it reorders Llama's rotary halves into interleaved pairs; Qwen's are left as in HF).
@@ -43,21 +52,36 @@ _GGUF_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _GGUF_SKIPPED = {"rope_freqs.weight"}
 
 
-def iter_weights(source: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF parameter name, CPU tensor) for every weight of the model, one at a time.
+def iter_weights(source: ModelSource) -> Iterator[tuple[str, Weight]]:
+    """Yield (HF parameter name, CPU tensor or QuantizedTensor) for every weight, one at a time.
 
     `lm_head.weight` comes only when the checkpoint has it (not when tied to the embedding).
     """
     if source.kind == "hf":
-        yield from _iter_safetensors(source.path)
+        yield from _iter_safetensors(source.path, source.hf_config)
     elif source.kind == "gguf":
         yield from _iter_gguf(source.path)
     else:
         raise ValueError(f"unknown model source kind {source.kind!r}")
 
 
-def _iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_safetensors(model_dir: Path, hf_config=None) -> Iterator[tuple[str, Weight]]:
     from safetensors import safe_open
+
+    qconfig = getattr(hf_config, "quantization_config", None) if hf_config is not None else None
+    if qconfig is not None:
+        try:
+            from common.model import compressed_tensors
+        except ImportError:
+            compressed_tensors = None
+        if compressed_tensors is not None and compressed_tensors.is_compressed_tensors(hf_config):
+            yield from compressed_tensors.iter_compressed_tensors(model_dir, hf_config)
+            return
+        method = qconfig.get("quant_method") if isinstance(qconfig, dict) else qconfig
+        raise ValueError(
+            f"{model_dir}: quantized checkpoint ({method!r}) is not supported; pdserve loads "
+            "compressed-tensors checkpoints (llm-compressor), GGUF Q4_0/Q4_1/Q8_0 and 16-bit ones"
+        )
 
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
@@ -81,9 +105,8 @@ def gguf_hf_name(gguf_name: str) -> str | None:
     return f"model.layers.{layer}.{_GGUF_LAYER_NAMES[part]}.{kind}"
 
 
-def _iter_gguf(gguf_path: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    from gguf import GGUFReader
-    from gguf.quants import dequantize
+def _iter_gguf(gguf_path: Path) -> Iterator[tuple[str, Weight]]:
+    from gguf import GGMLQuantizationType, GGUFReader
 
     reader = GGUFReader(gguf_path)
     arch = _read_field(reader, "general.architecture")
@@ -99,16 +122,77 @@ def _iter_gguf(gguf_path: Path) -> Iterator[tuple[str, torch.Tensor]]:
         name = gguf_hf_name(tensor.name)
         if name is None:
             continue
-        # dequantize gives numpy order, i.e. HF's [out, in]; GGUF lists the dims reversed.
-        weights = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
-        if GGUF_ARCHS[arch]:
+        qtype = GGMLQuantizationType(tensor.tensor_type)
+        # Rows in numpy order, i.e. HF's [out, in]; GGUF lists the dims reversed.
+        parts = gguf_tensor_arrays(tensor.data, qtype, tensor.name)
+        if GGUF_ARCHS[arch]:  # whole rows move, so quantized rows (codes, scale, zero) move alike
             if ".self_attn.q_proj." in name:
-                weights = _unpermute_rotary(weights, num_heads)
+                parts = [_unpermute_rotary(a, num_heads) for a in parts]
             elif ".self_attn.k_proj." in name:
-                weights = _unpermute_rotary(weights, num_kv_heads)
-        if not weights.flags.writeable or not weights.flags.c_contiguous:
-            weights = np.array(weights)  # off the read-only memmap, torch wants its own memory
-        yield name, torch.from_numpy(weights)
+                parts = [_unpermute_rotary(a, num_kv_heads) for a in parts]
+        # off the read-only memmap: torch wants its own writable memory
+        tensors = [torch.from_numpy(np.array(a, copy=True, order="C")) for a in parts]
+        if len(tensors) == 1:
+            yield name, tensors[0]
+        else:
+            yield name, _quantized_from_parts(qtype, tensors)
+
+
+# GGUF block types mapped natively: (bits, values per block, bytes per block)
+GGUF_NATIVE = {"Q4_0": (4, 32, 18), "Q4_1": (4, 32, 20), "Q8_0": (8, 32, 34)}
+_GGUF_DENSE = {"F32", "F16", "BF16"}
+_warned_types: set[str] = set()
+
+
+def gguf_tensor_arrays(data: np.ndarray, qtype, tensor_name: str = "") -> list[np.ndarray]:
+    """A GGUF tensor's data as numpy arrays with rows in HF order.
+
+    Dense types and types we dequantize: [weight]. Q4_0/Q4_1/Q8_0: [codes, scale, zero] in
+    QuantizedTensor's layout (zero omitted for Q4_0/Q8_0), computed from the block bytes:
+      Q4_1 w = d*q + m  ->  scale d, zero m + 8d (so w = (q - 8)*scale + zero)
+      Q4_0 w = d*(q-8)  ->  scale d, no zero
+      Q8_0 w = d*q      ->  int8 codes, scale d, no zero
+    A block's 16 bytes hold values j (low nibble) and j+16 (high nibble); ours pair 2j and 2j+1.
+    """
+    name = qtype.name
+    if name in _GGUF_DENSE:
+        return [np.asarray(data).astype(np.float32, copy=False)]
+    if name not in GGUF_NATIVE:
+        from gguf.quants import dequantize
+
+        if name not in _warned_types:
+            _warned_types.add(name)
+            log.warning(
+                "GGUF type %s (first: %s) has no native quantized layout here: dequantizing it "
+                "to 16-bit (supported natively: %s)",
+                name,
+                tensor_name,
+                ", ".join(GGUF_NATIVE),
+            )
+        return [np.asarray(dequantize(data, qtype), dtype=np.float32)]
+    _, block, block_bytes = GGUF_NATIVE[name]
+    raw = np.asarray(data)
+    rows = raw.shape[0] if raw.ndim > 1 else 1
+    blocks = raw.reshape(rows, -1, block_bytes)  # [N, groups, bytes]
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    if name == "Q8_0":
+        codes = blocks[..., 2:].copy().view(np.int8).reshape(rows, -1)
+        return [codes, d]
+    qs = blocks[..., 4:] if name == "Q4_1" else blocks[..., 2:]
+    values = np.concatenate((qs & 0x0F, qs >> 4), axis=-1)  # [N, groups, 32], element order
+    packed = (values[..., 0::2] | (values[..., 1::2] << 4)).reshape(rows, -1)
+    if name == "Q4_0":
+        return [packed, d]
+    m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    return [packed, d, m + np.float32(8) * d]
+
+
+def _quantized_from_parts(qtype, tensors: list[torch.Tensor]) -> QuantizedTensor:
+    bits, block, _ = GGUF_NATIVE[qtype.name]
+    codes, scale = tensors[0], tensors[1]
+    zero = tensors[2] if len(tensors) > 2 else None
+    k = codes.shape[1] * (2 if bits == 4 else 1)
+    return QuantizedTensor(bits, block, codes, scale, zero, (codes.shape[0], k))
 
 
 def _unpermute_rotary(weights: np.ndarray, num_heads: int) -> np.ndarray:

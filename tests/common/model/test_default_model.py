@@ -24,7 +24,14 @@ from common.sampling_params import SamplingParams
 MAX_NEW_TOKENS = 32
 # Small KV cache and context, one thread: the tests need little, and the 2-core machine is shared
 # (two torch threads against a busy neighbour run several times slower than one).
-ENGINE_FLAGS = {"kv_cache_memory": "128MiB", "max_model_len": 2048, "num_threads": 1}
+# quantization none: the comparison is with transformers' dequantized model (native Q4_1 is
+# compared in test_quant.py).
+ENGINE_FLAGS = {
+    "kv_cache_memory": "128MiB",
+    "max_model_len": 2048,
+    "num_threads": 1,
+    "quantization": "none",
+}
 CHATS = [
     [{"role": "user", "content": "What is the capital of France?"}],
     [{"role": "user", "content": "Write a haiku about the sea."}],
@@ -134,6 +141,7 @@ def test_run_batch_cli_matches_transformers(
     argv = ["run-batch", "-i", str(infile), "-o", str(outfile), "--dtype", "float32"]
     argv += ["--kv-cache-memory", ENGINE_FLAGS["kv_cache_memory"]]
     argv += ["--max-model-len", str(ENGINE_FLAGS["max_model_len"]), "--num-threads", "1"]
+    argv += ["--quantization", "none"]
     assert main(argv) == 0
     results = [json.loads(line) for line in outfile.read_text().splitlines()]
     assert [r["custom_id"] for r in results] == ["chat", "text", "bad", "ids"]

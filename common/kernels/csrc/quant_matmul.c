@@ -1,0 +1,268 @@
+/* Weight-only quantized matmul for the CPU path: out[M, N] = x[M, K] @ W.T with W stored as int4
+ * (group-wise scale and zero) or int8 (group-wise or per-channel scale), the format of
+ * common/model/quant.py. float32 accumulation, OpenMP over output columns. Compiled on first use
+ * by common/kernels/cpu_quant.py; entry point `quant_matmul` (at the end).
+ *
+ * For a group g of row n with codes q_j, scale s and zero z:
+ *   int4: sum_j x_j * ((q_j - 8) s + z) = s * sum_j x_j q_j + (z - 8 s) * sum_j x_j
+ *   int8: sum_j x_j * (q_j s + z)       = s * sum_j x_j q_j + z * sum_j x_j
+ * M = 1 (single-stream decode, the latency case) uses that form: a plain dot per group, the scale
+ * applied once per group, the zero point through the group's sum of x. M > 1 dequantizes each
+ * group in registers once (w = q s + zc) and multiplies it into 8 (or 4, 2) rows of x at a time.
+ * The entry point first copies x to float32, reordering each int4 group as [even columns | odd
+ * columns] to match the packed bytes (low nibble = column 2j, high nibble = column 2j+1), and
+ * computes the per-group sums; without AVX2 a portable loop computes the same.
+ *
+ * Layouts: x [M, K] float32/bfloat16 with row stride; qweight uint8 [N, K/2] or int8 [N, K];
+ * scale, zero [N, G] float32 (sdtype 0) or bfloat16 (sdtype 1), zero may be NULL; out [M, N] in
+ * x's dtype.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+#define MAX_M 16 /* rows per pass of the portable (non-AVX2) loop */
+
+static inline float load_s(const void *p, long i, int sdtype) {
+    if (sdtype == 0) return ((const float *)p)[i];
+    uint32_t u = ((uint32_t)((const uint16_t *)p)[i]) << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* dot of one int4 group (gs/2 bytes) with x laid out [even | odd] */
+static inline float dot4(const uint8_t *restrict q, const float *restrict xe,
+                         const float *restrict xo, int half) {
+    float acc = 0.0f;
+    for (int j = 0; j < half; j++) {
+        acc += xe[j] * (float)(q[j] & 15) + xo[j] * (float)(q[j] >> 4);
+    }
+    return acc;
+}
+
+static inline float dot8(const int8_t *restrict q, const float *restrict x, int gs) {
+    float acc = 0.0f;
+    for (int j = 0; j < gs; j++) acc += x[j] * (float)q[j];
+    return acc;
+}
+
+#ifdef __AVX2__
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* One output column n for rows m0..m0+mc (mc <= 8): each group's weights are dequantized in
+ * registers (w = q*s + zc, zc = z - 8s for int4) and multiplied into every row's accumulator. */
+static inline __attribute__((always_inline)) void column_avx2(const float *x, int m0, int mc, int K, int G, int gs, int bits,
+                        const uint8_t *qrow, const void *scale, const void *zero, int sdtype,
+                        long sidx, float *out, long N, int n) {
+    __m256 acc[8];
+    for (int m = 0; m < mc; m++) acc[m] = _mm256_setzero_ps();
+    const __m128i low4 = _mm_set1_epi8(0x0F);
+    for (int g = 0; g < G; g++) {
+        const float s = load_s(scale, sidx + g, sdtype);
+        const float z = zero ? load_s(zero, sidx + g, sdtype) : 0.0f;
+        const __m256 vs = _mm256_set1_ps(s), vz = _mm256_set1_ps(bits == 4 ? z - 8.0f * s : z);
+        const long xoff = (long)g * gs;
+        if (bits == 4) {
+            const uint8_t *q = qrow + (long)g * (gs / 2);
+            const int half = gs / 2;
+            for (int h = 0; h < half; h += 16) {
+                __m128i b = _mm_loadu_si128((const __m128i *)(q + h));
+                __m128i lo = _mm_and_si128(b, low4);
+                __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), low4);
+                __m256 w0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), vs, vz);
+                __m256 w1 = _mm256_fmadd_ps(
+                    _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), vs, vz);
+                __m256 w2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), vs, vz);
+                __m256 w3 = _mm256_fmadd_ps(
+                    _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), vs, vz);
+                for (int m = 0; m < mc; m++) {
+                    const float *xe = x + (long)(m0 + m) * K + xoff + h;
+                    const float *xo = xe + half;
+                    __m256 a = acc[m];
+                    a = _mm256_fmadd_ps(_mm256_loadu_ps(xe), w0, a);
+                    a = _mm256_fmadd_ps(_mm256_loadu_ps(xe + 8), w1, a);
+                    a = _mm256_fmadd_ps(_mm256_loadu_ps(xo), w2, a);
+                    a = _mm256_fmadd_ps(_mm256_loadu_ps(xo + 8), w3, a);
+                    acc[m] = a;
+                }
+            }
+        } else {
+            const int8_t *q = (const int8_t *)qrow + xoff;
+            for (int j = 0; j < gs; j += 8) {
+                __m128i b = _mm_loadl_epi64((const __m128i *)(q + j));
+                __m256 w = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), vs, vz);
+                for (int m = 0; m < mc; m++)
+                    acc[m] = _mm256_fmadd_ps(_mm256_loadu_ps(x + (long)(m0 + m) * K + xoff + j), w,
+                                             acc[m]);
+            }
+        }
+    }
+    for (int m = 0; m < mc; m++) out[(long)(m0 + m) * N + n] = hsum(acc[m]);
+}
+
+/* M = 1: per group, t = sum_j x_j q_j (two independent chains), then acc += s * t and the
+ * zero point's share zc * sum_j x_j as a scalar: 5 float ops per 32 weights instead of 8. */
+static float column1_avx2(const float *x, const float *xsum, int G, int gs, int bits,
+                          const uint8_t *qrow, const void *scale, const void *zero, int sdtype,
+                          long sidx) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0;
+    float zterm = 0.0f;
+    const __m128i low4 = _mm_set1_epi8(0x0F);
+    for (int g = 0; g < G; g++) {
+        const float s = load_s(scale, sidx + g, sdtype);
+        const float z = zero ? load_s(zero, sidx + g, sdtype) : 0.0f;
+        zterm += (bits == 4 ? z - 8.0f * s : z) * xsum[g];
+        const __m256 vs = _mm256_set1_ps(s);
+        const float *xg = x + (long)g * gs;
+        __m256 t0 = _mm256_setzero_ps(), t1 = t0;
+        if (bits == 4) {
+            const uint8_t *q = qrow + (long)g * (gs / 2);
+            const int half = gs / 2;
+            for (int h = 0; h < half; h += 16) {
+                __m128i b = _mm_loadu_si128((const __m128i *)(q + h));
+                __m128i lo = _mm_and_si128(b, low4);
+                __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), low4);
+                __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+                __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+                __m256 w2 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+                __m256 w3 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+                t0 = _mm256_fmadd_ps(_mm256_loadu_ps(xg + h), w0, t0);
+                t1 = _mm256_fmadd_ps(_mm256_loadu_ps(xg + half + h), w2, t1);
+                t0 = _mm256_fmadd_ps(_mm256_loadu_ps(xg + h + 8), w1, t0);
+                t1 = _mm256_fmadd_ps(_mm256_loadu_ps(xg + half + h + 8), w3, t1);
+            }
+        } else {
+            const int8_t *q = (const int8_t *)qrow + (long)g * gs;
+            int j = 0;
+            for (; j + 16 <= gs; j += 16) {
+                __m256 w0 = _mm256_cvtepi32_ps(
+                    _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + j))));
+                __m256 w1 = _mm256_cvtepi32_ps(
+                    _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + j + 8))));
+                t0 = _mm256_fmadd_ps(_mm256_loadu_ps(xg + j), w0, t0);
+                t1 = _mm256_fmadd_ps(_mm256_loadu_ps(xg + j + 8), w1, t1);
+            }
+            for (; j < gs; j += 8) {
+                __m256 w = _mm256_cvtepi32_ps(
+                    _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + j))));
+                t0 = _mm256_fmadd_ps(_mm256_loadu_ps(xg + j), w, t0);
+            }
+        }
+        a0 = _mm256_fmadd_ps(t0, vs, a0);
+        a1 = _mm256_fmadd_ps(t1, vs, a1);
+    }
+    return hsum(_mm256_add_ps(a0, a1)) + zterm;
+}
+#endif
+
+static int quant_matmul_f32(const float *x, const float *xsum, int M, int K, int N, int bits, int gs,
+                 const void *qweight, const void *scale, const void *zero, int sdtype, float *out,
+                 int nthreads) {
+    if (M < 1 || gs <= 0 || K % gs || (bits != 4 && bits != 8) || (gs & 1))
+        return 1;
+    const int G = K / gs;
+    const long row_bytes = bits == 4 ? K / 2 : K;
+#ifdef __AVX2__
+    if (bits == 4 ? gs % 32 == 0 : gs % 8 == 0) {
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+        for (int n = 0; n < N; n++) {
+            const uint8_t *qrow = (const uint8_t *)qweight + (long)n * row_bytes;
+            int m0 = 0;
+            /* constant row counts, so the accumulators live in registers */
+            for (; m0 + 8 <= M; m0 += 8)
+                column_avx2(x, m0, 8, K, G, gs, bits, qrow, scale, zero, sdtype, (long)n * G,
+                            out, N, n);
+            if (M - m0 >= 4) {
+                column_avx2(x, m0, 4, K, G, gs, bits, qrow, scale, zero, sdtype, (long)n * G,
+                            out, N, n);
+                m0 += 4;
+            }
+            if (M - m0 >= 2) {
+                column_avx2(x, m0, 2, K, G, gs, bits, qrow, scale, zero, sdtype, (long)n * G,
+                            out, N, n);
+                m0 += 2;
+            }
+            if (M - m0 == 1)
+                out[(long)m0 * N + n] =
+                    column1_avx2(x + (long)m0 * K, xsum + (long)m0 * G, G, gs, bits, qrow, scale,
+                                 zero, sdtype, (long)n * G);
+        }
+        return 0;
+    }
+#endif
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int n = 0; n < N; n++) {
+        const uint8_t *qrow = (const uint8_t *)qweight + (long)n * row_bytes;
+        for (int m0 = 0; m0 < M; m0 += MAX_M) {
+            const int mc = M - m0 < MAX_M ? M - m0 : MAX_M;
+            float acc[MAX_M];
+            for (int m = 0; m < mc; m++) acc[m] = 0.0f;
+            for (int g = 0; g < G; g++) {
+                const float s = load_s(scale, (long)n * G + g, sdtype);
+                const float z = zero ? load_s(zero, (long)n * G + g, sdtype) : 0.0f;
+                const float zc = bits == 4 ? z - 8.0f * s : z;
+                for (int m = 0; m < mc; m++) {
+                    const float *xg = x + (long)(m0 + m) * K + (long)g * gs;
+                    float d = bits == 4
+                                  ? dot4(qrow + (long)g * (gs / 2), xg, xg + gs / 2, gs / 2)
+                                  : dot8((const int8_t *)qrow + (long)g * gs, xg, gs);
+                    acc[m] += s * d + zc * xsum[(long)(m0 + m) * G + g];
+                }
+            }
+            for (int m = 0; m < mc; m++) out[(long)(m0 + m) * N + n] = acc[m];
+        }
+    }
+    return 0;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffff) > 0x7f800000) return (uint16_t)((u >> 16) | 0x40); /* NaN stays NaN */
+    u += 0x7fff + ((u >> 16) & 1); /* round to nearest even, as torch does */
+    return (uint16_t)(u >> 16);
+}
+
+/* x_in [M, K] (xdtype 0 float32, 1 bfloat16, row stride x_stride) -> out_ [M, N] in xdtype. */
+int quant_matmul(const void *x_in, long x_stride, int xdtype, int M, int K, int N, int bits, int gs,
+                 const void *qweight, const void *scale, const void *zero, int sdtype, void *out_,
+                 int nthreads) {
+    if (M < 1 || gs <= 0 || K % gs || (bits != 4 && bits != 8) || (gs & 1))
+        return 1;
+    const int G = K / gs;
+    float *x = malloc(sizeof(float) * ((size_t)M * K + (size_t)M * G + (size_t)M * N));
+    if (!x) return 2;
+    float *xsum = x + (size_t)M * K, *out = xsum + (size_t)M * G;
+    /* float32 copy of x; int4 groups reordered [even | odd] to match the packed nibbles */
+    for (int m = 0; m < M; m++) {
+        for (int g = 0; g < G; g++) {
+            float sum = 0.0f;
+            for (int j = 0; j < gs; j++) {
+                long src = (long)m * x_stride + (long)g * gs + j;
+                float v = xdtype == 0 ? ((const float *)x_in)[src] : load_s(x_in, src, 1);
+                int dst = bits == 4 ? (j & 1) * (gs / 2) + j / 2 : j;
+                x[(long)m * K + (long)g * gs + dst] = v;
+                sum += v;
+            }
+            xsum[(long)m * G + g] = sum;
+        }
+    }
+    int rc = quant_matmul_f32(x, xsum, M, K, N, bits, gs, qweight, scale, zero, sdtype, out,
+                              nthreads);
+    long total = (long)M * N;
+    if (xdtype == 0)
+        memcpy(out_, out, sizeof(float) * total);
+    else
+        for (long i = 0; i < total; i++) ((uint16_t *)out_)[i] = f32_to_bf16(out[i]);
+    free(x);
+    return rc;
+}

@@ -1,0 +1,270 @@
+"""common/model/quant.py and common/kernels/cpu_quant.py: RTN quantization, every CPU kernel path
+against the dequantize-then-matmul reference, quantized tiny models against their dequantized
+twins, the flag's errors, and a quantized model through the engine (prefix cache, n-gram
+speculation) and run-batch."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from common.config import EngineConfig
+from common.engine.engine import Engine
+from common.kernels import cpu_quant
+from common.model.quant import (
+    QuantizedTensor,
+    QuantLinear,
+    cat_rows,
+    quant_matmul_reference,
+    quantize_rtn,
+    resolve_group_size,
+)
+from common.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+
+
+@pytest.mark.parametrize("bits, group", [(4, 32), (4, 64), (4, 128), (8, 32), (8, 256)])
+def test_rtn_error_is_at_most_half_a_step(bits: int, group: int) -> None:
+    torch.manual_seed(0)
+    w = torch.randn(48, 256)
+    qt = quantize_rtn(w, bits, group)
+    err = (qt.dequantize() - w).abs().reshape(48, -1, group)
+    # round to nearest: within half a quantization step, plus float32 rounding of scale/zero
+    assert (err <= qt.scale[..., None] * 0.5 + 1e-6).all()
+    assert qt.nbytes < w.nbytes / (2 if bits == 8 else 4)
+
+
+def test_int4_packing_is_low_nibble_first() -> None:
+    w = torch.arange(32, dtype=torch.float32)[None] % 16  # codes 0..15 twice, scale 1, zero 8
+    qt = quantize_rtn(w, 4, 32)
+    assert qt.qweight[0, 0].item() == 0 | (1 << 4)
+    assert torch.equal(qt.unpack()[0], torch.arange(32) % 16)
+    assert torch.equal(qt.dequantize(), w)
+
+
+def test_cat_rows_needs_one_format() -> None:
+    a, b = quantize_rtn(torch.randn(8, 64), 4, 32), quantize_rtn(torch.randn(4, 64), 4, 32)
+    fused = cat_rows([a, b])
+    assert fused.shape == (12, 64)
+    assert torch.equal(fused.dequantize(), torch.cat([a.dequantize(), b.dequantize()]))
+    with pytest.raises(ValueError, match="cannot fuse"):
+        cat_rows([a, quantize_rtn(torch.randn(4, 64), 4, 64)])
+
+
+def test_group_size_errors() -> None:
+    assert resolve_group_size(576, 4, 0) == 64 and resolve_group_size(1536, 4, 0) == 128
+    assert resolve_group_size(576, 8, 0) == 576  # int8 auto: per channel
+    with pytest.raises(ValueError, match="does not divide the input dimension 576"):
+        resolve_group_size(576, 4, 128)
+    with pytest.raises(ValueError, match="does not divide"):
+        QuantizedTensor(
+            4, 48, torch.zeros(2, 32, dtype=torch.uint8), torch.ones(2, 1), None, (2, 64)
+        )
+    with pytest.raises(ValueError, match="--quantization must be one of"):
+        EngineConfig(quantization="int3").validate()
+    with pytest.raises(ValueError, match="power of two"):
+        EngineConfig(quantization_group_size=48).validate()
+
+
+# (4, 16): groups the AVX2 loop does not take, so the portable C loop runs
+CASES = [(4, 16), (4, 32), (4, 64), (4, 128), (8, 32), (8, 0)]  # group 0: per channel
+
+
+@pytest.mark.parametrize("path", cpu_quant.PATHS)
+@pytest.mark.parametrize("bits, group", CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 3, 8, 16, 33])
+def test_cpu_kernels_match_reference(monkeypatch, path, bits, group, dtype, m) -> None:
+    torch.manual_seed(m)
+    n, k = 96, 256
+    qt = quantize_rtn(torch.randn(n, k) * 0.1, bits, group or k)
+    layer = QuantLinear(qt).to(dtype)
+    x = torch.randn(m, k).to(dtype)
+    if not cpu_quant.applies(path, layer, x):
+        pytest.skip(f"{path} does not apply")
+    monkeypatch.setenv("PDSERVE_CPU_QUANT_KERNEL", path)
+    assert cpu_quant.choose(layer, x) == path
+    got = layer(x)
+    assert got.dtype == dtype and got.shape == (m, n)
+    # reference: the same (dtype-rounded) scale/zero, dequantized and multiplied in float32
+    ref = quant_matmul_reference(x.float(), layer.qt)
+    # float32: only the summation order differs (256 terms): 1e-4 relative to the output scale.
+    # bfloat16: the output is rounded to bf16 (2^-8 relative) and torch's kernels dequantize to
+    # bf16 before multiplying: 2% of the output scale covers both.
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    scale = ref.abs().max()
+    assert (got.float() - ref).abs().max() <= tol * scale
+
+
+@pytest.mark.parametrize("mode, group", [("int4", 0), ("int4", 32), ("int8", 0), ("int8", 32)])
+def test_tiny_quantized_engine_matches_dequantized_twin(tiny_model, mode, group) -> None:
+    """Engine logprobs of a quantized tiny model vs a dense model holding its dequantized weights.
+
+    float32: the quantized and dense matmuls differ only in summation order, so greedy tokens
+    agree and logits agree to 1e-3 (random-init logits are O(1)).
+    """
+    family, hf_model, _ = tiny_model
+    cfg = dict(model="tiny", dtype="float32", kv_cache_memory="8MiB", block_size=8)
+    quant = Engine(
+        EngineConfig(**cfg, quantization=mode, quantization_group_size=group),
+        hf_model.config,
+        hf_model.state_dict().items(),
+    )
+    model = quant.runner.model
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    assert len(layers) == 4 * hf_model.config.num_hidden_layers  # qkv, o, gate_up, down
+    assert all(m.bits == int(mode[3:]) for m in layers)
+    assert type(model.lm_head).__name__ == "Linear"  # the head stays 16-bit on a dense checkpoint
+    twin_weights = []
+    for hf_name, tensor in hf_model.state_dict().items():
+        twin_weights.append((hf_name, _requantized(hf_name, tensor, mode, group)))
+    dense = Engine(EngineConfig(**cfg, quantization="none"), hf_model.config, twin_weights)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=5)
+    ps = [[5, 9, 23, 7, 100, 3], [17, 4, 4, 8, 99, 120, 31, 2, 64]]
+    got = quant.generate(ps, params)
+    ref = dense.generate(ps, params)
+    for a, b in zip(got, ref):
+        assert a.output_token_ids == b.output_token_ids, family
+        assert a.output_logprobs == pytest.approx(b.output_logprobs, abs=1e-3)
+
+
+def _requantized(hf_name: str, tensor: torch.Tensor, mode: str, group: int) -> torch.Tensor:
+    """What --quantization mode does to a projection weight, dequantized back (the twin's input)."""
+    projection = any(
+        f".{p}." in hf_name for p in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                     "up_proj", "down_proj")
+    )  # fmt: skip
+    if not projection or not hf_name.endswith(".weight"):
+        return tensor
+    bits = int(mode[3:])
+    return quantize_rtn(tensor, bits, resolve_group_size(tensor.shape[1], bits, group)).dequantize()
+
+
+def test_quantized_engine_prefix_cache_and_ngram_speculation(tiny_llama) -> None:
+    hf_model, _ = tiny_llama
+    base = dict(
+        model="tiny", dtype="float32", kv_cache_memory="8MiB", block_size=8, quantization="int4"
+    )
+    plain = Engine(EngineConfig(**base, enable_prefix_caching=False), hf_model.config,
+                   hf_model.state_dict().items())  # fmt: skip
+    spec = Engine(
+        EngineConfig(**base, speculative="ngram", speculative_disable_by_batch_size=0),
+        hf_model.config,
+        hf_model.state_dict().items(),
+    )
+    shared = [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]
+    ps = [shared + [3, 4] * 6, shared + [30, 40, 50] * 4, [1, 2, 3, 1, 2, 3, 1, 2]]
+    want = [s.output_token_ids for s in plain.generate(ps, GREEDY)]
+    first = [s.output_token_ids for s in spec.generate(ps, GREEDY)]
+    again = [s.output_token_ids for s in spec.generate(ps, GREEDY)]  # prefix cache hits now
+    assert first == want and again == want
+    assert spec.stats()["prefix_cache_hits_total"] > 0
+
+
+@pytest.fixture(scope="module")
+def smol_dir(tmp_path_factory):
+    """A 2-layer random Llama over SmolLM2's vocabulary with its tokenizer (run-batch needs one)."""
+    import shutil
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from common.model.model_files import resolve_model
+
+    path = tmp_path_factory.mktemp("tiny-smol-quant")
+    cfg = AutoConfig.for_model(
+        "llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, vocab_size=49152,
+        max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+        tie_word_embeddings=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(path)
+    for f in resolve_model("default").hf_dir.iterdir():
+        if f.name != "config.json":
+            shutil.copy(f, path)
+    return path
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_run_batch_quantized(smol_dir, tmp_path, mode) -> None:
+    from common.cli import main
+
+    requests = tmp_path / "in.jsonl"
+    lines = [
+        {"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
+         "body": {"model": "tiny", "prompt": f"Hello number {i}", "max_tokens": 4,
+                  "temperature": 0}}
+        for i in range(3)
+    ]  # fmt: skip
+    requests.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    out = tmp_path / "out.jsonl"
+    argv = ["run-batch", "-i", str(requests), "-o", str(out), "--model", str(smol_dir)]
+    argv += ["--served-model-name", "tiny", "--dtype", "float32", "--kv-cache-memory", "16MiB"]
+    argv += ["--max-model-len", "128", "--quantization", mode]
+    assert main(argv) == 0
+    results = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["custom_id"] for r in results] == ["r0", "r1", "r2"]
+    assert all(r["response"]["status_code"] == 200 for r in results)
+
+
+def test_default_model_native_q4_1_agrees_with_dequantized() -> None:
+    """The default model served natively (Q4_1 projections as int4, Q8_0 embedding and head as
+    int8) against the same weights dequantized, float32, greedy. Only summation order differs,
+    so the outputs should agree almost everywhere; measured: 100% of tokens (4 x 24)."""
+    from common.api.tokenizer import Tokenizer
+    from common.model.model_files import resolve_model
+
+    tok = Tokenizer.from_source(resolve_model("default"))
+    texts = [
+        "The three primary colors are",
+        "def fibonacci(n):\n",
+        "Once upon a time, in a small village at the edge of a great forest,",
+        "Q: What is 12 times 12?\nA:",
+    ]
+    ps = [tok.encode(t) for t in texts]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    outputs = {}
+    for mode in ("auto", "none"):
+        cfg = EngineConfig(
+            model="default", dtype="float32", kv_cache_memory="64MiB", max_model_len=256,
+            num_threads=1, quantization=mode,
+        )  # fmt: skip
+        engine = Engine(cfg)
+        model = engine.runner.model
+        assert isinstance(model.layers[0].mlp.down_proj, QuantLinear) == (mode == "auto")
+        outputs[mode] = [s.output_token_ids for s in engine.generate(ps, params)]
+        del engine
+    same = 0
+    for a, b in zip(outputs["auto"], outputs["none"]):
+        for x, y in zip(a, b):
+            if x != y:
+                break
+            same += 1
+    agreement = same / (len(ps) * params.max_tokens)
+    print(f"native Q4_1 vs dequantized: {agreement:.1%} of greedy tokens agree")
+    assert agreement >= 0.9
+
+
+def test_quantized_kv_handoff_matches_single_engine(tiny_llama) -> None:
+    """1P1D with int4 on both sides: the KV handed over is the quantized model's, and decoding
+    continues exactly as one quantized engine would."""
+    from tests.common.engine.test_engine import make_engine
+    from tests.common.engine.test_engine_handoff import handoff
+
+    hf_model, _ = tiny_llama
+    ps = [[5, 9, 23, 7, 100, 3, 8, 8, 41], list(range(10, 33))]
+    single = make_engine(hf_model, quantization="int4")
+    expected = [s.output_token_ids for s in single.generate(ps, GREEDY)]
+    prefill = make_engine(hf_model, quantization="int4")
+    decode = make_engine(hf_model, quantization="int4")
+    outputs = {}
+    for i, p in enumerate(ps):
+        _, first = handoff(prefill, decode, f"r{i}", p, GREEDY)
+        outputs[f"r{i}"] = list(first.new_token_ids)
+    while decode.has_unfinished():
+        for out in decode.step():
+            outputs[out.request_id] += out.new_token_ids
+    assert [outputs[f"r{i}"] for i in range(len(ps))] == expected
