@@ -42,6 +42,7 @@ from common.protocol import (
 )
 from common.sampling_params import SamplingParams
 from kvtransfer import choose_transport
+from router.admission import WaitingLine
 from router.kv_index import PrefixIndex
 from router.policy import (
     PrefillPolicy,
@@ -122,6 +123,7 @@ class Dispatcher:
         self.clock = clock
         self.flights: dict[str, Flight] = {}  # by request_id
         self.num_waiting = 0  # flights looking for a decode worker
+        self.line = WaitingLine()  # flights looking for a decode worker, first come first served
 
     @property
     def num_running(self) -> int:
@@ -130,18 +132,31 @@ class Dispatcher:
     # ---- dispatch -------------------------------------------------------------------------------
 
     async def dispatch(self, flight: Flight) -> None:
-        """Hand the flight to workers; RequestError(503) if no decode worker takes it in time."""
+        """Hand the flight to workers; RequestError(503) if no decode worker takes it in time.
+
+        First come, first served: only the oldest flight still looking may pick a decode worker,
+        so a flight that found no room is not overtaken by later ones. One that is waiting for
+        a worker's reply steps out of the line meanwhile (others pick), and back in at its
+        place if refused.
+        """
         self.flights[flight.request_id] = flight
         deadline = self.clock() + self.queue_timeout_s
+        place = self.line.join()
         self.num_waiting += 1
         try:
             while True:
-                decode, keys = self._pick_decode(flight)
-                if decode is not None and await self._start_on(flight, decode):
-                    flight.dispatched = True
-                    if keys:  # prefilled there: the next prompt with this prefix should follow
-                        self.prefix_index.add_pending(decode.worker_id, keys)
-                    return
+                decode = None
+                if self.line.first(place):
+                    decode, keys = self._pick_decode(flight)
+                    if decode is not None:
+                        self.line.leave(place)
+                        started = await self._start_on(flight, decode)
+                        if started:
+                            flight.dispatched = True
+                            if keys:  # prefilled there: the next prompt with this prefix follows
+                                self.prefix_index.add_pending(decode.worker_id, keys)
+                            return
+                        self.line.rejoin(place)
                 if self.clock() >= deadline:
                     raise RequestError(
                         "no decode worker could take the request; try again later",
@@ -149,8 +164,9 @@ class Dispatcher:
                         type="service_unavailable",
                     )
                 if decode is None:
-                    await asyncio.sleep(QUEUE_POLL_S)
+                    await self.line.wait_turn(place, QUEUE_POLL_S)
         finally:
+            self.line.leave(place)
             self.num_waiting -= 1
 
     def _pick_decode(self, flight: Flight) -> tuple[Worker | None, list[bytes]]:
