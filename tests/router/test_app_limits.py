@@ -193,3 +193,13 @@ def test_tokenize_round_trip_still_exact(router: RouterThread) -> None:
     text = "Hello, world! " * 100
     r = httpx.post(router.url + "/tokenize", json={"prompt": text, "add_special_tokens": False})
     assert r.json()["tokens"] == default_tokenizer().encode(text, add_special_tokens=False)
+
+
+def test_the_launcher_reads_metrics_behind_the_key() -> None:
+    """`pdserve up --api-key` waits for its workers through /metrics, now behind the key."""
+    from common.runtime.launcher import LocalCluster
+
+    with RouterThread(colocated=True, api_key="sekrit") as router:
+        port = router.server.http_port
+        cluster = LocalCluster("default", router_flags=["--api-key", "sekrit"], port=port)
+        assert "pdserve:num_requests_running" in cluster.metrics()
