@@ -33,6 +33,7 @@ class RouterConfig:
     colocated: bool = False
     request_timeout_s: float = 600.0
     queue_timeout_s: float = 10.0
+    max_queue_wait_s: float = 120.0
     max_waiting_requests: int = 0
     max_body_bytes: int = 32 * 2**20
     reserve_timeout_s: float = 5.0
@@ -68,7 +69,9 @@ HELP = {
     "worker (0 = always on a prefill worker)",
     "colocated": "serve with decode workers only (/health needs no prefill worker)",
     "request_timeout_s": "longest a request may run",
-    "queue_timeout_s": "longest a request waits for a decode worker before a 503",
+    "queue_timeout_s": "longest a request waits for a decode worker before a 503, unless ...",
+    "max_queue_wait_s": "... decode workers are busy with requests whose end frees room (a long "
+    "prompt found no free KV blocks): then it waits up to this long",
     "max_waiting_requests": "requests that may wait in the router (tokenizing or queued for a "
     "decode worker) before new ones get a 429 with Retry-After (0 = no limit)",
     "max_body_bytes": "largest request body; a larger one gets a 413",

@@ -87,6 +87,7 @@ class RouterServer:
             routing=config.routing,
             local_prefill_max_tokens=config.local_prefill_max_tokens,
             queue_timeout_s=config.queue_timeout_s,
+            max_queue_wait_s=config.max_queue_wait_s,
             reserve_timeout_s=config.reserve_timeout_s,
             prefill_deadline_s=config.prefill_deadline_s,
             prefix_index=self.prefix_index,

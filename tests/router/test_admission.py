@@ -122,3 +122,46 @@ def test_waiting_line_order() -> None:
         return order
 
     assert asyncio.run(run()) == [0, 1, 2, 3, 4]
+
+
+def test_long_prompt_waits_for_room_while_decode_is_busy() -> None:
+    """Issue 11: a long prompt whose reservation found no free blocks got a 503 after the queue
+    timeout even though the decode worker's running requests would soon free room. Now it waits
+    (up to --max-queue-wait-s) while the worker is busy, and is served once room frees up."""
+    long_prompt = list(range(1000, 1040))
+    with RouterThread(
+        local_prefill_max_tokens=8, queue_timeout_s=1.0, max_queue_wait_s=30
+    ) as router:
+        d0 = router.worker("decode", "d0", token_delay_s=0.05)
+        router.worker("prefill", "p0")
+        busy: list = []
+        running = _send_in_background(router, [1, 2, 3], busy)  # short: generates on d0
+        _wait(lambda: d0.messages(Generate))
+        busy_body = {"prompt": [5, 6, 7], "max_tokens": 80, "ignore_eos": True}
+        long_running = threading.Thread(
+            target=lambda: busy.append(
+                httpx.post(router.url + "/v1/completions", json=busy_body, timeout=60)
+            )
+        )
+        long_running.start()  # keeps d0 busy for ~4 s
+        _wait(lambda: len(d0.messages(Generate)) == 2)
+        d0.reserve_mode = "refuse"  # no free KV blocks, for now
+        waiting: list = []
+        waiter = _send_in_background(router, long_prompt, waiting)
+        time.sleep(2.5)  # well past the queue timeout
+        assert not waiting, waiting[0][1].text  # still waiting, not a 503
+        d0.reserve_mode = "ok"  # room freed
+        waiter.join(30)
+        assert waiting[0][1].status_code == 200, waiting[0][1].text
+        running.join(30)
+        long_running.join(30)
+
+
+def test_with_nothing_running_the_queue_timeout_still_applies() -> None:
+    with RouterThread(local_prefill_max_tokens=8, queue_timeout_s=1.0, max_queue_wait_s=30) as r:
+        r.worker("decode", "d0", reserve="refuse")
+        r.worker("prefill", "p0")
+        start = time.monotonic()
+        body = {"prompt": list(range(1000, 1040)), "max_tokens": 2}
+        resp = httpx.post(r.url + "/v1/completions", json=body, timeout=30)
+        assert resp.status_code == 503 and time.monotonic() - start < 5
