@@ -2,11 +2,19 @@
 
 Owns the endpoints: `POST /v1/completions` and `POST /v1/chat/completions` (streamed and whole),
 `GET /v1/models`, `GET /health`, `GET /metrics`, `GET /debug/block_books` (each worker's KV block
-audit, for leak checks), `POST /tokenize`, `POST /detokenize`; optional
-Bearer auth on `/v1/*`; and the rule that every error is an OpenAI error body (bad input is a 4xx,
-never a 500). Request validation comes from `common.api.requests` and `common.api.prompts`, the
-choices are `common.api.choice.Choice`s, bodies come from `common.api.responses`, streaming from
-`router.streaming`; workers are reached only through `router.dispatch`.
+audit, for leak checks), `POST /tokenize`, `POST /detokenize`, and FastAPI's `/openapi.json` and
+`/docs` (request schemas from `common.api.schemas`); optional Bearer auth on every endpoint but
+`/health` (and `/metrics` with `--metrics-without-key`); the body size limit (413); admission
+control (`router.admission`, 429); and the rule that every error is an OpenAI error body (bad input
+is a 4xx, never a 500). Request validation comes from `common.api.body`, `common.api.requests` and
+`common.api.prompts`, the choices are `common.api.choice.Choice`s, bodies come from
+`common.api.responses`, streaming from `router.streaming`; workers are reached only through
+`router.dispatch`.
+
+The event loop never tokenizes, detokenizes or parses a large body itself: that work runs on a
+small thread pool (`RouterState.offload`; the tokenizer releases the GIL), so one 10 MB request
+cannot stall every stream. A prompt too long to fit the context by its character count alone is
+refused before tokenizing (`common.api.body.check_prompt_chars`).
 
 `/health` is 200 when at least one decode worker is live and either a prefill worker is live or
 the router runs with `--colocated` (decode workers prefill themselves).
@@ -23,20 +31,31 @@ import secrets
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
 
+from common.api import schemas
+from common.api.body import check_prompt_chars, parse_json_object
 from common.api.choice import Choice
-from common.api.prompts import chat_prompt_ids, choice_params, engine_inputs
-from common.api.requests import CHAT_URL, COMPLETIONS_URL, RequestError, parse_request
+from common.api.prompts import EngineInput, chat_prompt_ids, choice_params, engine_inputs
+from common.api.requests import (
+    CHAT_URL,
+    COMPLETIONS_URL,
+    GenerationRequest,
+    RequestError,
+    parse_request,
+)
 from common.api.responses import chat_body, completion_body
 from common.api.tokenizer import Tokenizer
+from router.admission import Admission
 from router.dispatch import Dispatcher, Job
 from router.metrics import RouterMetrics
 from router.registry import Registry
@@ -46,6 +65,9 @@ log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 32 * 2**20
 DISCONNECT_POLL_S = 0.5  # how often a non-streamed request checks that its client is still there
+TOKENIZER_THREADS = 4  # tokenizing releases the GIL: a few requests at once, never the event loop
+OPEN_PATHS = frozenset({"/health"})  # served without the API key
+T = TypeVar("T")
 
 
 @dataclass
@@ -60,9 +82,19 @@ class RouterState:
     model_max_len: int  # from the model's config; live workers may allow less
     max_model_len: int | None = None  # --max-model-len, when set
     api_key: str = ""
+    metrics_without_key: bool = False
     colocated: bool = False
     request_timeout_s: float = 600.0
     created: int = 0
+    max_body_bytes: int = MAX_BODY_BYTES
+    admission: Admission = field(default_factory=Admission)
+    executor: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(TOKENIZER_THREADS, "tokenizer")
+    )
+
+    async def offload(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run fn(*args) on the tokenizer pool, off the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
     def context_len(self) -> int:
         if self.max_model_len:
@@ -81,13 +113,60 @@ class RouterState:
 
 
 def error_response(e: RequestError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.code)
+    return JSONResponse(e.body(), status_code=e.code, headers=e.headers)
+
+
+class _Guard:
+    """ASGI middleware in front of every route (FastAPI's own /openapi.json and /docs included):
+    the API key, and a declared body size over the limit refused before a byte of it is read.
+    Plain ASGI rather than BaseHTTPMiddleware, which would buffer streamed responses."""
+
+    def __init__(self, app: ASGIApp, state: RouterState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            error = self._refusal(scope)
+            if error is not None:
+                await error_response(error)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    def _refusal(self, scope: Scope) -> RequestError | None:
+        state = self.state
+        headers = {k.lower(): v for k, v in scope["headers"]}
+        path = scope["path"]
+        open_path = path in OPEN_PATHS or (path == "/metrics" and state.metrics_without_key)
+        if state.api_key and not open_path:
+            scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+            if scheme.lower() != b"bearer" or not secrets.compare_digest(
+                token.strip(), state.api_key.encode()
+            ):
+                return RequestError(
+                    "invalid or missing API key", code=401, type="authentication_error"
+                )
+        length = headers.get(b"content-length", b"")
+        if length.isdigit() and int(length) > state.max_body_bytes:
+            return _too_large(state)
+        return None
+
+
+def _too_large(state: RouterState) -> RequestError:
+    return RequestError(f"the request body exceeds {state.max_body_bytes} bytes", code=413)
 
 
 def create_app(state: RouterState) -> FastAPI:
     """The FastAPI app over `state`."""
-    app = FastAPI(title="pdserve router", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(
+        title="pdserve router",
+        summary="OpenAI-compatible completions and chat over disaggregated prefill/decode workers",
+        docs_url="/docs",
+        redoc_url=None,
+        openapi_url="/openapi.json",
+    )
     app.state.router = state
+    app.add_middleware(_Guard, state=state)
 
     @app.exception_handler(RequestError)
     async def _request_error(request: Request, e: RequestError) -> JSONResponse:
@@ -107,28 +186,16 @@ def create_app(state: RouterState) -> FastAPI:
         log.exception("internal error on %s", request.url.path)
         return error_response(RequestError(f"internal error: {e}", code=500, type="internal_error"))
 
-    def check_auth(request: Request) -> None:
-        if not state.api_key:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(
-            token.strip().encode(), state.api_key.encode()
-        ):
-            raise RequestError("invalid or missing API key", code=401, type="authentication_error")
-
-    @app.post(COMPLETIONS_URL)
+    @app.post(COMPLETIONS_URL, openapi_extra=schemas.openapi_body(schemas.COMPLETION_REQUEST))
     async def completions(request: Request) -> Response:
-        check_auth(request)
         return await _generate(state, request, COMPLETIONS_URL)
 
-    @app.post(CHAT_URL)
+    @app.post(CHAT_URL, openapi_extra=schemas.openapi_body(schemas.CHAT_REQUEST))
     async def chat_completions(request: Request) -> Response:
-        check_auth(request)
         return await _generate(state, request, CHAT_URL)
 
     @app.get("/v1/models")
-    async def models(request: Request) -> dict[str, Any]:
-        check_auth(request)
+    async def models() -> dict[str, Any]:
         return {
             "object": "list",
             "data": [
@@ -158,13 +225,14 @@ def create_app(state: RouterState) -> FastAPI:
             state.dispatcher.num_waiting,
             state.registry.workers.values(),
             state.dispatcher.prefix_index,
+            state.admission,
         )
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     @app.get("/debug/block_books")
     async def block_books() -> dict[str, Any]:
         """Per worker: free/cached/running/reserved/held block counts, `ok`, `errors`; null for
-        a worker that did not answer in time. Unauthenticated, like /metrics."""
+        a worker that did not answer in time. Behind the API key, when there is one."""
         replies = await state.registry.block_books(state.dispatcher.send)
         return {
             "workers": {
@@ -173,13 +241,14 @@ def create_app(state: RouterState) -> FastAPI:
             }
         }
 
-    @app.post("/tokenize")
-    async def tokenize(request: Request) -> dict[str, Any]:
-        body = await _json_body(request)
+    @app.post("/tokenize", openapi_extra=schemas.openapi_body(schemas.TOKENIZE_REQUEST))
+    async def tokenize(request: Request) -> Response:
+        body = await _json_body(state, request)
         _check_model(state, body)
         if "messages" in body:
             gen = parse_request(CHAT_URL, {**body, "max_tokens": 1}, state.served_model_names)
-            ids = chat_prompt_ids(gen, state.tokenizer)
+            check_prompt_chars(_texts(gen), state.context_len(), "messages")
+            ids = await state.offload(chat_prompt_ids, gen, state.tokenizer)
         else:
             prompt = body.get("prompt")
             if not isinstance(prompt, str):
@@ -187,20 +256,16 @@ def create_app(state: RouterState) -> FastAPI:
             add_special = body.get("add_special_tokens", True)
             if not isinstance(add_special, bool):
                 raise RequestError("add_special_tokens must be a boolean", "add_special_tokens")
-            ids = state.tokenizer.encode(prompt, add_special_tokens=add_special)
-        return {"count": len(ids), "max_model_len": state.context_len(), "tokens": ids}
+            check_prompt_chars([prompt], state.context_len(), "prompt")
+            ids = await state.offload(state.tokenizer.encode, prompt, add_special)
+        result = {"count": len(ids), "max_model_len": state.context_len(), "tokens": ids}
+        return Response(await state.offload(_json_bytes, result), media_type="application/json")
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", openapi_extra=schemas.openapi_body(schemas.DETOKENIZE_REQUEST))
     async def detokenize(request: Request) -> dict[str, Any]:
-        body = await _json_body(request)
+        body = await _json_body(state, request)
         _check_model(state, body)
-        ids = body.get("tokens")
-        vocab = state.tokenizer.vocab_size
-        if not isinstance(ids, list) or not all(
-            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids
-        ):
-            raise RequestError(f"tokens must be a list of token ids in [0, {vocab})", "tokens")
-        return {"prompt": state.tokenizer.decode(ids, skip_special_tokens=False)}
+        return {"prompt": await state.offload(_detokenize, state.tokenizer, body.get("tokens"))}
 
     return app
 
@@ -213,45 +278,76 @@ def _check_model(state: RouterState, body: dict) -> None:
         )
 
 
-async def _json_body(request: Request) -> dict:
-    raw = await request.body()
-    if len(raw) > MAX_BODY_BYTES:
-        raise RequestError(f"the request body exceeds {MAX_BODY_BYTES} bytes", code=413)
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise RequestError(f"the request body is not valid JSON: {e}") from None
-    if not isinstance(body, dict):
-        raise RequestError("the request body must be a JSON object")
-    return body
+def _detokenize(tokenizer: Tokenizer, ids: Any) -> str:
+    vocab = tokenizer.vocab_size
+    if not isinstance(ids, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids
+    ):
+        raise RequestError(f"tokens must be a list of token ids in [0, {vocab})", "tokens")
+    return tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def _json_bytes(value: Any) -> bytes:
+    return json.dumps(value, separators=(",", ":")).encode()
+
+
+def _texts(gen: GenerationRequest) -> list[str]:
+    """The request's text that tokenizing would read (token-id prompts need no tokenizing)."""
+    if gen.endpoint == "chat":
+        return [m["content"] for m in gen.messages]
+    return [p for p in gen.prompts if isinstance(p, str)]
+
+
+async def _validated(
+    state: RouterState, request: Request, url: str
+) -> tuple[GenerationRequest, list[EngineInput]]:
+    """The request read, validated and tokenized (off the loop): RequestError when it is bad."""
+    body = await _json_body(state, request)
+    gen = parse_request(url, body, state.served_model_names)
+    context_len = state.context_len()
+    check_prompt_chars(_texts(gen), context_len, "messages" if url == CHAT_URL else "prompt")
+    return gen, await state.offload(engine_inputs, gen, state.tokenizer, context_len)
+
+
+async def _json_body(state: RouterState, request: Request) -> dict:
+    """The body as a validated JSON object, read up to the size limit and parsed off the loop."""
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > state.max_body_bytes:  # no or a false Content-Length: stop reading here
+            raise _too_large(state)
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    if len(raw) < 65536:  # handing a small body to a thread costs more than parsing it
+        return parse_json_object(raw)
+    return await state.offload(parse_json_object, raw)
 
 
 async def _generate(state: RouterState, request: Request, url: str) -> Response:
     timer = state.metrics.start_request()
     try:
-        body = await _json_body(request)
-        gen = parse_request(url, body, state.served_model_names)
-        inputs = await asyncio.to_thread(engine_inputs, gen, state.tokenizer, state.context_len())
+        with state.admission.admit():  # waiting from here until every flight is dispatched
+            gen, inputs = await _validated(state, request, url)
+            chat = gen.endpoint == "chat"
+            response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+            choices = [
+                Choice(p * gen.n + k, inp.prompt_token_ids, params, gen, state.tokenizer)
+                for p, inp in enumerate(inputs)
+                for k, params in enumerate(choice_params(inp.params, gen.n))
+            ]
+            job = Job(
+                state.dispatcher, response_id, [(c.prompt_token_ids, c.params) for c in choices]
+            )
+            try:
+                await job.start()
+            except BaseException:
+                job.close()
+                raise
     except RequestError as e:
         timer.failed(e.code)
         raise
-    chat = gen.endpoint == "chat"
-    response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     created = int(time.time())
-    choices = [
-        Choice(p * gen.n + k, inp.prompt_token_ids, params, gen, state.tokenizer)
-        for p, inp in enumerate(inputs)
-        for k, params in enumerate(choice_params(inp.params, gen.n))
-    ]
     prompt_tokens = sum(len(inp.prompt_token_ids) for inp in inputs)
-    job = Job(state.dispatcher, response_id, [(c.prompt_token_ids, c.params) for c in choices])
-    try:
-        await job.start()
-    except BaseException as e:
-        job.close()
-        if isinstance(e, RequestError):
-            timer.failed(e.code)
-        raise
     timer.dispatched()
     if gen.stream:
         events = sse_events(

@@ -23,6 +23,7 @@ class RouterConfig:
     model: str = "default"
     served_model_name: list[str] = field(default_factory=list)
     api_key: str = ""
+    metrics_without_key: bool = False
     routing: str = "prefix"
     prefix_load_weight: float = 0.5
     balance_abs_tokens: int = 4096
@@ -32,6 +33,9 @@ class RouterConfig:
     colocated: bool = False
     request_timeout_s: float = 600.0
     queue_timeout_s: float = 10.0
+    max_queue_wait_s: float = 120.0
+    max_waiting_requests: int = 0
+    max_body_bytes: int = 32 * 2**20
     reserve_timeout_s: float = 5.0
     prefill_deadline_s: float = 120.0
     heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S
@@ -48,7 +52,9 @@ HELP = {
     "control_port": "control socket port (0 = any free port; see --ready-file)",
     "model": "the model workers serve: 'default', a .gguf file or an HF directory (tokenizer only)",
     "served_model_name": "model names the API lists and accepts (default: --model as given)",
-    "api_key": "require 'Authorization: Bearer KEY' on /v1/*",
+    "api_key": "require 'Authorization: Bearer KEY' on every endpoint but /health (and /metrics "
+    "with --metrics-without-key)",
+    "metrics_without_key": "with --api-key, still serve /metrics without it (for scrapers)",
     "routing": "prefill worker choice: prefix (cached prefix vs load) | round_robin | least_loaded",
     "prefix_load_weight": "prefix routing: score = cached prompt tokens - this x queued prefill "
     "tokens",
@@ -63,7 +69,12 @@ HELP = {
     "worker (0 = always on a prefill worker)",
     "colocated": "serve with decode workers only (/health needs no prefill worker)",
     "request_timeout_s": "longest a request may run",
-    "queue_timeout_s": "longest a request waits for a decode worker before a 503",
+    "queue_timeout_s": "longest a request waits for a decode worker before a 503, unless ...",
+    "max_queue_wait_s": "... decode workers are busy with requests whose end frees room (a long "
+    "prompt found no free KV blocks): then it waits up to this long",
+    "max_waiting_requests": "requests that may wait in the router (tokenizing or queued for a "
+    "decode worker) before new ones get a 429 with Retry-After (0 = no limit)",
+    "max_body_bytes": "largest request body; a larger one gets a 413",
     "reserve_timeout_s": "longest to wait for a decode worker's reservation reply",
     "prefill_deadline_s": "time a prefill worker has to deliver a prompt's KV",
     "heartbeat_timeout_s": "a worker silent this long is dead",

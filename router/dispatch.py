@@ -42,6 +42,7 @@ from common.protocol import (
 )
 from common.sampling_params import SamplingParams
 from kvtransfer import choose_transport
+from router.admission import WaitingLine
 from router.kv_index import PrefixIndex
 from router.policy import (
     PrefillPolicy,
@@ -105,6 +106,7 @@ class Dispatcher:
         routing: str = "least_loaded",
         local_prefill_max_tokens: int = 256,
         queue_timeout_s: float = 10.0,
+        max_queue_wait_s: float = 120.0,
         reserve_timeout_s: float = 5.0,
         prefill_deadline_s: float = 120.0,
         prefix_index: PrefixIndex | None = None,
@@ -117,11 +119,13 @@ class Dispatcher:
         self.prefix_index = self.prefill_policy.index
         self.local_prefill_max_tokens = local_prefill_max_tokens
         self.queue_timeout_s = queue_timeout_s
+        self.max_queue_wait_s = max_queue_wait_s
         self.reserve_timeout_s = reserve_timeout_s
         self.prefill_deadline_s = prefill_deadline_s
         self.clock = clock
         self.flights: dict[str, Flight] = {}  # by request_id
         self.num_waiting = 0  # flights looking for a decode worker
+        self.line = WaitingLine()  # flights looking for a decode worker, first come first served
 
     @property
     def num_running(self) -> int:
@@ -130,28 +134,50 @@ class Dispatcher:
     # ---- dispatch -------------------------------------------------------------------------------
 
     async def dispatch(self, flight: Flight) -> None:
-        """Hand the flight to workers; RequestError(503) if no decode worker takes it in time."""
+        """Hand the flight to workers; RequestError(503) if no decode worker takes it in time:
+        within the queue timeout, or, while decode workers are busy with requests whose end will
+        free room (a long prompt that found no free blocks), within `max_queue_wait_s`.
+
+        First come, first served: only the oldest flight still looking may pick a decode worker,
+        so a flight that found no room is not overtaken by later ones. One that is waiting for
+        a worker's reply steps out of the line meanwhile (others pick), and back in at its
+        place if refused.
+        """
         self.flights[flight.request_id] = flight
         deadline = self.clock() + self.queue_timeout_s
+        longest = self.clock() + max(self.max_queue_wait_s, self.queue_timeout_s)
+        place = self.line.join()
         self.num_waiting += 1
         try:
             while True:
-                decode, keys = self._pick_decode(flight)
-                if decode is not None and await self._start_on(flight, decode):
-                    flight.dispatched = True
-                    if keys:  # prefilled there: the next prompt with this prefix should follow
-                        self.prefix_index.add_pending(decode.worker_id, keys)
-                    return
-                if self.clock() >= deadline:
+                decode = None
+                if self.line.first(place):
+                    decode, keys = self._pick_decode(flight)
+                    if decode is not None:
+                        self.line.leave(place)
+                        started = await self._start_on(flight, decode)
+                        if started:
+                            flight.dispatched = True
+                            if keys:  # prefilled there: the next prompt with this prefix follows
+                                self.prefix_index.add_pending(decode.worker_id, keys)
+                            return
+                        self.line.rejoin(place)
+                now = self.clock()
+                if now >= deadline and (now >= longest or not self._room_coming()):
                     raise RequestError(
                         "no decode worker could take the request; try again later",
                         code=503,
                         type="service_unavailable",
                     )
                 if decode is None:
-                    await asyncio.sleep(QUEUE_POLL_S)
+                    await self.line.wait_turn(place, QUEUE_POLL_S)
         finally:
+            self.line.leave(place)
             self.num_waiting -= 1
+
+    def _room_coming(self) -> bool:
+        """Some live decode worker serves requests of ours: when they finish, room frees up."""
+        return any(w.num_in_flight > 0 for w in self.registry.live("decode"))
 
     def _pick_decode(self, flight: Flight) -> tuple[Worker | None, list[bytes]]:
         """The decode worker to try, and the prompt's block keys if chosen by prefix."""

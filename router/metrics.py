@@ -7,7 +7,8 @@ every counter a worker reports in `Heartbeat.counters` and every histogram in
 `Heartbeat.histograms`, passed through as `pdserve:<name>`. Names are `pdserve:` + vLLM's
 suffix where vLLM has one. No prometheus_client dependency: the text format is small.
 
-Called by `router.app` (a `RequestTimer` per request, `render` for /metrics).
+Called by `router.app` (a `RequestTimer` per request, `render` for /metrics, with the admission
+counts of `router.admission`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 
 from common.protocol import HistogramSnapshot
 from common.runtime.histogram import Histogram
+from router.admission import Admission
 from router.kv_index import PrefixIndex
 from router.registry import Worker
 
@@ -67,6 +69,7 @@ class RouterMetrics:
         num_waiting: int,
         workers: Iterable[Worker],
         index: PrefixIndex | None = None,
+        admission: Admission | None = None,
     ) -> str:
         families: dict[str, _Family] = {}
 
@@ -87,6 +90,14 @@ class RouterMetrics:
 
         add("num_requests_running", "gauge", "Choices being served by workers.", num_running)
         add("num_requests_waiting", "gauge", "Choices waiting for a decode worker.", num_waiting)
+        if admission is not None:
+            add("num_requests_admitted_waiting", "gauge",
+                "Requests admitted and not yet dispatched (reading, tokenizing or queued for a "
+                "decode worker); --max-waiting-requests bounds it.",
+                admission.num_waiting)  # fmt: skip
+            add("num_requests_rejected_total", "counter",
+                "Requests refused with a 429 because --max-waiting-requests were waiting.",
+                admission.num_rejected)  # fmt: skip
         add_histogram("time_to_first_token_seconds", "Request arrival to first token.", self.ttft)
         add_histogram("inter_token_latency_seconds", "Time between output tokens.", self.itl)
         add_histogram("e2e_request_latency_seconds", "Request arrival to last token.", self.e2e)

@@ -45,6 +45,8 @@ def _validate(config: RouterConfig) -> None:
         raise ValueError(f"--routing must be one of {', '.join(ROUTING_POLICIES)}")
     if config.local_prefill_max_tokens < 0:
         raise ValueError("--local-prefill-max-tokens must be >= 0")
+    if config.max_body_bytes < 1:
+        raise ValueError("--max-body-bytes must be >= 1")
     if (
         config.prefix_load_weight < 0
         or config.balance_abs_tokens < 0
@@ -61,6 +63,7 @@ class RouterServer:
     """The router's HTTP app and control socket; `serve` runs both until `stop`."""
 
     def __init__(self, config: RouterConfig, tokenizer: Tokenizer, model_max_len: int) -> None:
+        from router.admission import Admission
         from router.app import RouterState
         from router.control import ControlPlane
         from router.dispatch import Dispatcher
@@ -84,6 +87,7 @@ class RouterServer:
             routing=config.routing,
             local_prefill_max_tokens=config.local_prefill_max_tokens,
             queue_timeout_s=config.queue_timeout_s,
+            max_queue_wait_s=config.max_queue_wait_s,
             reserve_timeout_s=config.reserve_timeout_s,
             prefill_deadline_s=config.prefill_deadline_s,
             prefix_index=self.prefix_index,
@@ -104,9 +108,12 @@ class RouterServer:
             model_max_len=model_max_len,
             max_model_len=config.max_model_len or None,
             api_key=config.api_key,
+            metrics_without_key=config.metrics_without_key,
             colocated=config.colocated,
             request_timeout_s=config.request_timeout_s,
             created=int(time.time()),
+            max_body_bytes=config.max_body_bytes,
+            admission=Admission(config.max_waiting_requests),
         )
         self.http: uvicorn.Server | None = None
         self.http_port = 0  # the bound ports, once serving
@@ -143,6 +150,7 @@ class RouterServer:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             self.control.close()
+            self.state.executor.shutdown(wait=False, cancel_futures=True)
 
     def stop(self) -> None:
         """Ask `serve` to return (callable from another thread)."""

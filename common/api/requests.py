@@ -6,7 +6,10 @@ carries its OpenAI error body. No HTTP and no tokenizer here: the router (`route
 `pdserve run-batch` (`common.runtime.run_batch`) both call it; `common.api.prompts` then turns a
 request into engine inputs. Unknown body fields are ignored (OpenAI clients send extras); known
 fields we cannot honour (echo, suffix, logit_bias, tools, ...) are rejected rather than silently
-dropped.
+dropped. Every integer and float field is bounded here, before anything reaches a worker: integers
+fit the wire's int64 (msgpack) and the engine's int32 token arithmetic, and a nonzero float is never
+so small (`MIN_NONZERO_FLOAT`) that dividing logits by it overflows float32 or that float32 flushes
+it to zero.
 """
 
 from __future__ import annotations
@@ -22,6 +25,10 @@ CHAT_URL = "/v1/chat/completions"
 MAX_N = 16  # choices per prompt
 MAX_STOP = 16  # stop strings per request (OpenAI allows 4, vLLM any number)
 MAX_STOP_TOKEN_IDS = 256
+MAX_INT32 = 2**31 - 1  # token counts, token ids and top_k: the engine keeps them in int32
+# Temperature and repetition_penalty divide logits: below this a logit of 100 overflows float32
+# (max 3.4e38). Subnormal values (5e-324) would also flush to zero in float32.
+MIN_NONZERO_FLOAT = 1e-30
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 _CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
@@ -35,12 +42,14 @@ class RequestError(Exception):
         param: str | None = None,
         code: int = 400,
         type: str = "invalid_request_error",
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
         self.code = code
         self.type = type
+        self.headers = headers  # extra HTTP headers of the response (Retry-After on a 429)
 
     def body(self) -> dict[str, Any]:
         return {
@@ -101,11 +110,11 @@ def parse_completion_request(body: Any, served_model_names: list[str]) -> Genera
         raise RequestError("echo is not supported", "echo")
     if body.get("suffix") is not None:
         raise RequestError("suffix is not supported", "suffix")
-    best_of = _int(body, "best_of", None, lo=1)
+    best_of = _int(body, "best_of", None, lo=1, hi=MAX_INT32)
     if best_of is not None and best_of > 1:
         raise RequestError("best_of is not supported; use n", "best_of")
     logprobs = _int(body, "logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS)
-    max_tokens = _int(body, "max_tokens", DEFAULT_COMPLETION_MAX_TOKENS, lo=1)
+    max_tokens = _int(body, "max_tokens", DEFAULT_COMPLETION_MAX_TOKENS, lo=1, hi=MAX_INT32)
     return _common(body, "completions", model, max_tokens, logprobs, prompts=prompts)
 
 
@@ -125,9 +134,9 @@ def parse_chat_request(body: Any, served_model_names: list[str]) -> GenerationRe
     if top and not want_logprobs:
         raise RequestError("top_logprobs requires logprobs to be true", "top_logprobs")
     logprobs = (top or 0) if want_logprobs else None
-    max_tokens = _int(body, "max_completion_tokens", None, lo=1)
+    max_tokens = _int(body, "max_completion_tokens", None, lo=1, hi=MAX_INT32)
     if max_tokens is None:
-        max_tokens = _int(body, "max_tokens", None, lo=1)
+        max_tokens = _int(body, "max_tokens", None, lo=1, hi=MAX_INT32)
     return _common(
         body,
         "chat",
@@ -166,13 +175,13 @@ def _common(
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise RequestError("user must be a string", "user")
-    min_tokens = _int(body, "min_tokens", 0, lo=0)
+    min_tokens = _int(body, "min_tokens", 0, lo=0, hi=MAX_INT32)
     params = SamplingParams(
         # A placeholder when max_tokens is left to the context: engine_inputs resolves it.
         max_tokens=max_tokens or max(1, min_tokens),
         temperature=_float(body, "temperature", 1.0, lo=0.0, hi=2.0),
         top_p=_float(body, "top_p", 1.0, lo=0.0, hi=1.0, lo_open=True),
-        top_k=_int(body, "top_k", 0, lo=-1),
+        top_k=_int(body, "top_k", 0, lo=-1, hi=MAX_INT32),
         min_p=_float(body, "min_p", 0.0, lo=0.0, hi=1.0),
         presence_penalty=_float(body, "presence_penalty", 0.0, lo=-2.0, hi=2.0),
         frequency_penalty=_float(body, "frequency_penalty", 0.0, lo=-2.0, hi=2.0),
@@ -314,9 +323,9 @@ def _stop(stop: Any) -> list[str]:
 def _stop_token_ids(ids: Any) -> list[int]:
     if ids is None:
         return []
-    if not isinstance(ids, list) or not all(_is_int(t) and t >= 0 for t in ids):
+    if not isinstance(ids, list) or not all(_is_int(t) and 0 <= t <= MAX_INT32 for t in ids):
         raise RequestError(
-            "stop_token_ids must be a list of non-negative integers", "stop_token_ids"
+            f"stop_token_ids must be a list of integers in [0, {MAX_INT32}]", "stop_token_ids"
         )
     if len(ids) > MAX_STOP_TOKEN_IDS:
         raise RequestError(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids", "stop_token_ids")
@@ -330,10 +339,13 @@ def _int(
     if v is None:
         return default
     if not _is_int(v):
-        raise RequestError(f"{name} must be an integer, got {v!r}", name)
+        raise RequestError(f"{name} must be an integer, got {_show(v)}", name)
     if (lo is not None and v < lo) or (hi is not None and v > hi):
-        bounds = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
-        raise RequestError(f"{name} must be {bounds}, got {v}", name)
+        if hi is None or hi == MAX_INT32:  # a technical bound: name only the one broken
+            bounds = f">= {lo}" if lo is not None and v < lo else f"<= {hi}"
+        else:
+            bounds = f"in [{lo}, {hi}]"
+        raise RequestError(f"{name} must be {bounds}, got {_show(v)}", name)
     return v
 
 
@@ -343,11 +355,22 @@ def _float(
     v = body.get(name)
     if v is None:
         return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise RequestError(f"{name} must be a number, got {v!r}", name)
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise RequestError(f"{name} must be a number, got {_show(v)}", name)
+    try:
+        v = float(v)  # an integer of 400 digits does not fit a float: OverflowError
+    except OverflowError:
+        v = math.inf
+    if not math.isfinite(v):
+        raise RequestError(f"{name} must be a finite number in [{lo}, {hi}]", name)
     if v < lo or v > hi or (lo_open and v == lo):
-        raise RequestError(f"{name} must be in {'(' if lo_open else '['}{lo}, {hi}], got {v}", name)
-    return float(v)
+        bounds = f"{'(' if lo_open else '['}{lo}, {hi}]"
+        raise RequestError(f"{name} must be in {bounds}, got {_show(v)}", name)
+    if v != 0 and abs(v) < MIN_NONZERO_FLOAT:
+        raise RequestError(
+            f"{name} must be 0 or at least {MIN_NONZERO_FLOAT}, got {_show(v)}", name
+        )
+    return v
 
 
 def _bool(body: dict, name: str, default: bool, param: str | None = None) -> bool:
@@ -355,5 +378,13 @@ def _bool(body: dict, name: str, default: bool, param: str | None = None) -> boo
     if v is None:
         return default
     if not isinstance(v, bool):
-        raise RequestError(f"{param or name} must be a boolean, got {v!r}", param or name)
+        raise RequestError(f"{param or name} must be a boolean, got {_show(v)}", param or name)
     return v
+
+
+def _show(v: Any) -> str:
+    """A value for an error message: short, whatever the client sent."""
+    if isinstance(v, int) and abs(v) >= 10**30:
+        return f"an integer of {len(str(abs(v)))} digits"
+    text = repr(v)
+    return text if len(text) <= 60 else text[:57] + "..."

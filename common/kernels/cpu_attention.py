@@ -26,11 +26,19 @@ log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).parent / "csrc" / "paged_decode.c"
 # -fopenmp links the libgomp torch already loaded (same soname): one thread pool, not two competing.
+# Not -ffast-math (nor -Ofast, -funsafe-math-optimizations): with those gcc links crtfastmath.o,
+# whose constructor turns on flush-to-zero / denormals-are-zero for the whole process the moment
+# the library loads, changing every float result the worker computes afterwards. The flags below
+# are the parts of -ffast-math the kernel's vectorized reductions need; they act only on this
+# file's code.
 _FLAGS = [
     "-O3",
     "-march=native",
-    "-ffast-math",
-    "-fno-finite-math-only",
+    "-fno-math-errno",
+    "-fno-trapping-math",
+    "-fno-signed-zeros",
+    "-fassociative-math",
+    "-freciprocal-math",
     "-shared",
     "-fPIC",
     "-fopenmp",

@@ -257,8 +257,12 @@ class LocalCluster:
     # ---- metrics --------------------------------------------------------------------------------
 
     def metrics(self) -> str:
-        """The router's /metrics text."""
-        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as resp:
+        """The router's /metrics text (behind the router's --api-key, when it has one)."""
+        flags = self.router_flags
+        key = flags[flags.index("--api-key") + 1] if "--api-key" in flags[:-1] else ""
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        request = urllib.request.Request(self.url + "/metrics", headers=headers)
+        with urllib.request.urlopen(request, timeout=10) as resp:
             return resp.read().decode()
 
     def sample(self, name: str, **labels: str) -> float | None:

@@ -28,6 +28,8 @@ from common import protocol
 from common.api.tokenizer import Tokenizer
 from common.protocol import (
     Abort,
+    BlockBooksQuery,
+    BlockBooksReply,
     Generate,
     Heartbeat,
     Prefill,
@@ -89,6 +91,7 @@ class FakeWorker:
         heartbeat_interval_s: float = 0.2,
         register: bool = True,
         kv_salt: bytes = b"",  # prefix-key salt; a test sends KVEvents itself (`send`)
+        answer_block_books: bool = False,  # reply to BlockBooksQuery with balanced books
     ) -> None:
         self.role, self.worker_id = role, worker_id
         self.reserve_mode, self.generate_mode, self.prefill_mode = reserve, generate, prefill
@@ -97,6 +100,7 @@ class FakeWorker:
         self.num_cached_tokens = num_cached_tokens
         self.token_delay_s = token_delay_s
         self.heartbeat_interval_s = heartbeat_interval_s
+        self.answer_block_books = answer_block_books
         self.kv_address = f"tcp://fake-kv/{worker_id}" if role == "decode" else ""
         self.registration = Register(
             version=version,
@@ -227,6 +231,8 @@ class FakeWorker:
         elif isinstance(msg, Abort):
             self._streams.pop(msg.request_id, None)
             self._reserved.pop(msg.request_id, None)
+        elif isinstance(msg, BlockBooksQuery) and self.answer_block_books:
+            self._send(BlockBooksReply(self.worker_id, msg.query_id, 1000, 1000, 0, 0, 0, 0, []))
 
     def _start_stream(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
         tokens = self.output_token_ids or prompt

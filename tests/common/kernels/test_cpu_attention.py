@@ -56,3 +56,26 @@ def test_unsupported_layouts_fall_back():
     k_cache = torch.randn(4, 16, 2, 64)
     assert not cpu_attention.supports(q, k_cache)
     assert not cpu_attention.supports(torch.randn(2, 4, 64).half(), k_cache.half())
+
+
+def test_loading_the_kernel_leaves_float_mode_alone(tmp_path):
+    """Building with -ffast-math linked crtfastmath.o, which turned on flush-to-zero for the whole
+    process on load: 5e-324 * 1.0 became 0.0 in every thread that loaded it (a worker's sampler
+    then saw top_p / repetition_penalty 5e-324 as 0). A fresh process and cache: the kernel built
+    with today's flags."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "from common.kernels import cpu_attention\n"
+        "assert cpu_attention.available()\n"
+        "x = float('5e-324')\n"
+        "print(repr(x * 1.0), repr(x + x))\n"
+    )
+    env = {**os.environ, "PDSERVE_CACHE": str(tmp_path)}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["5e-324", "1e-323"]

@@ -1,0 +1,105 @@
+"""Admission control: how many generation requests may wait in the router at once.
+
+Owns `Admission`, the count of requests between arrival and dispatch (reading the body,
+tokenizing, waiting in the dispatcher's queue for a decode worker) and the refusal beyond
+`--max-waiting-requests`: a 429 with `Retry-After`, decided before the body is even read, so an
+overloaded router sheds load cheaply instead of queueing without bound. Also `WaitingLine`, the
+first-come-first-served order in which `router.dispatch` lets waiting flights pick a decode worker.
+The counts are shown by `router.metrics`. `Admission` is called by `router.app` around each
+generation request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from common.api.requests import RequestError
+
+RETRY_AFTER_S = 1  # what a refused client is told to wait: the queue moves in well under that
+
+
+class Admission:
+    """Counts waiting requests; `admit` refuses beyond `max_waiting` (0 = no limit)."""
+
+    def __init__(self, max_waiting: int = 0) -> None:
+        if max_waiting < 0:
+            raise ValueError("--max-waiting-requests must be >= 0 (0 = no limit)")
+        self.max_waiting = max_waiting
+        self.num_waiting = 0  # admitted requests not yet dispatched to a worker
+        self.num_rejected = 0  # requests refused with a 429, since start
+
+    @contextmanager
+    def admit(self) -> Iterator[None]:
+        """Count the request as waiting while the block runs; RequestError 429 when full."""
+        if self.max_waiting and self.num_waiting >= self.max_waiting:
+            self.num_rejected += 1
+            raise RequestError(
+                f"the server has {self.num_waiting} requests waiting (--max-waiting-requests "
+                f"{self.max_waiting}); retry after {RETRY_AFTER_S} s",
+                code=429,
+                type="rate_limit_exceeded",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            )
+        self.num_waiting += 1
+        try:
+            yield
+        finally:
+            self.num_waiting -= 1
+
+
+class WaitingLine:
+    """Places in a line by arrival: only the first may act, the others sleep until their turn.
+
+    A place is its arrival number. `leave` takes a place out (the flight is trying a worker, or
+    is done); `rejoin` puts it back where it was, ahead of everyone who came later.
+    """
+
+    def __init__(self) -> None:
+        self._heap: list[int] = []
+        self._arrivals = itertools.count()
+        self._turns: dict[int, asyncio.Event] = {}  # set when the sleeping place becomes first
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def join(self) -> int:
+        place = next(self._arrivals)
+        self.rejoin(place)
+        return place
+
+    def rejoin(self, place: int) -> None:
+        heapq.heappush(self._heap, place)
+        self._wake_first()
+
+    def leave(self, place: int) -> None:
+        if place in self._heap:
+            self._heap.remove(place)
+            heapq.heapify(self._heap)
+            self._wake_first()
+
+    def first(self, place: int) -> bool:
+        return bool(self._heap) and self._heap[0] == place
+
+    async def wait_turn(self, place: int, poll_s: float) -> None:
+        """The first sleeps poll_s (workers free up without telling); the others until first."""
+        if self.first(place):
+            await asyncio.sleep(poll_s)
+            return
+        turn = self._turns[place] = asyncio.Event()
+        try:
+            # Bounded, so that a waiting flight still sees its deadline pass.
+            await asyncio.wait_for(turn.wait(), poll_s * 20)
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            del self._turns[place]
+
+    def _wake_first(self) -> None:
+        if self._heap:
+            turn = self._turns.get(self._heap[0])
+            if turn is not None:
+                turn.set()
