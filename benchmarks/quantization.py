@@ -45,7 +45,7 @@ from benchmarks.cluster import free_port  # noqa: E402
 from common.api.tokenizer import Tokenizer  # noqa: E402
 from common.config import EngineConfig  # noqa: E402
 from common.engine.engine import Engine  # noqa: E402
-from common.model.llama import Linear  # noqa: E402
+from common.model.layers import Linear  # noqa: E402
 from common.model.model_files import resolve_model  # noqa: E402
 from common.model.quant import QuantEmbedding, QuantizedTensor, QuantLinear  # noqa: E402
 from common.model.weights import iter_weights  # noqa: E402

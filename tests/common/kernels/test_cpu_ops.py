@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from common.kernels import cpu_ops
 from common.kernels.attention import write_kv_cache
-from common.model.llama import _rotate
+from common.model.layers import _rotate
 
 pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="no C compiler")
 
