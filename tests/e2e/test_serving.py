@@ -425,3 +425,31 @@ def test_1p1d_with_ngram_speculation_matches_plain_decoding(tmp_path):
         assert (cluster.worker_gauge("spec_decode_num_accepted_tokens_total", "decode-0") or 0) > 0
         state = cluster.wait_blocks_free(["prefill-0", "decode-0"])
         assert all(f == t for f, t in state.values()), state
+
+
+def test_1p1d_int4_weights_match_the_engine(chat_model_dir, tmp_path):
+    """Both workers quantize the 16-bit checkpoint to int4 on load; the KV they exchange comes
+    from the quantized model, and the output equals the in-process engine's with the same flag."""
+    model = str(chat_model_dir)
+    tokenizer = Tokenizer.from_source(resolve_model(model))
+    prompts = [tokenizer.encode(t) for t in COMPLETIONS]
+    config = EngineConfig(
+        model=model, dtype="float32", kv_cache_memory="64MiB", quantization="int4"
+    )
+    engine = Engine(config)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    expected = [tokenizer.decode(s.output_token_ids) for s in engine.generate(prompts, params)]
+    with Cluster(
+        model, tmp_path, prefill=1, decode=1, engine_flags=("--quantization", "int4"),
+        router_flags=("--local-prefill-max-tokens", "0"),
+    ) as cluster:  # fmt: skip
+        c = client(cluster)
+        for prompt, text in zip(prompts, expected):
+            r = c.completions.create(
+                model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                extra_body={"ignore_eos": True},
+            )  # fmt: skip
+            assert r.choices[0].text == text
+        assert (cluster.wait_counter("kv_transfer_bytes_total", 1, worker="prefill-0")) > 0
+        state = cluster.wait_blocks_free(["prefill-0", "decode-0"])
+        assert all(f == t for f, t in state.values()), state
