@@ -260,7 +260,7 @@ def test_client_gone_before_a_whole_response_aborts(router: RouterThread) -> Non
     with pytest.raises(httpx.TimeoutException):
         complete(router, SHORT, max_tokens=1000, timeout=0.5)
     rid = d0.wait_for(Generate).request_id
-    d0.wait_for(Abort, lambda m: m.request_id == rid, timeout_s=3)
+    d0.wait_for(Abort, lambda m: m.request_id == rid, timeout_s=10)  # generous: a loaded CI machine
 
 
 def test_prefix_index_routes_resyncs_and_forgets_dead_workers() -> None:
