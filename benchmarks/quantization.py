@@ -12,11 +12,12 @@ bytes copied per second by a 256 MiB `copy_`); single-stream inter-token latency
 engine, the median decode step after the first token) and its ratio to the floor; output
 throughput at batch 8 and 64; perplexity on benchmarks/data/calibration.txt; greedy agreement
 with bf16 (share of output tokens before the first divergence, over the agreement prompts).
-With `--llama-server PATH` also llama.cpp's server on the same GGUF, same prompt, streamed
-through common.bench.client: inter-token latency = gaps between streamed chunks.
+With `--http` each format is also streamed through a colocated pdserve (router + one decode
+worker) and with `--llama-server PATH` also through llama.cpp's server on the same GGUF: same
+prompt, same client (common.bench.client), inter-token latency = gaps between streamed chunks.
 
     python benchmarks/quantization.py [--formats bf16,int8,int4] [--threads N] [--quick]
-        [--prompt-len 256] [--output-len 128] [--llama-server PATH] [--json PATH]
+        [--prompt-len 256] [--output-len 128] [--http] [--llama-server PATH] [--json PATH]
 
 Markdown on stdout, progress on stderr. Timings are noisy on shared machines: compare ratios.
 """
@@ -40,8 +41,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a plain checkout too
 
-from benchmarks.cluster import free_port  # noqa: E402
-
 from common.api.tokenizer import Tokenizer  # noqa: E402
 from common.config import EngineConfig  # noqa: E402
 from common.engine.engine import Engine  # noqa: E402
@@ -49,6 +48,7 @@ from common.model.layers import Linear  # noqa: E402
 from common.model.model_files import resolve_model  # noqa: E402
 from common.model.quant import QuantEmbedding, QuantizedTensor, QuantLinear  # noqa: E402
 from common.model.weights import iter_weights  # noqa: E402
+from common.runtime.launcher import LocalCluster, WorkerSpec  # noqa: E402
 from common.sampling_params import SamplingParams  # noqa: E402
 
 CALIBRATION = Path(__file__).parent / "data" / "calibration.txt"
@@ -189,9 +189,30 @@ async def _stream_one(url: str, prompt: list[int], output_len: int):
         await send_request(client, "default", request, 0, time.perf_counter(), sink)  # warm-up
         result = await send_request(client, "default", request, 0, time.perf_counter(), sink)
     if result.error:
-        raise RuntimeError(f"llama-server request failed: {result.error}")
+        raise RuntimeError(f"{url}: request failed: {result.error}")
     times = result.chunk_times_s
     return [(b - a) * 1e3 for a, b in zip(times, times[1:])]
+
+
+def free_port() -> int:
+    """A free loopback port for llama-server (it cannot report one chosen by the OS)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_pdserve_http(fmt: str, args, prompt: list[int]) -> float:
+    """Median ITL of one stream through a colocated `pdserve` (router + one decode worker, as
+    `pdserve up --prefill 0` runs it), with the client llama-server is measured with."""
+    flags = ["--dtype", args.dtype, "--quantization", FORMATS[fmt]]
+    flags += ["--kv-cache-memory", args.kv_cache_memory]
+    if args.threads:
+        flags += ["--num-threads", str(args.threads)]
+    with LocalCluster("default", [WorkerSpec("decode", "decode-0", flags)]) as cluster:
+        itls = asyncio.run(_stream_one(f"{cluster.url}/v1", prompt, args.output_len))
+    return statistics.median(itls)
 
 
 def run_llama_server(path: str, gguf: Path, args, prompt: list[int], bandwidth: float) -> dict:
@@ -219,7 +240,7 @@ def run_llama_server(path: str, gguf: Path, args, prompt: list[int], bandwidth: 
     finally:
         proc.terminate()
         proc.wait(timeout=30)
-    return {"format": "llama-server (Q4_1)", "itl_ms": statistics.median(itls)}
+    return {"format": "llama-server (Q4_1)", "http_itl_ms": statistics.median(itls)}
 
 
 def make_prompts(args, tok: Tokenizer) -> dict:
@@ -238,6 +259,7 @@ def make_prompts(args, tok: Tokenizer) -> dict:
 
 def table(rows: list[dict], batches: list[int]) -> str:
     head = ["format", "weights MB", "MB/token", "floor ms", "ITL ms", "ITL p90", "ITL/floor"]
+    head += ["ITL ms over HTTP"]
     head += [f"tok/s b{b}" for b in batches] + ["perplexity", "greedy agree vs bf16"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
@@ -253,6 +275,7 @@ def table(rows: list[dict], batches: list[int]) -> str:
             f("itl_ms", "{:.2f}"),
             f("itl_p90_ms", "{:.2f}"),
             f("itl_vs_floor", "{:.2f}x"),
+            f("http_itl_ms", "{:.2f}"),
         ]
         cells += [f(f"tok_s_b{b}") for b in batches]
         cells += [f("perplexity", "{:.3f}"), f("agreement", "{:.1%}")]
@@ -277,6 +300,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ppl-tokens", type=int, default=1024)
     p.add_argument("--ppl-window", type=int, default=256)
     p.add_argument("--llama-server", metavar="PATH", help="also measure llama.cpp's server")
+    p.add_argument(
+        "--http", action="store_true",
+        help="also stream each format through a colocated pdserve (the llama-server client)",
+    )  # fmt: skip
     p.add_argument("--quick", action="store_true", help="tiny sizes: checks that it runs")
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args(argv)
@@ -301,6 +328,12 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         if ref is not None:
             r["agreement"] = agreement(r["greedy"], ref["greedy"])
+    if args.http or args.llama_server:
+        # int8 is made here from the dequantized Q4_1 weights; the server refuses to requantize
+        # a 4-bit file (`--quantization int8` on it is an error), so only bf16 and int4 stream
+        for r in (r for r in rows if r["format"] != "int8"):
+            log(f"{r['format']}: pdserve over HTTP")
+            r["http_itl_ms"] = run_pdserve_http(r["format"], args, prompts["itl"])
     if args.llama_server:
         rows.append(run_llama_server(args.llama_server, source.path, args, prompts["itl"],
                                      bandwidth))  # fmt: skip
