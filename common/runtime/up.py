@@ -2,8 +2,10 @@
 
 Owns the `up` flags (each also read from a PDSERVE_* variable) and turning them into the router's
 and the workers' flags; the processes themselves are started, watched and stopped by
-`common.runtime.launcher.LocalCluster`. Prints the URL once the cluster serves, and stops every
-process on Ctrl-C / SIGTERM or when one of them dies. Called by `common.cli`.
+`common.runtime.launcher.LocalCluster`, supervised: a worker that dies is restarted (with backoff,
+up to a limit, `--max-worker-restarts`) while the others keep serving. Prints the URL once the
+cluster serves, and stops every process on Ctrl-C / SIGTERM or when the router dies. Called by
+`common.cli`.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import time
 from pathlib import Path
 
 from common.runtime.launcher import LocalCluster, WorkerSpec
+from common.runtime.supervise import RestartPolicy
 from common.runtime.worker_cli import env
 
 
@@ -64,11 +67,14 @@ def cluster_from_args(
         control_port=args.control_port,
         log_dir=log_dir,
         name=name,
+        supervise=True,
+        restart_policy=RestartPolicy(max_restarts=args.max_worker_restarts),
     )
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    """Start router + workers locally; block until a signal or a child dies."""
+    """Start router + workers locally; block until a signal or the router dies (dead workers are
+    restarted meanwhile)."""
     cluster = cluster_from_args(args)
     starting, stopping = True, False
 
@@ -92,8 +98,10 @@ def cmd_up(args: argparse.Namespace) -> int:
             f"{args.decode} decode); Ctrl-C stops it",
             flush=True,
         )
-        while not stopping and not cluster.dead():
+        while not stopping and cluster.poll():
             time.sleep(0.2)
+        if not stopping:
+            print("pdserve: error: the router exited; stopping the cluster", file=sys.stderr)
         return 0 if stopping else 1
     except _Interrupted:
         return 0
@@ -153,6 +161,13 @@ def add_up_args(up: argparse.ArgumentParser) -> None:
     up.add_argument("--api-key", default=env("API_KEY", ""))
     up.add_argument("--served-model-name", nargs="+", default=None)
     up.add_argument("--startup-timeout-s", type=float, default=600.0)
+    up.add_argument(
+        "--max-worker-restarts",
+        type=int,
+        default=int(env("MAX_WORKER_RESTARTS", "5")),
+        help="restarts in a row of a worker that keeps dying before giving up on it (0 = never "
+        "restart)",
+    )
     up.add_argument(
         "engine_args",
         nargs=argparse.REMAINDER,
