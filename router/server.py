@@ -43,6 +43,8 @@ def _validate(config: RouterConfig) -> None:
 
     if config.routing not in ROUTING_POLICIES:
         raise ValueError(f"--routing must be one of {', '.join(ROUTING_POLICIES)}")
+    if config.worker_stall_timeout_s < 0:
+        raise ValueError("--worker-stall-timeout-s must be >= 0")
     if config.local_prefill_max_tokens < 0:
         raise ValueError("--local-prefill-max-tokens must be >= 0")
     if (
@@ -75,6 +77,7 @@ class RouterServer:
             model_names(config.model),
             block_size=config.block_size or None,
             timeout_s=config.heartbeat_timeout_s,
+            stall_timeout_s=config.worker_stall_timeout_s,
         )
         self.prefix_index = PrefixIndex()
         self.control = ControlPlane(self.registry, self.prefix_index)
