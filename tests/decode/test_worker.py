@@ -221,3 +221,35 @@ def test_worker_reports_kv_events_and_snapshots_on_request(cluster) -> None:
     router.recv(protocol.Register)
     again = router.recv(protocol.KVEvents)
     assert again.reset and set(keys) <= set(again.stored)
+
+
+def test_a_reservation_lives_as_long_as_the_deadline_its_reserve_carries(cluster) -> None:
+    router, worker, _, _ = cluster
+    prompt = prompts(1)[0]
+    router.send(Reserve("r-late", prompt, GREEDY, deadline_s=0.5))
+    assert router.recv(ReserveReply).ok
+    sent = time.monotonic()
+    failed = router.recv(RequestFailed, timeout_s=10)
+    assert failed.request_id == "r-late" and "in time" in failed.reason
+    assert time.monotonic() - sent < 5  # the router's deadline, not the old fixed 120 s
+    wait_free(worker.engine)
+
+
+def test_registration_and_heartbeats_carry_what_the_router_checks(cluster) -> None:
+    router, worker, _, _ = cluster
+    registration = worker.registration()
+    layout = kv_layout(worker.engine.runner.kv_cache)
+    for field in ("num_layers", "num_kv_heads", "head_dim", "dtype", "block_size"):
+        assert getattr(registration, field) == layout[field], field
+    assert registration.dtype == "float32"
+    # heartbeats come from the random identity the registration names, and count loop turns
+    counts = []
+    deadline = time.monotonic() + 10
+    while len(counts) < 2 and time.monotonic() < deadline:
+        if router.sock.poll(100):
+            identity, frame = router.sock.recv_multipart()
+            msg = protocol.decode_control(frame)
+            if isinstance(msg, protocol.Heartbeat):
+                assert identity == registration.heartbeat_identity
+                counts.append(msg.loop_count)
+    assert len(counts) == 2 and 0 < counts[0] < counts[1]  # an idle loop turns too
