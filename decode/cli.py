@@ -36,6 +36,7 @@ def add_decode_args(parser: argparse.ArgumentParser) -> None:
 
 def cmd_decode(args: argparse.Namespace) -> int:
     """Load the engine, bind the KV receiver, register, decode until SIGTERM (drains first)."""
+    from common.runtime.auth import load_keys
     from common.runtime.worker import default_worker_id
     from common.runtime.worker_cli import build_engine
     from decode.worker import DecodeWorker
@@ -48,6 +49,7 @@ def cmd_decode(args: argparse.Namespace) -> int:
         args.worker_id or default_worker_id("decode"),
         kv_bind=f"tcp://{args.kv_host}:{args.kv_port or '*'}",
         kv_advertise_host=args.kv_advertise_host or None,
+        keys=load_keys(args.cluster_secret_file),
     )
     worker.stop_on_signals()
     worker.run()

@@ -25,6 +25,7 @@ from common.protocol import (
     ReserveReply,
     TokenOutput,
 )
+from common.runtime.auth import ClusterKeys
 from common.runtime.worker import WorkerBase
 from kvtransfer import KVReceiver
 
@@ -59,8 +60,9 @@ class DecodeWorker(WorkerBase):
         kv_bind: str,
         kv_advertise_host: str | None = None,
         context: zmq.Context | None = None,
+        keys: ClusterKeys | None = None,
     ) -> None:
-        super().__init__(engine, router_address, worker_id, context)
+        super().__init__(engine, router_address, worker_id, context, keys)
         self.receiver = KVReceiver(engine.runner.kv_cache, bind=kv_bind, context=self.context)
         address = self.receiver.address
         if kv_advertise_host:

@@ -40,6 +40,7 @@ class RouterConfig:
     block_size: int = 0
     log_level: str = "info"
     ready_file: str = ""
+    cluster_secret_file: str = ""
 
 
 HELP = {
@@ -73,6 +74,9 @@ HELP = {
     "max_model_len": "longest prompt + output (0 = the smallest any live worker allows)",
     "block_size": "KV block size workers must use (0 = whatever the first worker uses)",
     "log_level": "debug | info | warning | error",
+    "cluster_secret_file": "file holding the cluster secret: workers must know it to join (ZeroMQ "
+    "CURVE on the control socket; else $PDSERVE_CLUSTER_SECRET). Without one the control socket "
+    "may bind loopback only",
     "ready_file": 'once serving, write the bound addresses here as JSON ({"http_port", '
     '"control_address"}), so a launcher that passed port 0 learns the ports the OS gave',
 }

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     import msgspec
     import zmq.asyncio
 
+    from common.runtime.auth import ClusterKeys
     from router.dispatch import Dispatcher
     from router.kv_index import PrefixIndex
     from router.registry import Registry, Worker
@@ -45,8 +46,9 @@ class ControlPlane:
         self.address = ""  # the bound endpoint, e.g. tcp://127.0.0.1:8001
         self._warned: set[str] = set()
 
-    def bind(self, host: str, port: int) -> str:
-        """Bind the ROUTER socket (port 0: any free port); returns the bound endpoint."""
+    def bind(self, host: str, port: int, keys: ClusterKeys | None = None) -> str:
+        """Bind the ROUTER socket (port 0: any free port); returns the bound endpoint. With `keys`
+        (the cluster secret's) only CURVE clients that know the secret get through."""
         import zmq
         import zmq.asyncio
 
@@ -54,6 +56,8 @@ class ControlPlane:
 
         self.context = zmq.asyncio.Context()
         sock = self.context.socket(zmq.ROUTER)
+        if keys is not None:
+            keys.serve(sock)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a vanished worker fails, not drops
         # No ROUTER_HANDOVER: a second connection under a live worker's identity is ignored. A

@@ -63,6 +63,7 @@ class RouterServer:
     """The router's HTTP app and control socket; `serve` runs both until `stop`."""
 
     def __init__(self, config: RouterConfig, tokenizer: Tokenizer, model_max_len: int) -> None:
+        from common.runtime.auth import check_bind, load_keys
         from router.app import RouterState
         from router.control import ControlPlane
         from router.dispatch import Dispatcher
@@ -73,6 +74,9 @@ class RouterServer:
 
         _validate(config)
         self.config = config
+        # Who may join: the cluster secret's CURVE keys; without them, loopback only.
+        self.keys = load_keys(config.cluster_secret_file)
+        check_bind(config.control_host, self.keys, "the control socket")
         self.registry = Registry(
             model_names(config.model),
             block_size=config.block_size or None,
@@ -122,7 +126,7 @@ class RouterServer:
         from router.app import create_app
 
         cfg = self.config
-        self.control_address = self.control.bind(cfg.control_host, cfg.control_port)
+        self.control_address = self.control.bind(cfg.control_host, cfg.control_port, self.keys)
         self.http = uvicorn.Server(
             uvicorn.Config(
                 create_app(self.state),

@@ -2,21 +2,24 @@
 
 Owns the `up` flags (each also read from a PDSERVE_* variable) and turning them into the router's
 and the workers' flags; the processes themselves are started, watched and stopped by
-`common.runtime.launcher.LocalCluster`, supervised: a worker that dies is restarted (with backoff,
-up to a limit, `--max-worker-restarts`) while the others keep serving. Prints the URL once the
-cluster serves, and stops every process on Ctrl-C / SIGTERM or when the router dies. Called by
-`common.cli`.
+`common.runtime.launcher.LocalCluster`, with a cluster secret it generates and hands to its
+children in the environment (`common.runtime.auth`), supervised: a worker that dies is restarted
+(with backoff, up to a limit, `--max-worker-restarts`) while the others keep serving. Prints the
+URL once the cluster serves, and stops every process on Ctrl-C / SIGTERM or when the router dies.
+Called by `common.cli`.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import signal
 import sys
 import time
 from pathlib import Path
 
+from common.runtime.auth import SECRET_ENV, SECRET_FILE_ENV
 from common.runtime.launcher import LocalCluster, WorkerSpec
 from common.runtime.supervise import RestartPolicy
 from common.runtime.worker_cli import env
@@ -56,6 +59,11 @@ def cluster_from_args(
         decode_flags += ["--speculative", args.speculative]
     if args.num_speculative_tokens:
         decode_flags += ["--num-speculative-tokens", str(args.num_speculative_tokens)]
+    # A cluster secret for this run (unless one is set already, which the children inherit): only
+    # processes that know it can join the cluster (CURVE on the control socket).
+    env = {}
+    if not os.environ.get(SECRET_ENV) and not os.environ.get(SECRET_FILE_ENV):
+        env[SECRET_ENV] = secrets.token_hex(32)
     workers = [WorkerSpec("prefill", flags=engine_flags) for _ in range(args.prefill)]
     workers += [WorkerSpec("decode", flags=decode_flags) for _ in range(args.decode)]
     return LocalCluster(
@@ -67,6 +75,7 @@ def cluster_from_args(
         control_port=args.control_port,
         log_dir=log_dir,
         name=name,
+        env=env,
         supervise=True,
         restart_policy=RestartPolicy(max_restarts=args.max_worker_restarts),
     )

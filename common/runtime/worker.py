@@ -31,6 +31,7 @@ import zmq
 from common import protocol
 from common.engine.engine import Engine
 from common.protocol import Heartbeat, KVEvents, Register, RegisterAck
+from common.runtime.auth import ClusterKeys
 
 log = logging.getLogger(__name__)
 
@@ -42,10 +43,18 @@ def default_worker_id(role: str) -> str:
 class ControlConnection:
     """DEALER to the router; `poll` returns decoded commands, malformed frames are dropped."""
 
-    def __init__(self, router_address: str, worker_id: str, context: zmq.Context) -> None:
+    def __init__(
+        self,
+        router_address: str,
+        worker_id: str,
+        context: zmq.Context,
+        keys: ClusterKeys | None = None,
+    ) -> None:
         self.worker_id = worker_id
         self.router_address = router_address
         self.sock = context.socket(zmq.DEALER)
+        if keys is not None:  # the cluster secret: CURVE to the router
+            keys.connect_as_client(self.sock)
         self.sock.setsockopt(zmq.IDENTITY, worker_id.encode())
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_CONTROL_MESSAGE_BYTES)
@@ -84,8 +93,10 @@ class Heartbeater(threading.Thread):
         worker_id: str,
         context: zmq.Context,
         make_heartbeat: Callable[[], Heartbeat],
+        keys: ClusterKeys | None = None,
     ) -> None:
         super().__init__(name="heartbeat", daemon=True)
+        self.keys = keys
         self.router_address = router_address
         self.worker_id = worker_id
         self.context = context
@@ -98,6 +109,8 @@ class Heartbeater(threading.Thread):
 
     def run(self) -> None:
         sock = self.context.socket(zmq.DEALER)
+        if self.keys is not None:
+            self.keys.connect_as_client(sock)
         sock.setsockopt(zmq.IDENTITY, self.identity)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(self.router_address)
@@ -161,18 +174,24 @@ class WorkerBase:
     role: protocol.Role
 
     def __init__(
-        self, engine: Engine, router_address: str, worker_id: str, context: zmq.Context | None
+        self,
+        engine: Engine,
+        router_address: str,
+        worker_id: str,
+        context: zmq.Context | None,
+        keys: ClusterKeys | None = None,
     ) -> None:
         self.engine = engine
         self.worker_id = worker_id
         self.context = context or zmq.Context.instance()
-        self.control = ControlConnection(router_address, worker_id, self.context)
+        # keys: from the cluster secret (common.runtime.auth); None: no authentication
+        self.control = ControlConnection(router_address, worker_id, self.context, keys)
         self.kv_address = ""
         self.kv_failures = 0
         self.running = True
         self.draining = False
         self.drain_started = 0.0
-        self.heartbeat = Heartbeater(router_address, worker_id, self.context, self._heartbeat)
+        self.heartbeat = Heartbeater(router_address, worker_id, self.context, self._heartbeat, keys)
         self.engine.pool.track_events = True
         self.kv_events_seq = -1  # the last KVEvents seq sent
         self.kv_snapshot_due = True  # send every held key next (after registering, or asked)

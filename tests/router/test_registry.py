@@ -15,7 +15,7 @@ from common.protocol import PROTOCOL_VERSION, Heartbeat, KVEvents, Register
 from router.metrics import RouterMetrics
 from router.policy import PrefillPolicy, pick_decode
 from router.registry import Registry
-from tests.router.fake_worker import RouterThread
+from tests.router.fake_worker import FakeWorker, RouterThread
 
 
 class Clock:
@@ -351,3 +351,47 @@ def test_an_unreachable_worker_is_dead_at_once_and_its_request_fails_over() -> N
         while httpx.get(router.url + "/health").status_code != 503:
             assert time.monotonic() < deadline, "/health still says 200"
             time.sleep(0.05)
+
+
+# ---- authentication: the cluster secret ----------------------------------------------------------
+
+
+def test_a_worker_without_the_cluster_secret_cannot_register(tmp_path) -> None:
+    from common.runtime.auth import ClusterKeys
+    from common.runtime.worker import ControlConnection
+    from common.runtime.worker import register as register_worker
+
+    (tmp_path / "secret").write_text("s3cret\n")
+    with RouterThread(colocated=True, cluster_secret_file=str(tmp_path / "secret")) as router:
+        outsider = FakeWorker(router.control, "decode", "d0")  # plain ZeroMQ, no keys
+        try:
+            time.sleep(1.0)
+            assert outsider.acks == [] and router.server.registry.workers == {}
+        finally:
+            outsider.close()
+        wrong = ControlConnection(
+            router.control, "d1", zmq.Context.instance(), ClusterKeys.from_secret(b"guess")
+        )
+        member = ControlConnection(
+            router.control, "d2", zmq.Context.instance(), ClusterKeys.from_secret(b"s3cret")
+        )
+        try:
+            with pytest.raises(RuntimeError, match="no answer"):
+                register_worker(wrong, reg("d1"), timeout_s=1.5)
+            register_worker(member, reg("d2"), timeout_s=5)  # knows the secret: accepted
+            assert list(router.server.registry.workers) == ["d2"]
+        finally:
+            wrong.close()
+            member.close()
+
+
+def test_without_a_secret_the_control_socket_binds_loopback_only(monkeypatch) -> None:
+    from router.server import RouterConfig, RouterServer
+    from tests.router.fake_worker import default_tokenizer
+
+    monkeypatch.delenv("PDSERVE_CLUSTER_SECRET", raising=False)
+    monkeypatch.delenv("PDSERVE_CLUSTER_SECRET_FILE", raising=False)
+    with pytest.raises(ValueError, match="without a cluster secret"):
+        RouterServer(RouterConfig(control_host="0.0.0.0"), default_tokenizer(), 2048)
+    monkeypatch.setenv("PDSERVE_CLUSTER_SECRET", "s3cret")
+    RouterServer(RouterConfig(control_host="0.0.0.0"), default_tokenizer(), 2048)  # no error
