@@ -63,7 +63,9 @@ class DecodeWorker(WorkerBase):
         keys: ClusterKeys | None = None,
     ) -> None:
         super().__init__(engine, router_address, worker_id, context, keys)
-        self.receiver = KVReceiver(engine.runner.kv_cache, bind=kv_bind, context=self.context)
+        self.receiver = KVReceiver(
+            engine.runner.kv_cache, bind=kv_bind, context=self.context, keys=keys
+        )
         address = self.receiver.address
         if kv_advertise_host:
             port = address.rsplit(":", 1)[1]

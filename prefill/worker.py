@@ -49,7 +49,7 @@ class PrefillWorker(WorkerBase):
     ) -> None:
         super().__init__(engine, router_address, worker_id, context, keys)
         self.kv_transport = kv_transport  # anything but auto overrides the router's choice
-        self.sender = KVSender(engine.runner.kv_cache, context=self.context)
+        self.sender = KVSender(engine.runner.kv_cache, context=self.context, keys=keys)
         self.jobs: dict[str, _Job] = {}
         self.kv_bytes = 0
         self.kv_seconds = Histogram(KV_TRANSFER_BUCKETS)  # send to ack, successful transfers

@@ -253,3 +253,39 @@ def test_registration_and_heartbeats_carry_what_the_router_checks(cluster) -> No
                 assert identity == registration.heartbeat_identity
                 counts.append(msg.loop_count)
     assert len(counts) == 2 and 0 < counts[0] < counts[1]  # an idle loop turns too
+
+
+def test_with_the_cluster_secret_only_members_can_push_kv(tiny_llama) -> None:
+    from common.runtime.auth import ClusterKeys
+    from kvtransfer import KVReceiver
+
+    hf_model, _ = tiny_llama
+    ctx = zmq.Context()
+    keys = ClusterKeys.from_secret(b"s3cret")
+    decode_engine, prefill_engine = make_engine(hf_model), make_engine(hf_model)
+    receiver = KVReceiver(decode_engine.runner.kv_cache, context=ctx, keys=keys)
+    outsider = KVSender(prefill_engine.runner.kv_cache, context=ctx)
+    member = KVSender(prefill_engine.runner.kv_cache, context=ctx, keys=keys)
+    try:
+        seq = prefill(prefill_engine, "r", prompts(1)[0])
+        blocks = list(range(len(seq.block_table)))
+
+        def push(sender: KVSender, rid: str, wait_s: float) -> tuple[list, list]:
+            header = msgspec.structs.replace(header_for(prefill_engine, "r", seq), request_id=rid)
+            sender.send(receiver.address, header, seq.block_table, deadline_s=wait_s)
+            arrived, results = [], []
+            deadline = time.monotonic() + wait_s + 1.0
+            while not results and time.monotonic() < deadline:
+                arrived += receiver.poll(lambda h: blocks, timeout_ms=20)
+                results += sender.poll()
+            return arrived, results
+
+        arrived, results = push(outsider, "from-outsider", 1.0)
+        assert arrived == [] and [r.ok for r in results] == [False]  # never got through
+        arrived, results = push(member, "from-member", 10.0)
+        assert [a.ok for a in arrived] == [True] and [r.ok for r in results] == [True]
+    finally:
+        outsider.close()
+        member.close()
+        receiver.close()
+        ctx.term()
