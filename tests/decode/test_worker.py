@@ -289,3 +289,53 @@ def test_with_the_cluster_secret_only_members_can_push_kv(tiny_llama) -> None:
         member.close()
         receiver.close()
         ctx.term()
+
+
+def test_a_worker_whose_loop_is_stuck_with_work_is_declared_dead(tiny_llama) -> None:
+    """Its heartbeat thread goes on beating; the router goes by the loop's turn count."""
+    from tests.router.fake_worker import RouterThread
+
+    hf_model, _ = tiny_llama
+    config = dict(model="tiny", colocated=True, heartbeat_timeout_s=30, worker_stall_timeout_s=1.5)
+    with RouterThread(**config) as router:
+        ctx = zmq.Context()
+        worker = DecodeWorker(
+            make_engine(hf_model), router.control, "decode-s", "tcp://127.0.0.1:*", context=ctx
+        )
+        stuck, release = threading.Event(), threading.Event()
+        real_step = worker.step
+
+        def step() -> None:
+            if stuck.is_set():
+                release.wait(30)  # a main loop caught in something that never returns
+            real_step()
+
+        worker.step = step
+        thread = threading.Thread(target=worker.run, daemon=True)
+        thread.start()
+        registry = router.server.registry
+
+        def wait(condition, timeout_s: float) -> float:
+            start = time.monotonic()
+            while not condition():
+                assert time.monotonic() - start < timeout_s
+                time.sleep(0.05)
+            return time.monotonic() - start
+
+        try:
+            wait(lambda: registry.get("decode-s") is not None, 10)
+            stuck.set()
+            time.sleep(0.2)  # the loop now hangs in `step`: the engine is the test's to touch
+            assert worker.engine.reserve("r", prompts(1)[0], GREEDY) is not None  # work to do
+            took = wait(lambda: registry.get("decode-s") is None, 10)
+            assert took < 1.5 + 2 * protocol.HEARTBEAT_INTERVAL_S + 1.0
+            assert worker.heartbeat.is_alive()  # the beats went on: the stall is what counted
+            worker.abort("r")
+            stuck.clear()
+            release.set()  # unstuck: the router asks it to register again, and takes it back
+            wait(lambda: registry.get("decode-s") is not None, 10)
+        finally:
+            release.set()
+            worker.running = False
+            thread.join(10)
+            ctx.term()
