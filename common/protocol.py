@@ -41,7 +41,7 @@ MAX_BYTES_BY_TAG = {
     "heartbeat": 256 * 2**10,
     "reserve_reply": 64 * 2**10,
     "abort": 64 * 2**10,
-    "failed": 64 * 2**10,
+    "failed": 2**20,
     "kv_resync": 64 * 2**10,
     "block_books_query": 64 * 2**10,
     "block_books": 4 * 2**20,

@@ -151,9 +151,9 @@ class Registry:
             return f"protocol version {msg.version}, the router speaks {PROTOCOL_VERSION}"
         if identity != msg.worker_id.encode():
             return "the control socket identity must equal worker_id"
+        # (A second connection under a live worker's identity never gets here: the control
+        # socket ignores it. See router.control.)
         old = self.workers.get(msg.worker_id)
-        if old is not None and old.identity != identity:
-            return f"worker id {msg.worker_id!r} is registered on another live connection"
         if old is not None and old.dead_reason:
             return f"worker id {msg.worker_id!r} is being removed ({old.dead_reason})"
         if msg.model not in self.model_names:
