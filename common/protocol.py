@@ -6,7 +6,9 @@ structs: it travels as separate raw frames (or shared memory) described by `KVHe
 
 Sockets (all ZeroMQ):
 - control: the router binds a ROUTER socket; every worker connects a DEALER (identity = worker id)
-  and sends `Register`, then `Heartbeat` every `HEARTBEAT_INTERVAL_S`. Router -> worker: `Reserve`,
+  and sends `Register`, then `Heartbeat` every `HEARTBEAT_INTERVAL_S` (from a second DEALER whose
+  identity the `Register` names: the router takes a worker's messages from those two connections
+  only). Router -> worker: `Reserve`,
   `Prefill`, `Generate`, `Abort`. Worker -> router: `RegisterAck` replies, `ReserveReply`,
   `TokenOutput`, `RequestFailed`, `KVEvents` (prefix-cache changes; the router may answer
   `KVResync`). For leak checks the router may send `BlockBooksQuery`; the worker answers
@@ -22,18 +24,35 @@ Path of one disaggregated request: router -> decode `Reserve` -> `ReserveReply` 
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
+from msgspec import Meta
 
 from common.sampling_params import SamplingParams
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 MAX_CONTROL_MESSAGE_BYTES = 64 * 2**20  # a 128k-token prompt of int ids fits with room to spare
+# Messages that are small by nature have a smaller limit, checked from the tag before decoding: a
+# 40 MiB heartbeat would otherwise stall the router's event loop while it is decoded.
+MAX_BYTES_BY_TAG = {
+    "register": 64 * 2**10,
+    "register_ack": 64 * 2**10,
+    "heartbeat": 256 * 2**10,
+    "reserve_reply": 64 * 2**10,
+    "abort": 64 * 2**10,
+    "failed": 2**20,
+    "kv_resync": 64 * 2**10,
+    "block_books_query": 64 * 2**10,
+    "block_books": 4 * 2**20,
+}
 HEARTBEAT_INTERVAL_S = 1.0
 HEARTBEAT_TIMEOUT_S = 3.0  # a worker silent this long is dead (its requests fail within 5 s)
 
 Role = Literal["prefill", "decode"]
+# Bounds on what workers send, enforced while decoding (the router never builds a huge object).
+Name = Annotated[str, Meta(max_length=256)]
+Count = Annotated[int, Meta(ge=0, le=2**53)]
 
 
 class Register(msgspec.Struct, tag="register", forbid_unknown_fields=True):
@@ -41,16 +60,25 @@ class Register(msgspec.Struct, tag="register", forbid_unknown_fields=True):
 
     version: int
     role: Role
-    worker_id: str
-    model: str
-    block_size: int
-    num_blocks: int
-    max_model_len: int
-    dtype: str
-    host: str  # hostname, to pick same-host transports
-    kv_address: str = ""  # decode workers: where prefill workers push KV
-    transports: list[str] = []  # kv transports this worker can use
-    kv_salt: bytes = b""  # the salt of its prefix block keys (common.prefix_hash), for the index
+    worker_id: Name
+    model: Annotated[str, Meta(max_length=4096)]
+    block_size: Count
+    num_blocks: Count
+    max_model_len: Count
+    dtype: Name  # of its KV cache: float32 | bfloat16 | float16
+    host: Name  # hostname, to pick same-host transports
+    kv_address: Annotated[str, Meta(max_length=1024)] = ""  # decode: where prefill pushes KV
+    transports: Annotated[list[Name], Meta(max_length=16)] = []  # kv transports it can use
+    # the salt of its prefix block keys (common.prefix_hash), for the index
+    kv_salt: Annotated[bytes, Meta(max_length=256)] = b""
+    # The KV cache layout a transfer depends on (with block_size and dtype): the router refuses a
+    # worker whose layout differs from the other role's workers'.
+    num_layers: Count = 0
+    num_kv_heads: Count = 0
+    head_dim: Count = 0
+    # The ZeroMQ identity of its heartbeat socket (random): heartbeats from any other connection,
+    # for this worker id, are ignored.
+    heartbeat_identity: Annotated[bytes, Meta(max_length=512)] = b""
 
 
 class RegisterAck(msgspec.Struct, tag="register_ack", forbid_unknown_fields=True):
@@ -70,23 +98,29 @@ class HistogramSnapshot(msgspec.Struct, forbid_unknown_fields=True):
     entry of `counts` (one more than `buckets`) is the +Inf bucket.
     """
 
-    buckets: list[float]
-    counts: list[int]
+    buckets: Annotated[list[float], Meta(max_length=256)]
+    counts: Annotated[list[int], Meta(max_length=257)]
     sum: float
     count: int
 
 
 class Heartbeat(msgspec.Struct, tag="heartbeat", forbid_unknown_fields=True):
-    worker_id: str
-    num_running: int
-    num_waiting: int
-    num_free_blocks: int
-    num_blocks: int
-    queued_prefill_tokens: int = 0
-    counters: dict[str, float] = {}  # cumulative stats for /metrics (preemptions, cache hits, ...)
+    worker_id: Name
+    num_running: Count
+    num_waiting: Count
+    num_free_blocks: Count
+    num_blocks: Count
+    queued_prefill_tokens: Count = 0
+    # cumulative stats for /metrics (preemptions, cache hits, ...)
+    counters: Annotated[dict[Name, float], Meta(max_length=256)] = {}
     draining: bool = False  # finishing in-flight work before exiting: send it nothing new
     kv_events_seq: int = -1  # the last KVEvents seq sent (-1: none yet), to notice a lost tail
-    histograms: dict[str, HistogramSnapshot] = {}  # cumulative histograms for /metrics
+    # cumulative histograms for /metrics
+    histograms: Annotated[dict[Name, HistogramSnapshot], Meta(max_length=64)] = {}
+    # Turns of the worker's main loop so far (-1: not counted). It turns every few milliseconds
+    # even when idle, so a count that stands still while the worker has work means a stuck loop
+    # (the heartbeat comes from a thread of its own and goes on regardless).
+    loop_count: int = -1
 
 
 class KVEvents(msgspec.Struct, tag="kv_events", forbid_unknown_fields=True):
@@ -98,10 +132,10 @@ class KVEvents(msgspec.Struct, tag="kv_events", forbid_unknown_fields=True):
     since the previous message), so their order of application does not matter.
     """
 
-    worker_id: str
+    worker_id: Name
     seq: int
-    stored: list[bytes]
-    evicted: list[bytes]
+    stored: list[Annotated[bytes, Meta(max_length=64)]]
+    evicted: list[Annotated[bytes, Meta(max_length=64)]]
     reset: bool = False
 
 
@@ -117,6 +151,9 @@ class Reserve(msgspec.Struct, tag="reserve", forbid_unknown_fields=True):
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    # Seconds from receipt the reservation waits for its KV: the router's prefill deadline plus
+    # its reservation wait (0: the worker's default).
+    deadline_s: float = 0.0
 
 
 class ReserveReply(msgspec.Struct, tag="reserve_reply", forbid_unknown_fields=True):
@@ -262,10 +299,45 @@ def encode(message: msgspec.Struct) -> bytes:
     return _encoder.encode(message)
 
 
-def decode_control(frame: bytes) -> ControlMessage:
-    """Decode one control frame; ProtocolError for anything oversized or invalid."""
-    if len(frame) > MAX_CONTROL_MESSAGE_BYTES:
+def message_tag(frame: bytes) -> str:
+    """The tag of an encoded message, read from its first bytes without decoding the rest ('' if
+    the frame does not start like a tagged message). msgspec writes the tag field first."""
+    view = memoryview(frame)
+    if len(view) < 8:
+        return ""
+    first = view[0]
+    if 0x80 <= first <= 0x8F:  # fixmap
+        i = 1
+    elif first == 0xDE:  # map16
+        i = 3
+    elif first == 0xDF:  # map32
+        i = 5
+    else:
+        return ""
+    if bytes(view[i : i + 5]) != b"\xa4type":
+        return ""
+    i += 5
+    head = view[i] if i < len(view) else 0
+    if 0xA0 <= head <= 0xBF:  # fixstr
+        n, i = head & 0x1F, i + 1
+    elif head == 0xD9 and i + 1 < len(view):  # str8
+        n, i = view[i + 1], i + 2
+    else:
+        return ""
+    return bytes(view[i : i + n]).decode("ascii", errors="replace")
+
+
+def decode_control(frame: bytes, max_bytes: int = MAX_CONTROL_MESSAGE_BYTES) -> ControlMessage:
+    """Decode one control frame; ProtocolError for anything oversized or invalid. A message whose
+    tag has a limit of its own (`MAX_BYTES_BY_TAG`) is held to it; `max_bytes` caps every one."""
+    limit = min(max_bytes, MAX_CONTROL_MESSAGE_BYTES)
+    if len(frame) > limit:
         raise ProtocolError(f"control message of {len(frame)} bytes exceeds the limit")
+    tag_limit = MAX_BYTES_BY_TAG.get(message_tag(frame))
+    if tag_limit is not None and len(frame) > tag_limit:
+        raise ProtocolError(
+            f"{message_tag(frame)} message of {len(frame)} bytes exceeds its limit ({tag_limit})"
+        )
     try:
         return _control_decoder.decode(frame)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:

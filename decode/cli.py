@@ -36,11 +36,14 @@ def add_decode_args(parser: argparse.ArgumentParser) -> None:
 
 def cmd_decode(args: argparse.Namespace) -> int:
     """Load the engine, bind the KV receiver, register, decode until SIGTERM (drains first)."""
+    from common.runtime.auth import check_bind, load_keys
     from common.runtime.worker import default_worker_id
     from common.runtime.worker_cli import build_engine
     from decode.worker import DecodeWorker
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s decode %(message)s")
+    keys = load_keys(args.cluster_secret_file)
+    check_bind(args.kv_host, keys, "the KV receiver")  # before the minutes of loading weights
     engine = build_engine(args)
     worker = DecodeWorker(
         engine,
@@ -48,6 +51,7 @@ def cmd_decode(args: argparse.Namespace) -> int:
         args.worker_id or default_worker_id("decode"),
         kv_bind=f"tcp://{args.kv_host}:{args.kv_port or '*'}",
         kv_advertise_host=args.kv_advertise_host or None,
+        keys=keys,
     )
     worker.stop_on_signals()
     worker.run()

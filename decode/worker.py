@@ -3,7 +3,8 @@
 Owns the decode side of a request: `Reserve` holds blocks before the prefill starts (refused when
 full), the KV receiver writes arriving blocks into them, and the sequence then joins the running
 batch and streams `TokenOutput`s to the router. `Generate` prefills locally (colocated mode and
-short prompts). A reservation whose KV does not arrive in time is dropped and reported failed.
+short prompts). A reservation whose KV does not arrive in time (the deadline its `Reserve`
+carries: the router's prefill deadline) is dropped and reported failed.
 Started by `pdserve decode` (and `pdserve up`).
 """
 
@@ -24,12 +25,13 @@ from common.protocol import (
     ReserveReply,
     TokenOutput,
 )
+from common.runtime.auth import ClusterKeys
 from common.runtime.worker import WorkerBase
 from kvtransfer import KVReceiver
 
 log = logging.getLogger(__name__)
 
-RESERVATION_TIMEOUT_S = 120.0  # a prefill this late is treated as lost
+RESERVATION_TIMEOUT_S = 120.0  # without a deadline in the Reserve: a prefill this late is lost
 
 
 def token_output(out: RequestOutput) -> TokenOutput:
@@ -58,15 +60,18 @@ class DecodeWorker(WorkerBase):
         kv_bind: str,
         kv_advertise_host: str | None = None,
         context: zmq.Context | None = None,
+        keys: ClusterKeys | None = None,
     ) -> None:
-        super().__init__(engine, router_address, worker_id, context)
-        self.receiver = KVReceiver(engine.runner.kv_cache, bind=kv_bind, context=self.context)
+        super().__init__(engine, router_address, worker_id, context, keys)
+        self.receiver = KVReceiver(
+            engine.runner.kv_cache, bind=kv_bind, context=self.context, keys=keys
+        )
         address = self.receiver.address
         if kv_advertise_host:
             port = address.rsplit(":", 1)[1]
             address = f"tcp://{kv_advertise_host}:{port}"
         self.kv_address = address
-        self.reserved_at: dict[str, float] = {}
+        self.reserved_until: dict[str, float] = {}  # request id -> when its KV is overdue
         self.kv_bytes = 0
 
     def counters(self) -> dict[str, float]:
@@ -89,7 +94,7 @@ class DecodeWorker(WorkerBase):
 
     def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
-        self.reserved_at.pop(request_id, None)
+        self.reserved_until.pop(request_id, None)
 
     def handle(self, message: protocol.ControlMessage) -> None:
         if isinstance(message, Reserve):
@@ -106,7 +111,8 @@ class DecodeWorker(WorkerBase):
             if cached is None:
                 reply = ReserveReply(message.request_id, ok=False, reason="no free KV blocks")
             else:
-                self.reserved_at[message.request_id] = time.monotonic()
+                lifetime = message.deadline_s if message.deadline_s > 0 else RESERVATION_TIMEOUT_S
+                self.reserved_until[message.request_id] = time.monotonic() + lifetime
                 reply = ReserveReply(message.request_id, ok=True, num_cached_tokens=cached)
             self.control.send(reply)
         elif isinstance(message, Generate):
@@ -132,7 +138,7 @@ class DecodeWorker(WorkerBase):
         rid = header.request_id
         if rid not in self.engine.reserved:
             return  # aborted meanwhile, or never ours: the receiver already refused it
-        self.reserved_at.pop(rid, None)
+        self.reserved_until.pop(rid, None)
         if not ok:
             self.kv_failures += 1
             self.engine.abort(rid)
@@ -156,9 +162,9 @@ class DecodeWorker(WorkerBase):
 
     def _expire_reservations(self) -> None:
         now = time.monotonic()
-        for rid, since in list(self.reserved_at.items()):
-            if now - since > RESERVATION_TIMEOUT_S:
-                del self.reserved_at[rid]
+        for rid, until in list(self.reserved_until.items()):
+            if now > until:
+                del self.reserved_until[rid]
                 if self.engine.abort(rid):
                     self.kv_failures += 1
                     self.control.send(RequestFailed(rid, "transfer", "KV did not arrive in time"))

@@ -19,6 +19,7 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import zmq
@@ -26,6 +27,9 @@ import zmq
 from common.protocol import KVAck, KVHeader, ProtocolError, decode_kv, encode
 from kvtransfer import cuda_ipc, payload, shm
 from kvtransfer.sender import SOCKET_BUFFER_BYTES
+
+if TYPE_CHECKING:
+    from common.runtime.auth import ClusterKeys
 
 log = logging.getLogger(__name__)
 
@@ -56,12 +60,17 @@ class KVReceiver:
         bind: str = "tcp://127.0.0.1:*",
         context: zmq.Context | None = None,
         shm_cache_segments: int = shm.CACHE_SEGMENTS,
+        keys: ClusterKeys | None = None,
     ) -> None:
+        """`keys`: the cluster secret's (common.runtime.auth): only CURVE peers that know it may
+        push KV here, and the tcp payloads travel encrypted."""
         payload.kv_layout(kv_cache)  # asserts the cache layout
         self.kv_cache = kv_cache
         self._own_context = context is None
         self.context = context if context is not None else zmq.Context()
         self.socket = self.context.socket(zmq.ROUTER)
+        if keys is not None:
+            keys.serve(self.socket)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.RCVBUF, SOCKET_BUFFER_BYTES)
         # No legitimate frame is larger than the whole cache: zmq drops a peer that tries.

@@ -21,12 +21,16 @@ import logging
 import time
 import traceback
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import zmq
 
 from common.protocol import KVAck, KVHeader, ProtocolError, decode_kv, encode
 from kvtransfer import cuda_ipc, payload, shm
+
+if TYPE_CHECKING:
+    from common.runtime.auth import ClusterKeys
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +68,10 @@ class KVSender:
         kv_cache: torch.Tensor,
         context: zmq.Context | None = None,
         shm_pool_bytes: int = shm.POOL_BYTES,
+        keys: ClusterKeys | None = None,
     ) -> None:
         payload.kv_layout(kv_cache)  # asserts the cache layout
+        self.keys = keys  # the cluster secret's: CURVE to every decode worker's receiver
         self.kv_cache = kv_cache
         self._own_context = context is None
         self.context = context if context is not None else zmq.Context()
@@ -143,6 +149,8 @@ class KVSender:
         socket = self._peers.get(address)
         if socket is None:
             socket = self.context.socket(zmq.DEALER)
+            if self.keys is not None:
+                self.keys.connect_as_client(socket)
             socket.setsockopt(zmq.LINGER, 0)
             socket.setsockopt(zmq.SNDBUF, SOCKET_BUFFER_BYTES)
             try:

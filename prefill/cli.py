@@ -24,6 +24,7 @@ def add_prefill_args(parser: argparse.ArgumentParser) -> None:
 
 def cmd_prefill(args: argparse.Namespace) -> int:
     """Load the engine, register with the router, serve prefills until SIGTERM (drains first)."""
+    from common.runtime.auth import load_keys
     from common.runtime.worker import default_worker_id
     from common.runtime.worker_cli import build_engine
     from prefill.worker import PrefillWorker
@@ -35,6 +36,7 @@ def cmd_prefill(args: argparse.Namespace) -> int:
         args.router,
         args.worker_id or default_worker_id("prefill"),
         kv_transport=args.kv_transport,
+        keys=load_keys(args.cluster_secret_file),
     )
     worker.stop_on_signals()
     worker.run()

@@ -19,6 +19,7 @@ from common import protocol
 from common.engine.engine import Engine
 from common.engine.sampler import generator_state
 from common.protocol import KVHeader, Prefill, RequestFailed
+from common.runtime.auth import ClusterKeys
 from common.runtime.histogram import KV_TRANSFER_BUCKETS, Histogram
 from common.runtime.worker import WorkerBase
 from kvtransfer import KVSender
@@ -44,10 +45,11 @@ class PrefillWorker(WorkerBase):
         worker_id: str,
         context: zmq.Context | None = None,
         kv_transport: str = "auto",
+        keys: ClusterKeys | None = None,
     ) -> None:
-        super().__init__(engine, router_address, worker_id, context)
+        super().__init__(engine, router_address, worker_id, context, keys)
         self.kv_transport = kv_transport  # anything but auto overrides the router's choice
-        self.sender = KVSender(engine.runner.kv_cache, context=self.context)
+        self.sender = KVSender(engine.runner.kv_cache, context=self.context, keys=keys)
         self.jobs: dict[str, _Job] = {}
         self.kv_bytes = 0
         self.kv_seconds = Histogram(KV_TRANSFER_BUCKETS)  # send to ack, successful transfers

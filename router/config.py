@@ -39,10 +39,12 @@ class RouterConfig:
     reserve_timeout_s: float = 5.0
     prefill_deadline_s: float = 120.0
     heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S
+    worker_stall_timeout_s: float = 30.0
     max_model_len: int = 0
     block_size: int = 0
     log_level: str = "info"
     ready_file: str = ""
+    cluster_secret_file: str = ""
 
 
 HELP = {
@@ -78,9 +80,14 @@ HELP = {
     "reserve_timeout_s": "longest to wait for a decode worker's reservation reply",
     "prefill_deadline_s": "time a prefill worker has to deliver a prompt's KV",
     "heartbeat_timeout_s": "a worker silent this long is dead",
+    "worker_stall_timeout_s": "a worker whose main loop made no progress this long while it had "
+    "work is dead (its heartbeats count the loop's turns; 0 = never)",
     "max_model_len": "longest prompt + output (0 = the smallest any live worker allows)",
     "block_size": "KV block size workers must use (0 = whatever the first worker uses)",
     "log_level": "debug | info | warning | error",
+    "cluster_secret_file": "file holding the cluster secret: workers must know it to join (ZeroMQ "
+    "CURVE on the control socket; else $PDSERVE_CLUSTER_SECRET). Without one the control socket "
+    "may bind loopback only",
     "ready_file": 'once serving, write the bound addresses here as JSON ({"http_port", '
     '"control_address"}), so a launcher that passed port 0 learns the ports the OS gave',
 }

@@ -3,8 +3,17 @@
 Owns the socket (bind, receive loop, sending commands), routing each worker message to where it
 belongs (Register and heartbeats -> the registry, KV events -> the prefix index, request replies ->
 the dispatcher), asking unknown workers to register again, and the periodic liveness check that
-expires silent workers and fails their requests over. Built and run by `router.server.RouterServer`,
-on the router's event loop; single-threaded like everything there.
+expires dead workers (silent, stuck, or unreachable) and fails their requests over.
+
+Integrity: a worker id belongs to the connection that registered it. The socket never hands an
+identity in use to a second connection (no ROUTER_HANDOVER: libzmq ignores the newcomer), a
+heartbeat counts only from the worker's own connections (`Worker.sends_from`), KV events are held
+to what the worker's cache can hold, a worker that a send cannot reach is dead at once (its
+requests fail over and /health stops counting it), and so is a worker whose id registers again
+from a new process (another heartbeat identity: only possible once the old connection closed).
+
+Built and run by `router.server.RouterServer`, on the router's event loop; single-threaded like
+everything there.
 """
 
 from __future__ import annotations
@@ -17,6 +26,7 @@ if TYPE_CHECKING:
     import msgspec
     import zmq.asyncio
 
+    from common.runtime.auth import ClusterKeys
     from router.dispatch import Dispatcher
     from router.kv_index import PrefixIndex
     from router.registry import Registry, Worker
@@ -36,8 +46,9 @@ class ControlPlane:
         self.address = ""  # the bound endpoint, e.g. tcp://127.0.0.1:8001
         self._warned: set[str] = set()
 
-    def bind(self, host: str, port: int) -> str:
-        """Bind the ROUTER socket (port 0: any free port); returns the bound endpoint."""
+    def bind(self, host: str, port: int, keys: ClusterKeys | None = None) -> str:
+        """Bind the ROUTER socket (port 0: any free port); returns the bound endpoint. With `keys`
+        (the cluster secret's) only CURVE clients that know the secret get through."""
         import zmq
         import zmq.asyncio
 
@@ -45,9 +56,12 @@ class ControlPlane:
 
         self.context = zmq.asyncio.Context()
         sock = self.context.socket(zmq.ROUTER)
+        if keys is not None:
+            keys.serve(sock)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a vanished worker fails, not drops
-        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted worker takes its identity back
+        # No ROUTER_HANDOVER: a second connection under a live worker's identity is ignored. A
+        # restarted worker gets its identity back once its old connection has closed.
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_MESSAGE_BYTES)
         sock.bind(f"tcp://{host}:{port or '*'}")
         self.sock = sock
@@ -65,26 +79,33 @@ class ControlPlane:
         period_s = min(0.2, heartbeat_timeout_s / 10)
         while True:
             await asyncio.sleep(period_s)
-            for worker in self.registry.expire():
-                self.prefix_index.remove(worker.worker_id)
-                try:
-                    if self.dispatcher is not None:
-                        self.dispatcher.on_worker_dead(worker)
-                except Exception:  # the next worker's requests must still be failed over
-                    log.exception("failing over %s's requests failed", worker.worker_id)
+            self.reap()
+
+    def reap(self) -> None:
+        """Remove the dead workers now and fail their requests over."""
+        for worker in self.registry.expire():
+            self.prefix_index.remove(worker.worker_id)
+            try:
+                if self.dispatcher is not None:
+                    self.dispatcher.on_worker_dead(worker)
+            except Exception:  # the next worker's requests must still be failed over
+                log.exception("failing over %s's requests failed", worker.worker_id)
 
     async def receive_loop(self) -> None:
-        from common.protocol import ProtocolError, decode_control
+        from common.protocol import MAX_CONTROL_MESSAGE_BYTES, ProtocolError, decode_control
 
         assert self.sock is not None
         while True:
-            frames = await self.sock.recv_multipart()
+            frames = await self.sock.recv_multipart(copy=False)
             if len(frames) != 2:
                 log.warning("dropping a control message of %d frames", len(frames))
                 continue
-            identity, frame = frames
+            identity, frame = frames[0].bytes, frames[1].buffer
+            limit = MAX_CONTROL_MESSAGE_BYTES
+            if len(frame) > self.MAX_SMALL_BYTES:
+                limit = self._limit(identity, frame)
             try:
-                msg = decode_control(frame)
+                msg = decode_control(frame, limit)
             except ProtocolError as e:
                 log.warning("dropping a bad control frame: %s", e)
                 continue
@@ -92,6 +113,20 @@ class ControlPlane:
                 self.on_message(identity, msg)
             except Exception:  # one bad message must not stop the control loop
                 log.exception("handling %s failed", type(msg).__name__)
+
+    MAX_SMALL_BYTES = 2**16  # frames up to this size need no per-worker limit
+
+    def _limit(self, identity: bytes, frame: memoryview) -> int:
+        """The most bytes this frame may have: a KV events message names at most twice the keys
+        its sender's cache can hold (stored + evicted)."""
+        from common.prefix_hash import KEY_BYTES
+        from common.protocol import MAX_CONTROL_MESSAGE_BYTES, message_tag
+
+        if message_tag(bytes(frame[:64])) != "kv_events":
+            return MAX_CONTROL_MESSAGE_BYTES
+        worker = self.registry.get(identity.decode(errors="replace"))
+        num_blocks = worker.info.num_blocks if worker is not None else 0
+        return self.MAX_SMALL_BYTES + 2 * num_blocks * (KEY_BYTES + 3)
 
     def on_message(self, identity: bytes, msg: msgspec.Struct) -> None:
         from common.protocol import (
@@ -104,6 +139,17 @@ class ControlPlane:
         )
 
         if isinstance(msg, Register):
+            old = self.registry.get(msg.worker_id)
+            if (
+                old is not None
+                and old.identity == identity
+                and old.info.heartbeat_identity != msg.heartbeat_identity
+            ):
+                # A new process under this id (its old connection closed, or the socket would
+                # have ignored this one): the old one's requests are lost, fail them over first.
+                self.registry.mark_dead(old, "was replaced by a new process")
+            if old is not None and old.dead_reason and old.identity == identity:
+                self.reap()  # its old self is gone: fail that over before it starts anew
             ack = self.registry.register(identity, msg)
             if ack.accepted:
                 # A worker sends a full KV snapshot after every Register (maybe as a new process
@@ -112,8 +158,18 @@ class ControlPlane:
             self.send_to(identity, ack)
             return
         if isinstance(msg, Heartbeat):  # heartbeats may come from a socket of their own
-            worker = self.registry.on_heartbeat(msg)
             worker_id = msg.worker_id
+            known = self.registry.get(worker_id)
+            if known is not None and not known.sends_from(identity):
+                # Not from this worker's connections: a spoof, or a stale socket. Ignored.
+                self._warn_once(
+                    f"spoof:{worker_id}:{identity!r}",
+                    "ignoring a heartbeat for %r from another connection (%r)",
+                    worker_id,
+                    identity,
+                )
+                return
+            worker = self.registry.on_heartbeat(msg)
             if worker is not None and self.prefix_index.on_heartbeat(worker_id, msg.kv_events_seq):
                 self.send(worker, KVResync("a KV events message was lost"))
         else:
@@ -128,13 +184,17 @@ class ControlPlane:
             # A worker we do not know (router restarted, or it was declared dead): ask it to
             # register again; the reply goes to whichever socket this came from.
             self.send_to(identity, RegisterAck(accepted=False, reason=REREGISTER_REASON))
-            if worker_id not in self._warned:
-                self._warned.add(worker_id)
-                log.warning(
-                    "%s from unregistered worker %r: asked it to register",
-                    type(msg).__name__,
-                    worker_id,
-                )
+            self._warn_once(
+                worker_id,
+                "%s from unregistered worker %r: asked it to register",
+                type(msg).__name__,
+                worker_id,
+            )
+
+    def _warn_once(self, key: str, fmt: str, *args: object) -> None:
+        if key not in self._warned and len(self._warned) < 10_000:  # bounded: ids are untrusted
+            self._warned.add(key)
+            log.warning(fmt, *args)
 
     def send(self, worker: Worker, msg: msgspec.Struct) -> bool:
         return self.send_to(worker.identity, msg)
@@ -151,5 +211,10 @@ class ControlPlane:
         if error is not None:
             name = identity.decode(errors="replace")
             log.warning("could not send %s to %r: %s", type(msg).__name__, name, error)
+            worker = self.registry.get(name)
+            if worker is not None and worker.identity == identity:
+                # Unreachable is dead: the liveness loop fails its requests over (not from here,
+                # inside the dispatcher's own send) and /health stops counting it meanwhile.
+                self.registry.mark_dead(worker, "is unreachable")
             return False
         return True

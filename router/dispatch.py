@@ -212,7 +212,9 @@ class Dispatcher:
             return False
         reply_future = asyncio.get_running_loop().create_future()
         flight.reserve_reply = reply_future
-        reserve = Reserve(flight.request_id, flight.prompt_token_ids, flight.params)
+        # The reservation lives as long as the router waits for the reply and the prefill.
+        deadline_s = self.reserve_timeout_s + self.prefill_deadline_s
+        reserve = Reserve(flight.request_id, flight.prompt_token_ids, flight.params, deadline_s)
         try:
             if not self._send(decode, reserve):
                 reply = ReserveReply(flight.request_id, ok=False, reason="unreachable")

@@ -1,11 +1,15 @@
 """The router's table of workers: registration, liveness and load.
 
 Owns one `Worker` per registered worker id: its `Register` message (role, addresses, model, block
-size), the ZeroMQ identity commands are sent to, when it was last heard from, its latest
+size), the ZeroMQ identities its messages may come from (the control connection it registered on,
+and the heartbeat connection its `Register` names), when it was last heard from, its latest
 `Heartbeat`, and its load as the router itself counts it (requests dispatched and not finished,
 prompt tokens queued for prefill). Validates registrations: the protocol version, the model and the
-block size must agree across the cluster, else the worker is refused. A worker silent for
-`timeout_s` is dead and removed (`expire`); the caller fails or re-dispatches its requests.
+block size must agree across the cluster, and the KV layout (dtype, layers, KV heads, head size)
+with the workers of the other role, else the worker is refused. A worker is dead and removed
+(`expire`; the caller fails or re-dispatches its requests) when it was silent for `timeout_s`,
+when its main loop made no progress for `stall_timeout_s` while it had work (its heartbeats count
+the loop's turns), or when the control plane found it unreachable (`mark_dead`).
 
 Also asks every worker for its KV block books (`block_books`, for `/debug/block_books` and the
 e2e leak checks) and matches the replies.
@@ -47,6 +51,8 @@ class Worker:
     identity: bytes  # the DEALER identity that registered: where commands go
     last_seen_s: float
     heartbeat: Heartbeat | None = None
+    progress_s: float = 0.0  # when its heartbeat's loop count last moved (or it registered)
+    dead_reason: str = ""  # set when found unreachable: removed at the next `expire`
     num_in_flight: int = 0  # requests dispatched here, not yet finished (the router's count)
     queued_prefill_tokens: int = 0  # prefill: prompt tokens dispatched, first token not yet seen
     refused_until_s: float = 0.0  # decode: skipped for new requests until then (it refused one)
@@ -60,6 +66,17 @@ class Worker:
     @property
     def role(self) -> Role:
         return self.info.role
+
+    def sends_from(self, identity: bytes) -> bool:
+        """Whether a message from this ZeroMQ identity may speak for this worker."""
+        return identity == self.identity or (
+            bool(self.info.heartbeat_identity) and identity == self.info.heartbeat_identity
+        )
+
+    def has_work(self) -> bool:
+        """Requests dispatched here and not finished, or sequences it reports holding."""
+        hb = self.heartbeat
+        return self.num_in_flight > 0 or (hb is not None and hb.num_running + hb.num_waiting > 0)
 
     @property
     def decode_load(self) -> int:
@@ -95,10 +112,12 @@ class Registry:
         block_size: int | None = None,
         timeout_s: float = HEARTBEAT_TIMEOUT_S,
         clock: Callable[[], float] = time.monotonic,
+        stall_timeout_s: float = 30.0,
     ) -> None:
         self.model_names = set(model_names)  # what a worker's Register.model may say
         self.block_size = block_size  # fixed by flag, else by the first worker while any lives
         self.timeout_s = timeout_s
+        self.stall_timeout_s = stall_timeout_s  # 0: never declare a stuck loop dead
         self.clock = clock
         self.workers: dict[str, Worker] = {}
         self._books: dict[tuple[str, int], asyncio.Future[BlockBooksReply]] = {}
@@ -113,7 +132,9 @@ class Registry:
         now = self.clock()
         worker = self.workers.get(msg.worker_id)
         if worker is None:
-            self.workers[msg.worker_id] = Worker(info=msg, identity=identity, last_seen_s=now)
+            self.workers[msg.worker_id] = Worker(
+                info=msg, identity=identity, last_seen_s=now, progress_s=now
+            )
             log.info(
                 "%s worker %r registered (%d blocks, host %s)",
                 msg.role,
@@ -121,8 +142,8 @@ class Registry:
                 msg.num_blocks,
                 msg.host,
             )
-        else:  # a reconnect: requests in flight on it are still its own
-            worker.info, worker.identity, worker.last_seen_s = msg, identity, now
+        else:  # the same connection again: requests in flight on it are still its own
+            worker.info, worker.last_seen_s, worker.progress_s = msg, now, now
         return RegisterAck(accepted=True)
 
     def _refusal(self, identity: bytes, msg: Register) -> str:
@@ -130,6 +151,11 @@ class Registry:
             return f"protocol version {msg.version}, the router speaks {PROTOCOL_VERSION}"
         if identity != msg.worker_id.encode():
             return "the control socket identity must equal worker_id"
+        # (A second connection under a live worker's identity never gets here: the control
+        # socket ignores it. See router.control.)
+        old = self.workers.get(msg.worker_id)
+        if old is not None and old.dead_reason:
+            return f"worker id {msg.worker_id!r} is being removed ({old.dead_reason})"
         if msg.model not in self.model_names:
             return f"model {msg.model!r}, the router serves {sorted(self.model_names)}"
         block_size = self.block_size
@@ -138,9 +164,22 @@ class Registry:
             block_size = others[0].info.block_size
         if block_size is not None and msg.block_size != block_size:
             return f"block size {msg.block_size}, the cluster uses {block_size}"
-        old = self.workers.get(msg.worker_id)
         if old is not None and old.role != msg.role:
             return f"worker id {msg.worker_id!r} is already registered as {old.role}"
+        return self._layout_refusal(msg)
+
+    def _layout_refusal(self, msg: Register) -> str:
+        """Why KV could not move between this worker and the other role's, or '' if it can."""
+        for other in self.workers.values():
+            if other.role == msg.role or other.worker_id == msg.worker_id:
+                continue
+            for name in ("dtype", "num_layers", "num_kv_heads", "head_dim"):
+                mine, theirs = getattr(msg, name), getattr(other.info, name)
+                if mine != theirs:
+                    return (
+                        f"KV cache {name} {mine!r}, but {other.role} worker {other.worker_id!r} "
+                        f"has {theirs!r}: no KV transfer between them could work"
+                    )
         return ""
 
     def touch(self, worker_id: str) -> Worker | None:
@@ -153,21 +192,41 @@ class Registry:
     def on_heartbeat(self, msg: Heartbeat) -> Worker | None:
         worker = self.touch(msg.worker_id)
         if worker is not None:
+            old = worker.heartbeat
+            if old is None or msg.loop_count != old.loop_count:
+                worker.progress_s = self.clock()
             worker.heartbeat = msg
         return worker
 
+    def mark_dead(self, worker: Worker, reason: str) -> None:
+        """The worker cannot be reached: no new work now, removed at the next `expire`."""
+        if not worker.dead_reason and self.workers.get(worker.worker_id) is worker:
+            worker.dead_reason = reason
+
+    def _death(self, worker: Worker, now: float) -> str:
+        """Why the worker counts as dead now, or ''."""
+        if worker.dead_reason:
+            return worker.dead_reason
+        if worker.last_seen_s < now - self.timeout_s:
+            return f"missed heartbeats for {self.timeout_s:.1f} s"
+        counted = worker.heartbeat is not None and worker.heartbeat.loop_count >= 0
+        stalled_s = now - worker.progress_s
+        if self.stall_timeout_s > 0 and counted and worker.has_work():
+            if stalled_s > self.stall_timeout_s:
+                return f"its main loop made no progress for {stalled_s:.1f} s while it had work"
+        return ""
+
     def expire(self) -> list[Worker]:
-        """Remove and return the workers silent for longer than `timeout_s`."""
-        deadline = self.clock() - self.timeout_s
-        dead = [w for w in self.workers.values() if w.last_seen_s < deadline]
-        for worker in dead:
-            log.warning(
-                "%s worker %r missed heartbeats for %.1f s: removed",
-                worker.role,
-                worker.worker_id,
-                self.timeout_s,
-            )
-            del self.workers[worker.worker_id]
+        """Remove and return the dead workers: silent for longer than `timeout_s`, stuck with work
+        for longer than `stall_timeout_s`, or marked unreachable."""
+        now = self.clock()
+        dead = []
+        for worker in list(self.workers.values()):
+            reason = self._death(worker, now)
+            if reason:
+                log.warning("%s worker %r %s: removed", worker.role, worker.worker_id, reason)
+                del self.workers[worker.worker_id]
+                dead.append(worker)
         return dead
 
     def get(self, worker_id: str) -> Worker | None:
@@ -178,7 +237,9 @@ class Registry:
         return [
             w
             for w in self.workers.values()
-            if w.role == role and not (w.heartbeat is not None and w.heartbeat.draining)
+            if w.role == role
+            and not w.dead_reason
+            and not (w.heartbeat is not None and w.heartbeat.draining)
         ]
 
     def max_model_len(self) -> int | None:

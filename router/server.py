@@ -43,6 +43,8 @@ def _validate(config: RouterConfig) -> None:
 
     if config.routing not in ROUTING_POLICIES:
         raise ValueError(f"--routing must be one of {', '.join(ROUTING_POLICIES)}")
+    if config.worker_stall_timeout_s < 0:
+        raise ValueError("--worker-stall-timeout-s must be >= 0")
     if config.local_prefill_max_tokens < 0:
         raise ValueError("--local-prefill-max-tokens must be >= 0")
     if config.max_body_bytes < 1:
@@ -63,6 +65,7 @@ class RouterServer:
     """The router's HTTP app and control socket; `serve` runs both until `stop`."""
 
     def __init__(self, config: RouterConfig, tokenizer: Tokenizer, model_max_len: int) -> None:
+        from common.runtime.auth import check_bind, load_keys
         from router.admission import Admission
         from router.app import RouterState
         from router.control import ControlPlane
@@ -74,10 +77,14 @@ class RouterServer:
 
         _validate(config)
         self.config = config
+        # Who may join: the cluster secret's CURVE keys; without them, loopback only.
+        self.keys = load_keys(config.cluster_secret_file)
+        check_bind(config.control_host, self.keys, "the control socket")
         self.registry = Registry(
             model_names(config.model),
             block_size=config.block_size or None,
             timeout_s=config.heartbeat_timeout_s,
+            stall_timeout_s=config.worker_stall_timeout_s,
         )
         self.prefix_index = PrefixIndex()
         self.control = ControlPlane(self.registry, self.prefix_index)
@@ -126,7 +133,7 @@ class RouterServer:
         from router.app import create_app
 
         cfg = self.config
-        self.control_address = self.control.bind(cfg.control_host, cfg.control_port)
+        self.control_address = self.control.bind(cfg.control_host, cfg.control_port, self.keys)
         self.http = uvicorn.Server(
             uvicorn.Config(
                 create_app(self.state),

@@ -2,7 +2,9 @@
 
 Owns starting `python -m common.cli router|prefill|decode ...` processes, learning the router's
 ports, waiting until the cluster serves, reading its /metrics, and stopping every process it
-started (SIGTERM twice, so workers skip draining, then SIGKILL for any that hang). Used by
+started (SIGTERM twice, so workers skip draining, then SIGKILL for any that hang). With
+`supervise=True` (`pdserve up`), `poll` restarts a worker that died (`common.runtime.supervise`:
+backoff, a restart limit, a line on stderr) while the others keep serving. Used by
 `pdserve up` (`common.runtime.up`), the end-to-end tests (`tests/e2e/cluster.py`) and the
 benchmarks. It spawns processes and imports nothing of `router`, `prefill` or `decode`.
 
@@ -30,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import common
+from common.runtime.supervise import RestartPolicy, Supervisor
 
 # Where `common` lives: children get it on PYTHONPATH, so `python -m common.cli` works from any
 # directory whether or not pdserve is installed.
@@ -78,7 +81,7 @@ class LocalCluster:
 
     `log_dir`: each process writes `<name>-<process>.log` there (else they share this process's
     stdout and stderr). `port` / `control_port` 0: whatever the OS gives the router. `env`: extra
-    environment for every process.
+    environment for every process. `supervise`: `poll` restarts dead workers under `restart_policy`.
     """
 
     def __init__(
@@ -95,6 +98,8 @@ class LocalCluster:
         name: str = "",
         env: Mapping[str, str] | None = None,
         startup_timeout_s: float = 600.0,
+        supervise: bool = False,
+        restart_policy: RestartPolicy | None = None,
     ) -> None:
         self.model, self.workers = model, list(workers)
         self.startup_timeout_s = startup_timeout_s  # what `with` gives `start`
@@ -109,6 +114,8 @@ class LocalCluster:
         self.procs: dict[str, subprocess.Popen] = {}
         self._scratch: Path | None = None  # holds the router's ready file; made on first start
         self._num_unnamed = 0
+        self._specs: dict[str, WorkerSpec] = {}  # each worker process's name -> how to start it
+        self.supervisor = Supervisor(restart_policy or RestartPolicy()) if supervise else None
 
     # ---- addresses ------------------------------------------------------------------------------
 
@@ -182,13 +189,25 @@ class LocalCluster:
         if not name:
             name = f"{spec.role}-{self._num_unnamed}"
             self._num_unnamed += 1
+        if not any(s is spec for s in self.workers):  # a worker added after `start`
+            self.workers.append(spec)
+        self._specs[name] = spec
+        proc = self._spawn_worker(name)
+        if self.supervisor is not None:
+            self.supervisor.started(name)
+        return proc
+
+    def restart_worker(self, name: str) -> subprocess.Popen:
+        """Start the worker process `name` again, with the flags it was first started with."""
+        return self._spawn_worker(name)
+
+    def _spawn_worker(self, name: str) -> subprocess.Popen:
+        spec = self._specs[name]
         args = [spec.role, "--router", self.control]
         if spec.worker_id:
             args += ["--worker-id", spec.worker_id]
         args += ["--model", self.model, *spec.flags]
         extra = {"OMP_NUM_THREADS": str(spec.threads)} if spec.threads else {}
-        if not any(s is spec for s in self.workers):  # a worker added after `start`
-            self.workers.append(spec)
         return self._spawn(name, args, extra)
 
     def _spawn(
@@ -219,6 +238,20 @@ class LocalCluster:
     def dead(self) -> list[str]:
         """Names of the processes that have exited."""
         return [n for n, p in self.procs.items() if p.poll() is not None]
+
+    def poll(self) -> bool:
+        """One look at the children: False when the cluster is over (the router died, or without
+        supervision any process died). With supervision, dead workers are restarted (after their
+        backoff) and the cluster goes on; call this every few tenths of a second."""
+        dead = self.dead()
+        if "router" in dead:
+            return False
+        if self.supervisor is None:
+            return not dead
+        self.supervisor.check(
+            {n: self.procs[n].returncode for n in dead if n in self._specs}, self.restart_worker
+        )
+        return True
 
     def healthy(self) -> bool:
         try:

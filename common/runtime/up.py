@@ -2,20 +2,26 @@
 
 Owns the `up` flags (each also read from a PDSERVE_* variable) and turning them into the router's
 and the workers' flags; the processes themselves are started, watched and stopped by
-`common.runtime.launcher.LocalCluster`. Prints the URL once the cluster serves, and stops every
-process on Ctrl-C / SIGTERM or when one of them dies. Called by `common.cli`.
+`common.runtime.launcher.LocalCluster`, with a cluster secret it generates and hands to its
+children in the environment (`common.runtime.auth`), supervised: a worker that dies is restarted
+(with backoff, up to a limit, `--max-worker-restarts`) while the others keep serving. Prints the
+URL once the cluster serves, and stops every process on Ctrl-C / SIGTERM or when the router dies.
+Called by `common.cli`.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import signal
 import sys
 import time
 from pathlib import Path
 
+from common.runtime.auth import SECRET_ENV, SECRET_FILE_ENV
 from common.runtime.launcher import LocalCluster, WorkerSpec
+from common.runtime.supervise import RestartPolicy
 from common.runtime.worker_cli import env
 
 
@@ -53,6 +59,11 @@ def cluster_from_args(
         decode_flags += ["--speculative", args.speculative]
     if args.num_speculative_tokens:
         decode_flags += ["--num-speculative-tokens", str(args.num_speculative_tokens)]
+    # A cluster secret for this run (unless one is set already, which the children inherit): only
+    # processes that know it can join the cluster (CURVE on the control socket).
+    env = {}
+    if not os.environ.get(SECRET_ENV) and not os.environ.get(SECRET_FILE_ENV):
+        env[SECRET_ENV] = secrets.token_hex(32)
     workers = [WorkerSpec("prefill", flags=engine_flags) for _ in range(args.prefill)]
     workers += [WorkerSpec("decode", flags=decode_flags) for _ in range(args.decode)]
     return LocalCluster(
@@ -64,11 +75,15 @@ def cluster_from_args(
         control_port=args.control_port,
         log_dir=log_dir,
         name=name,
+        env=env,
+        supervise=True,
+        restart_policy=RestartPolicy(max_restarts=args.max_worker_restarts),
     )
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    """Start router + workers locally; block until a signal or a child dies."""
+    """Start router + workers locally; block until a signal or the router dies (dead workers are
+    restarted meanwhile)."""
     cluster = cluster_from_args(args)
     starting, stopping = True, False
 
@@ -92,8 +107,10 @@ def cmd_up(args: argparse.Namespace) -> int:
             f"{args.decode} decode); Ctrl-C stops it",
             flush=True,
         )
-        while not stopping and not cluster.dead():
+        while not stopping and cluster.poll():
             time.sleep(0.2)
+        if not stopping:
+            print("pdserve: error: the router exited; stopping the cluster", file=sys.stderr)
         return 0 if stopping else 1
     except _Interrupted:
         return 0
@@ -153,6 +170,13 @@ def add_up_args(up: argparse.ArgumentParser) -> None:
     up.add_argument("--api-key", default=env("API_KEY", ""))
     up.add_argument("--served-model-name", nargs="+", default=None)
     up.add_argument("--startup-timeout-s", type=float, default=600.0)
+    up.add_argument(
+        "--max-worker-restarts",
+        type=int,
+        default=int(env("MAX_WORKER_RESTARTS", "5")),
+        help="restarts in a row of a worker that keeps dying before giving up on it (0 = never "
+        "restart)",
+    )
     up.add_argument(
         "engine_args",
         nargs=argparse.REMAINDER,

@@ -2,7 +2,9 @@
 
 Owns the worker's DEALER socket to the router's control socket (register, receive commands, send
 replies and token outputs), a heartbeat thread with its own socket (so heartbeats keep flowing
-while a long prefill step holds the main thread), re-registration when the router forgets the
+while a long prefill step holds the main thread; its random identity travels in `Register`, and
+each heartbeat carries the main loop's turn count, so the router can tell a stuck loop from a
+long step), re-registration when the router forgets the
 worker, draining: on the first SIGTERM a worker stops taking new work (its heartbeats say so,
 and the router stops dispatching to it), finishes what it has, then exits; a second signal exits
 at once. After each step it reports its prefix-cache changes (`KVEvents`: block keys stored and
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import signal
 import socket
 import threading
@@ -28,6 +31,7 @@ import zmq
 from common import protocol
 from common.engine.engine import Engine
 from common.protocol import Heartbeat, KVEvents, Register, RegisterAck
+from common.runtime.auth import ClusterKeys
 
 log = logging.getLogger(__name__)
 
@@ -39,10 +43,18 @@ def default_worker_id(role: str) -> str:
 class ControlConnection:
     """DEALER to the router; `poll` returns decoded commands, malformed frames are dropped."""
 
-    def __init__(self, router_address: str, worker_id: str, context: zmq.Context) -> None:
+    def __init__(
+        self,
+        router_address: str,
+        worker_id: str,
+        context: zmq.Context,
+        keys: ClusterKeys | None = None,
+    ) -> None:
         self.worker_id = worker_id
         self.router_address = router_address
         self.sock = context.socket(zmq.DEALER)
+        if keys is not None:  # the cluster secret: CURVE to the router
+            keys.connect_as_client(self.sock)
         self.sock.setsockopt(zmq.IDENTITY, worker_id.encode())
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_CONTROL_MESSAGE_BYTES)
@@ -81,18 +93,25 @@ class Heartbeater(threading.Thread):
         worker_id: str,
         context: zmq.Context,
         make_heartbeat: Callable[[], Heartbeat],
+        keys: ClusterKeys | None = None,
     ) -> None:
         super().__init__(name="heartbeat", daemon=True)
+        self.keys = keys
         self.router_address = router_address
         self.worker_id = worker_id
         self.context = context
         self.make_heartbeat = make_heartbeat
+        # Random, so that no other process can connect under it before this thread does; the
+        # router accepts this worker's heartbeats from this identity (named in Register) only.
+        self.identity = f"{worker_id}#heartbeat-{secrets.token_hex(8)}".encode()
         self.stop_event = threading.Event()
         self.reregister = threading.Event()  # the router forgot us: the main loop registers again
 
     def run(self) -> None:
         sock = self.context.socket(zmq.DEALER)
-        sock.setsockopt(zmq.IDENTITY, f"{self.worker_id}#heartbeat".encode())
+        if self.keys is not None:
+            self.keys.connect_as_client(sock)
+        sock.setsockopt(zmq.IDENTITY, self.identity)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(self.router_address)
         try:
@@ -155,24 +174,32 @@ class WorkerBase:
     role: protocol.Role
 
     def __init__(
-        self, engine: Engine, router_address: str, worker_id: str, context: zmq.Context | None
+        self,
+        engine: Engine,
+        router_address: str,
+        worker_id: str,
+        context: zmq.Context | None,
+        keys: ClusterKeys | None = None,
     ) -> None:
         self.engine = engine
         self.worker_id = worker_id
         self.context = context or zmq.Context.instance()
-        self.control = ControlConnection(router_address, worker_id, self.context)
+        # keys: from the cluster secret (common.runtime.auth); None: no authentication
+        self.control = ControlConnection(router_address, worker_id, self.context, keys)
         self.kv_address = ""
         self.kv_failures = 0
         self.running = True
         self.draining = False
         self.drain_started = 0.0
-        self.heartbeat = Heartbeater(router_address, worker_id, self.context, self._heartbeat)
+        self.heartbeat = Heartbeater(router_address, worker_id, self.context, self._heartbeat, keys)
         self.engine.pool.track_events = True
         self.kv_events_seq = -1  # the last KVEvents seq sent
         self.kv_snapshot_due = True  # send every held key next (after registering, or asked)
+        self.loop_count = 0  # turns of `run`'s loop: the heartbeat's proof of progress
 
     def _heartbeat(self) -> Heartbeat:
         beat = engine_heartbeat(self.worker_id, self.engine, self.counters)
+        beat.loop_count = self.loop_count
         beat.draining = self.draining
         beat.kv_events_seq = self.kv_events_seq
         beat.histograms = self.histograms()
@@ -203,9 +230,12 @@ class WorkerBase:
         return {"kv_transfer_failures_total": self.kv_failures}
 
     def registration(self) -> Register:
+        from kvtransfer.payload import kv_layout
+
         transports = ["tcp", "shm"]
         if self.engine.runner.device.type == "cuda":
             transports.append("cuda_ipc")
+        layout = kv_layout(self.engine.runner.kv_cache)  # what a KV transfer depends on
         return Register(
             version=protocol.PROTOCOL_VERSION,
             role=self.role,
@@ -214,11 +244,15 @@ class WorkerBase:
             block_size=self.engine.config.block_size,
             num_blocks=self.engine.pool.num_blocks,
             max_model_len=self.engine.max_model_len,
-            dtype=self.engine.config.dtype,
+            dtype=str(layout["dtype"]),
             host=socket.gethostname(),
             kv_address=self.kv_address,
             transports=transports,
             kv_salt=self.engine.block_manager.salt,
+            num_layers=int(layout["num_layers"]),
+            num_kv_heads=int(layout["num_kv_heads"]),
+            head_dim=int(layout["head_dim"]),
+            heartbeat_identity=self.heartbeat.identity,
         )
 
     def stop_on_signals(self) -> None:
@@ -250,6 +284,7 @@ class WorkerBase:
                     self._dispatch(message)
                 self.step()
                 self.publish_kv_events()
+                self.loop_count += 1
         finally:
             self.close()
 

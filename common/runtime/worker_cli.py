@@ -1,9 +1,10 @@
 """What `pdserve prefill` and `pdserve decode` share: worker flags, building and seeding the engine.
 
-Owns `--router` and `--worker-id` (each also read from a PDSERVE_* variable; the engine flags come
-from `common.config.add_engine_args`), turning the parsed flags into a loaded `Engine`, and seeding
-the process's random generators from `--seed`. Called by `prefill.cli` and `decode.cli`; heavy
-imports happen inside the functions so that `pdserve --help` stays fast.
+Owns `--router`, `--worker-id` and `--cluster-secret-file` (each also read from a PDSERVE_*
+variable; the engine flags come from `common.config.add_engine_args`), turning the parsed flags
+into a loaded `Engine`, and seeding the process's random generators from `--seed`. Called by
+`prefill.cli` and `decode.cli`; heavy imports happen inside the functions so that `pdserve --help`
+stays fast.
 """
 
 from __future__ import annotations
@@ -38,6 +39,13 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
         "--worker-id",
         default=env("WORKER_ID", ""),
         help="unique worker name (default: role-host-pid; env PDSERVE_WORKER_ID)",
+    )
+    parser.add_argument(
+        "--cluster-secret-file",
+        default="",
+        help="file holding the cluster secret the router was given: the control connection then "
+        "uses CURVE (env PDSERVE_CLUSTER_SECRET_FILE, or the secret itself in "
+        "PDSERVE_CLUSTER_SECRET; `pdserve up` sets that for its workers)",
     )
     add_engine_args(parser)
 

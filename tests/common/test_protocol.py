@@ -176,3 +176,26 @@ def test_size_limit_is_inclusive(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_protocol_error_is_a_value_error() -> None:
     # Callers that guard a boundary with `except ValueError` catch bad frames too.
     assert issubclass(protocol.ProtocolError, ValueError)
+
+
+def test_message_tag_is_read_without_decoding() -> None:
+    assert protocol.message_tag(protocol.encode(protocol.Abort("r"))) == "abort"
+    assert protocol.message_tag(protocol.encode(build(protocol.Heartbeat))) == "heartbeat"
+    assert protocol.message_tag(b"\x00" * 16) == ""
+    assert protocol.message_tag(b"") == ""
+
+
+def test_small_messages_have_small_limits_and_bounded_fields() -> None:
+    big = protocol.Heartbeat("w", 0, 0, 0, 0, counters={f"c{i}": 1.0 for i in range(50_000)})
+    with pytest.raises(protocol.ProtocolError, match="heartbeat message of .* exceeds its limit"):
+        protocol.decode_control(protocol.encode(big))
+    many = protocol.Heartbeat("w", 0, 0, 0, 0, counters={f"c{i}": 1.0 for i in range(300)})
+    with pytest.raises(protocol.ProtocolError, match="length <= 256"):
+        protocol.decode_control(protocol.encode(many))
+    negative = protocol.Heartbeat("w", -1, 0, 0, 0)
+    with pytest.raises(protocol.ProtocolError):
+        protocol.decode_control(protocol.encode(negative))
+    # a long prompt is no small message: only the overall limit applies
+    prompt = list(range(200_000))
+    reserve = protocol.Reserve("r", prompt, build(protocol.Reserve).params, deadline_s=5.0)
+    assert protocol.decode_control(protocol.encode(reserve)) == reserve

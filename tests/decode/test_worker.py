@@ -221,3 +221,121 @@ def test_worker_reports_kv_events_and_snapshots_on_request(cluster) -> None:
     router.recv(protocol.Register)
     again = router.recv(protocol.KVEvents)
     assert again.reset and set(keys) <= set(again.stored)
+
+
+def test_a_reservation_lives_as_long_as_the_deadline_its_reserve_carries(cluster) -> None:
+    router, worker, _, _ = cluster
+    prompt = prompts(1)[0]
+    router.send(Reserve("r-late", prompt, GREEDY, deadline_s=0.5))
+    assert router.recv(ReserveReply).ok
+    sent = time.monotonic()
+    failed = router.recv(RequestFailed, timeout_s=10)
+    assert failed.request_id == "r-late" and "in time" in failed.reason
+    assert time.monotonic() - sent < 5  # the router's deadline, not the old fixed 120 s
+    wait_free(worker.engine)
+
+
+def test_registration_and_heartbeats_carry_what_the_router_checks(cluster) -> None:
+    router, worker, _, _ = cluster
+    registration = worker.registration()
+    layout = kv_layout(worker.engine.runner.kv_cache)
+    for field in ("num_layers", "num_kv_heads", "head_dim", "dtype", "block_size"):
+        assert getattr(registration, field) == layout[field], field
+    assert registration.dtype == "float32"
+    # heartbeats come from the random identity the registration names, and count loop turns
+    counts = []
+    deadline = time.monotonic() + 10
+    while len(counts) < 2 and time.monotonic() < deadline:
+        if router.sock.poll(100):
+            identity, frame = router.sock.recv_multipart()
+            msg = protocol.decode_control(frame)
+            if isinstance(msg, protocol.Heartbeat):
+                assert identity == registration.heartbeat_identity
+                counts.append(msg.loop_count)
+    assert len(counts) == 2 and 0 < counts[0] < counts[1]  # an idle loop turns too
+
+
+def test_with_the_cluster_secret_only_members_can_push_kv(tiny_llama) -> None:
+    from common.runtime.auth import ClusterKeys
+    from kvtransfer import KVReceiver
+
+    hf_model, _ = tiny_llama
+    ctx = zmq.Context()
+    keys = ClusterKeys.from_secret(b"s3cret")
+    decode_engine, prefill_engine = make_engine(hf_model), make_engine(hf_model)
+    receiver = KVReceiver(decode_engine.runner.kv_cache, context=ctx, keys=keys)
+    outsider = KVSender(prefill_engine.runner.kv_cache, context=ctx)
+    member = KVSender(prefill_engine.runner.kv_cache, context=ctx, keys=keys)
+    try:
+        seq = prefill(prefill_engine, "r", prompts(1)[0])
+        blocks = list(range(len(seq.block_table)))
+
+        def push(sender: KVSender, rid: str, wait_s: float) -> tuple[list, list]:
+            header = msgspec.structs.replace(header_for(prefill_engine, "r", seq), request_id=rid)
+            sender.send(receiver.address, header, seq.block_table, deadline_s=wait_s)
+            arrived, results = [], []
+            deadline = time.monotonic() + wait_s + 1.0
+            while not results and time.monotonic() < deadline:
+                arrived += receiver.poll(lambda h: blocks, timeout_ms=20)
+                results += sender.poll()
+            return arrived, results
+
+        arrived, results = push(outsider, "from-outsider", 1.0)
+        assert arrived == [] and [r.ok for r in results] == [False]  # never got through
+        arrived, results = push(member, "from-member", 10.0)
+        assert [a.ok for a in arrived] == [True] and [r.ok for r in results] == [True]
+    finally:
+        outsider.close()
+        member.close()
+        receiver.close()
+        ctx.term()
+
+
+def test_a_worker_whose_loop_is_stuck_with_work_is_declared_dead(tiny_llama) -> None:
+    """Its heartbeat thread goes on beating; the router goes by the loop's turn count."""
+    from tests.router.fake_worker import RouterThread
+
+    hf_model, _ = tiny_llama
+    config = dict(model="tiny", colocated=True, heartbeat_timeout_s=30, worker_stall_timeout_s=1.5)
+    with RouterThread(**config) as router:
+        ctx = zmq.Context()
+        worker = DecodeWorker(
+            make_engine(hf_model), router.control, "decode-s", "tcp://127.0.0.1:*", context=ctx
+        )
+        stuck, release = threading.Event(), threading.Event()
+        real_step = worker.step
+
+        def step() -> None:
+            if stuck.is_set():
+                release.wait(30)  # a main loop caught in something that never returns
+            real_step()
+
+        worker.step = step
+        thread = threading.Thread(target=worker.run, daemon=True)
+        thread.start()
+        registry = router.server.registry
+
+        def wait(condition, timeout_s: float) -> float:
+            start = time.monotonic()
+            while not condition():
+                assert time.monotonic() - start < timeout_s
+                time.sleep(0.05)
+            return time.monotonic() - start
+
+        try:
+            wait(lambda: registry.get("decode-s") is not None, 10)
+            stuck.set()
+            time.sleep(0.2)  # the loop now hangs in `step`: the engine is the test's to touch
+            assert worker.engine.reserve("r", prompts(1)[0], GREEDY) is not None  # work to do
+            took = wait(lambda: registry.get("decode-s") is None, 10)
+            assert took < 1.5 + 2 * protocol.HEARTBEAT_INTERVAL_S + 1.0
+            assert worker.heartbeat.is_alive()  # the beats went on: the stall is what counted
+            worker.abort("r")
+            stuck.clear()
+            release.set()  # unstuck: the router asks it to register again, and takes it back
+            wait(lambda: registry.get("decode-s") is not None, 10)
+        finally:
+            release.set()
+            worker.running = False
+            thread.join(10)
+            ctx.term()

@@ -1,4 +1,5 @@
-"""`pdserve up`: one command brings up router + workers, prints the URL, and stops them all.
+"""`pdserve up`: one command brings up router + workers, prints the URL, and stops them all;
+a worker that dies is restarted while the others keep serving.
 
 Ports 0: the OS picks both router ports and `up` prints the HTTP one it was given."""
 
@@ -9,9 +10,13 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
+import httpx
 import openai
+
+from common.runtime.launcher import parse_metrics
 
 
 def children_alive(marker: str) -> list[str]:
@@ -94,3 +99,94 @@ def test_up_serves_and_stops_everything(chat_model_dir):
     while children_alive(marker) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert children_alive(marker) == []
+
+
+def child_pids(marker: str, role: str) -> list[int]:
+    """Pids of the live `pdserve <role>` children that carry `marker`."""
+    pids = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                args = f.read().split(b"\0")
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if marker.encode() in args and role.encode() in args and state != "Z":
+            pids.append(int(pid))
+    return pids
+
+
+def test_up_restarts_a_killed_worker_and_the_others_keep_serving(chat_model_dir, tmp_path):
+    model = str(chat_model_dir)
+    # The children write their logs to up's stderr: a file, so that no pipe fills and blocks them.
+    stderr = open(tmp_path / "up.err", "w+")  # noqa: SIM115 (closed below)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "common.cli", "up", "--model", model, "--dtype", "float32",
+         "--port", "0", "--control-port", "0", "--prefill", "0", "--decode", "2",
+         "--num-threads", "1", "--", "--kv-cache-memory", "64MiB"],
+        stdout=subprocess.PIPE,
+        stderr=stderr,
+        text=True,
+    )  # fmt: skip
+    try:
+        line = proc.stdout.readline()
+        m = re.search(r"(http://127\.0\.0\.1:\d+)/v1", line)
+        assert m, line
+        url = m.group(1)
+        body = {"model": model, "prompt": "Tell me a long story", "max_tokens": 400,
+                "temperature": 0, "ignore_eos": True, "stream": True}  # fmt: skip
+        streams: list[list[str]] = [[] for _ in range(4)]
+
+        def consume(i: int) -> None:
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+                for line in r.iter_lines():
+                    streams[i].append(line)
+
+        threads = [threading.Thread(target=consume, args=(i,), daemon=True) for i in range(4)]
+        for t in threads:
+            t.start()
+        # least-loaded dispatch puts two streams on each worker; kill one once all flow
+        deadline = time.monotonic() + 60
+        while not all(len(s) > 4 for s in streams) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        decode_pids = child_pids(model, "decode")
+        assert len(decode_pids) == 2
+        os.kill(decode_pids[0], signal.SIGKILL)
+        for t in threads:
+            t.join(120)
+        assert proc.poll() is None  # `up` lives on
+        failed = [s for s in streams if any('"error"' in e for e in s)]
+        finished = [s for s in streams if any('"finish_reason": "length"' in e for e in s)]
+        # the killed worker's streams end with an error; the other worker's streams all finish
+        assert len(failed) == 2 and len(finished) == 2, [s[-2:] for s in streams]
+        # the killed worker comes back: two decode workers again, both registered
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            pids = child_pids(model, "decode")
+            workers = {
+                labels["worker"]
+                for name, labels, _ in parse_metrics(httpx.get(url + "/metrics").text)
+                if name == "pdserve:num_blocks"
+            }
+            if len(pids) == 2 and decode_pids[0] not in pids and len(workers) == 2:
+                break
+            time.sleep(0.3)
+        else:
+            raise AssertionError(f"the worker was not restarted: {pids} {workers}")
+        r = httpx.post(url + "/v1/completions", json={**body, "stream": False, "max_tokens": 4})
+        assert r.status_code == 200, r.text
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=30)
+        stderr.seek(0)
+        err = stderr.read()
+        stderr.close()
+    assert code == 0, err[-3000:]
+    assert "restarting it in" in err
+    deadline = time.monotonic() + 5
+    while children_alive(model) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert children_alive(model) == []

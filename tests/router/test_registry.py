@@ -1,14 +1,21 @@
-"""router/registry.py, router/policy.py and router/metrics.py, without sockets."""
+"""router/registry.py, router/policy.py and router/metrics.py, mostly without sockets; the
+control plane's integrity (router/control.py) against real sockets at the end."""
 
 from __future__ import annotations
 
+import time
+
+import httpx
 import pytest
+import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
-from common.protocol import PROTOCOL_VERSION, Heartbeat, Register
+from common import protocol
+from common.protocol import PROTOCOL_VERSION, Heartbeat, KVEvents, Register
 from router.metrics import RouterMetrics
 from router.policy import PrefillPolicy, pick_decode
 from router.registry import Registry
+from tests.router.fake_worker import FakeWorker, RouterThread
 
 
 class Clock:
@@ -184,3 +191,207 @@ def test_metrics_text_parses(registry: Registry) -> None:
     assert samples[("pdserve:kv_cache_usage_perc", labels)] == pytest.approx(0.6)
     assert samples[("pdserve:x_total", labels)] == 1.0
     assert samples[("pdserve:spec_decode_mean_accepted_length", labels)] == 2.5
+
+
+# ---- integrity: the KV layout, liveness from progress, unreachable workers ----------------------
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("dtype", "bfloat16"), ("num_layers", 3), ("num_kv_heads", 1), ("head_dim", 8)],
+)
+def test_register_refuses_a_kv_layout_the_other_role_cannot_use(
+    registry: Registry, field: str, value
+) -> None:
+    layout = dict(dtype="float32", num_layers=2, num_kv_heads=2, head_dim=16)
+    assert register(registry, reg("d0", **layout)).accepted
+    ack = register(registry, reg("p0", "prefill", **{**layout, field: value}))
+    assert not ack.accepted and f"KV cache {field}" in ack.reason and "d0" in ack.reason
+    assert registry.get("p0") is None
+    assert register(registry, reg("p1", "prefill", **layout)).accepted
+
+
+def test_a_worker_whose_loop_stands_still_with_work_is_dead(clock: Clock) -> None:
+    registry = Registry({"default"}, timeout_s=5.0, clock=clock, stall_timeout_s=10.0)
+    for worker_id in ("stuck", "idle", "busy", "uncounted"):
+        assert register(registry, reg(worker_id)).accepted
+
+    def beat(worker_id: str, loop_count: int, running: int) -> None:
+        registry.on_heartbeat(Heartbeat(worker_id, running, 0, 100, 100, loop_count=loop_count))
+
+    for second in range(13):  # heartbeats keep coming (a thread of their own) all along
+        clock.now += 1.0
+        beat("stuck", 7, running=1)  # work, the loop stands still
+        beat("idle", 7, running=0)  # no work: a still loop is no stall
+        beat("busy", second, running=1)  # the loop turns
+        beat("uncounted", -1, running=1)  # an old worker that counts nothing
+        dead = [w.worker_id for w in registry.expire()]
+        assert dead == (["stuck"] if second == 11 else []), second  # 10 s after its first beat
+    assert sorted(registry.workers) == ["busy", "idle", "uncounted"]
+
+
+def test_the_routers_own_count_of_requests_is_work_too(clock: Clock) -> None:
+    registry = Registry({"default"}, timeout_s=5.0, clock=clock, stall_timeout_s=2.0)
+    assert register(registry, reg("d0")).accepted
+    registry.on_heartbeat(Heartbeat("d0", 0, 0, 100, 100, loop_count=3))
+    registry.get("d0").num_in_flight = 1  # dispatched; the worker never took it in
+    clock.now += 3.0
+    registry.on_heartbeat(Heartbeat("d0", 0, 0, 100, 100, loop_count=3))
+    assert [w.worker_id for w in registry.expire()] == ["d0"]
+
+
+def test_a_worker_marked_dead_takes_no_work_and_goes_at_the_next_expire(
+    registry: Registry,
+) -> None:
+    assert register(registry, reg("d0")).accepted
+    registry.mark_dead(registry.get("d0"), "is unreachable")
+    assert registry.live("decode") == []
+    assert [w.worker_id for w in registry.expire()] == ["d0"]
+    assert registry.get("d0") is None
+
+
+# ---- integrity against real sockets: a router in a thread, fake workers, a rogue connection -----
+
+
+def rogue(address: str, identity: bytes) -> zmq.Socket:
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, identity)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    return sock
+
+
+def received(sock: zmq.Socket, wait_s: float = 1.0) -> list:
+    """Every message that reached `sock` within `wait_s`."""
+    out, deadline = [], time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        if sock.poll(50):
+            out.append(protocol.decode_control(sock.recv()))
+    return out
+
+
+def complete(router: RouterThread) -> httpx.Response:
+    body = {"model": "default", "prompt": "Hello there", "max_tokens": 3}
+    return httpx.post(router.url + "/v1/completions", json=body, timeout=15)
+
+
+def test_a_second_connection_under_a_live_workers_id_gets_nothing_and_changes_nothing() -> None:
+    with RouterThread(colocated=True, heartbeat_timeout_s=30) as router:
+        d0 = router.worker("decode", "d0")
+        thief = rogue(router.control, b"d0")
+        try:
+            time.sleep(0.3)
+            thief.send(protocol.encode(d0.registration))
+            thief.send(protocol.encode(Heartbeat("d0", 0, 0, 1000, 1000, draining=True)))
+            r = complete(router)
+            assert r.status_code == 200, r.text
+            assert received(thief) == []  # no RegisterAck, no prompt
+            assert d0.messages(protocol.Generate)  # the real worker served it
+            worker = router.server.registry.get("d0")
+            assert worker is not None and not worker.heartbeat.draining
+        finally:
+            thief.close()
+        time.sleep(0.3)  # after the thief is gone, the worker still serves
+        assert complete(router).status_code == 200
+        assert len(d0.messages(protocol.Generate)) == 2
+
+
+def test_heartbeats_from_another_connection_are_ignored() -> None:
+    with RouterThread(colocated=True, heartbeat_timeout_s=30) as router:
+        d0 = router.worker("decode", "d0")
+        d0.heartbeats_on = False  # its own beats would undo a spoof's effect within 0.2 s
+        spoof = rogue(router.control, b"d0#heartbeat")
+        try:
+            for _ in range(3):
+                spoof.send(protocol.encode(Heartbeat("d0", 0, 0, 1000, 1000, draining=True)))
+            time.sleep(0.5)
+            assert httpx.get(router.url + "/health").status_code == 200
+            assert [w.worker_id for w in router.server.registry.live("decode")] == ["d0"]
+        finally:
+            spoof.close()
+
+
+def test_oversize_heartbeats_and_kv_events_are_dropped(caplog: pytest.LogCaptureFixture) -> None:
+    with RouterThread(colocated=True, heartbeat_timeout_s=30) as router:
+        d0 = router.worker("decode", "d0")  # 1000 blocks
+        d0.heartbeats_on = False
+        counters = {f"c{i}_total": 1.0 for i in range(100_000)}  # ~1.5 MB
+        d0.send(Heartbeat("d0", 0, 0, 1000, 1000, counters=counters))
+        many = [i.to_bytes(16, "little") for i in range(10_000)]  # more keys than blocks
+        d0.send(KVEvents("d0", 0, many, [], reset=True))
+        d0.send(Heartbeat("d0", 0, 0, 1000, 1000, counters={"fine_total": 2.0}, kv_events_seq=0))
+        deadline = time.monotonic() + 5
+        worker = router.server.registry.get("d0")
+        while worker.heartbeat is None or "fine_total" not in worker.heartbeat.counters:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        assert len(worker.heartbeat.counters) == 1
+        assert router.server.prefix_index.num_keys("d0") == 0
+        assert "heartbeat message of" in caplog.text and "exceeds its limit" in caplog.text
+
+
+def test_an_unreachable_worker_is_dead_at_once_and_its_request_fails_over() -> None:
+    with RouterThread(colocated=True, heartbeat_timeout_s=30) as router:
+        d0 = router.worker("decode", "d0")
+        d1 = router.worker("decode", "d1")
+        d0.die()  # its connection closes; its heartbeats would be missed only after 30 s
+        time.sleep(0.3)
+        for _ in range(2):  # least loaded: one of these picks d0 first
+            r = complete(router)
+            assert r.status_code == 200, r.text
+        deadline = time.monotonic() + 2
+        while router.server.registry.get("d0") is not None:
+            assert time.monotonic() < deadline, "d0 is still registered"
+            time.sleep(0.05)
+        assert len(d1.messages(protocol.Generate)) == 2
+        d1.die()
+        time.sleep(0.3)
+        assert complete(router).status_code == 503
+        deadline = time.monotonic() + 2
+        while httpx.get(router.url + "/health").status_code != 503:
+            assert time.monotonic() < deadline, "/health still says 200"
+            time.sleep(0.05)
+
+
+# ---- authentication: the cluster secret ----------------------------------------------------------
+
+
+def test_a_worker_without_the_cluster_secret_cannot_register(tmp_path) -> None:
+    from common.runtime.auth import ClusterKeys
+    from common.runtime.worker import ControlConnection
+    from common.runtime.worker import register as register_worker
+
+    (tmp_path / "secret").write_text("s3cret\n")
+    with RouterThread(colocated=True, cluster_secret_file=str(tmp_path / "secret")) as router:
+        outsider = FakeWorker(router.control, "decode", "d0")  # plain ZeroMQ, no keys
+        try:
+            time.sleep(1.0)
+            assert outsider.acks == [] and router.server.registry.workers == {}
+        finally:
+            outsider.close()
+        wrong = ControlConnection(
+            router.control, "d1", zmq.Context.instance(), ClusterKeys.from_secret(b"guess")
+        )
+        member = ControlConnection(
+            router.control, "d2", zmq.Context.instance(), ClusterKeys.from_secret(b"s3cret")
+        )
+        try:
+            with pytest.raises(RuntimeError, match="no answer"):
+                register_worker(wrong, reg("d1"), timeout_s=1.5)
+            register_worker(member, reg("d2"), timeout_s=5)  # knows the secret: accepted
+            assert list(router.server.registry.workers) == ["d2"]
+        finally:
+            wrong.close()
+            member.close()
+
+
+def test_without_a_secret_the_control_socket_binds_loopback_only(monkeypatch) -> None:
+    from router.server import RouterConfig, RouterServer
+    from tests.router.fake_worker import default_tokenizer
+
+    monkeypatch.delenv("PDSERVE_CLUSTER_SECRET", raising=False)
+    monkeypatch.delenv("PDSERVE_CLUSTER_SECRET_FILE", raising=False)
+    with pytest.raises(ValueError, match="without a cluster secret"):
+        RouterServer(RouterConfig(control_host="0.0.0.0"), default_tokenizer(), 2048)
+    monkeypatch.setenv("PDSERVE_CLUSTER_SECRET", "s3cret")
+    RouterServer(RouterConfig(control_host="0.0.0.0"), default_tokenizer(), 2048)  # no error

@@ -1,0 +1,107 @@
+"""Supervision of a local cluster's workers: restart a dead worker with backoff, up to a limit.
+
+Owns the restart policy (`RestartPolicy`: backoff doubling from `backoff_s` to `max_backoff_s`,
+at most `max_restarts` restarts in a row, the count forgiven once a worker has stayed up for
+`stable_s`) and the bookkeeping per worker (`Supervisor`). A worker that dies is started again
+from its `WorkerSpec` while the other workers keep serving; a worker that keeps dying is given up
+on (logged) and left dead. The router is never restarted here: its death ends the cluster.
+`common.runtime.launcher.LocalCluster.poll` drives it (with `supervise=True`, as `pdserve up`
+runs it); it spawns nothing itself but calls back into the launcher.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RestartPolicy:
+    """When and how often a dead worker is started again."""
+
+    backoff_s: float = 1.0  # wait before the first restart; doubled for each one in a row
+    max_backoff_s: float = 30.0
+    max_restarts: int = 5  # crashes in a row (no `stable_s` of uptime between) before giving up
+    stable_s: float = 60.0  # a worker up this long has its restart count forgiven
+
+    def delay_s(self, attempt: int) -> float:
+        """The wait before restart number `attempt` (1-based) of a run of crashes."""
+        return min(self.backoff_s * 2 ** max(attempt - 1, 0), self.max_backoff_s)
+
+
+@dataclass
+class _Watch:
+    started_s: float
+    restarts: int = 0  # in a row
+    restart_at_s: float | None = None  # a restart is due then
+    gave_up: bool = False
+    total: int = 0  # restarts over the cluster's life (for `restarts`)
+
+
+@dataclass
+class Supervisor:
+    """Per-worker restart state. `check` is called every few tenths of a second with the names of
+    the workers that are dead now; it restarts those whose backoff has passed."""
+
+    policy: RestartPolicy = field(default_factory=RestartPolicy)
+    clock: Callable[[], float] = time.monotonic
+    _watches: dict[str, _Watch] = field(default_factory=dict)
+
+    def started(self, name: str) -> None:
+        """A worker (re)started now."""
+        watch = self._watches.get(name)
+        if watch is None:
+            self._watches[name] = _Watch(started_s=self.clock())
+        else:
+            watch.started_s, watch.restart_at_s = self.clock(), None
+
+    def restarts(self, name: str) -> int:
+        """How many times `name` was restarted so far."""
+        watch = self._watches.get(name)
+        return watch.total if watch is not None else 0
+
+    def check(
+        self,
+        dead: dict[str, int | None],
+        restart: Callable[[str], None],
+    ) -> None:
+        """`dead`: worker name -> exit code of each dead worker. Schedules and runs restarts."""
+        now = self.clock()
+        for name, code in dead.items():
+            watch = self._watches.setdefault(name, _Watch(started_s=now))
+            if watch.gave_up:
+                continue
+            if watch.restart_at_s is None:  # newly found dead
+                if now - watch.started_s >= self.policy.stable_s:
+                    watch.restarts = 0
+                if watch.restarts >= self.policy.max_restarts:
+                    watch.gave_up = True
+                    _say(
+                        f"worker {name} exited with {code}; it died {watch.restarts} times in a "
+                        "row: not restarting it (the other workers keep serving)"
+                    )
+                    continue
+                watch.restarts += 1
+                delay = self.policy.delay_s(watch.restarts)
+                watch.restart_at_s = now + delay
+                _say(
+                    f"worker {name} exited with {code}; restarting it in {delay:.1f} s "
+                    f"(restart {watch.restarts} of {self.policy.max_restarts} in a row)"
+                )
+            if now >= watch.restart_at_s:
+                watch.total += 1
+                try:
+                    restart(name)
+                except Exception as exc:  # could not even spawn: count it as another crash
+                    watch.restart_at_s = None
+                    watch.started_s = now
+                    _say(f"restarting worker {name} failed: {exc}")
+                    continue
+                self.started(name)
+
+
+def _say(line: str) -> None:
+    """Supervision events go to the launcher's stderr: what `pdserve up`'s user sees."""
+    print(f"pdserve: {line}", file=sys.stderr, flush=True)
