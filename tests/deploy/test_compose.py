@@ -237,6 +237,32 @@ def _run_decode_entrypoint(compose: dict, tmp_path: Path, addresses: str):
     )
 
 
+def test_pull_writes_one_cluster_secret_every_stage_reads(compose: dict, tmp_path: Path) -> None:
+    pull = service(compose, "pull")
+    secret_file = env(pull)["PDSERVE_CLUSTER_SECRET_FILE"]
+    for name in STAGES:  # router and workers bind beyond loopback only with the secret
+        assert env(service(compose, name)).get("PDSERVE_CLUSTER_SECRET_FILE") == secret_file, name
+    entrypoint = argv(pull["entrypoint"])
+    assert entrypoint[:2] in (["/bin/sh", "-c"], ["sh", "-c"])
+    shims = tmp_path / "bin"
+    shims.mkdir()
+    _write_exe(shims / "pdserve", '#!/bin/sh\nprintf "%s\\n" "$@"\n')
+    secret = tmp_path / "cluster-secret"
+    run_env = {
+        **os.environ,
+        "PATH": f"{shims}{os.pathsep}{os.environ['PATH']}",
+        "PDSERVE_CLUSTER_SECRET_FILE": str(secret),
+    }
+    cmd = ["/bin/sh", "-c", entrypoint[2], *entrypoint[3:], *argv(pull.get("command"))]
+    first = subprocess.run(cmd, capture_output=True, text=True, env=run_env)
+    assert first.returncode == 0, first.stderr
+    assert first.stdout.split() == ["models", "pull", "--quiet"]  # then pdserve runs as before
+    written = secret.read_text()
+    assert len(written) == 64 and (secret.stat().st_mode & 0o077) == 0  # 32 bytes, owner only
+    again = subprocess.run(cmd, capture_output=True, text=True, env=run_env)
+    assert again.returncode == 0 and secret.read_text() == written  # kept across restarts
+
+
 def test_decode_advertises_its_own_container_address(compose: dict, tmp_path: Path) -> None:
     # `hostname -i` may list several addresses (IPv6 too): the first one is advertised.
     result = _run_decode_entrypoint(compose, tmp_path, "172.18.0.5 fd00::5")
