@@ -35,8 +35,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).parent / "csrc" / "quant_matmul.c"
-_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-shared", "-fPIC",
-          "-fopenmp"]  # fmt: skip
+# Not -ffast-math: it links crtfastmath.o, which turns on flush-to-zero for the whole process when
+# the library loads (see cpu_attention.py). These are the parts the vectorized sums need.
+_FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros",
+          "-fassociative-math", "-freciprocal-math", "-shared", "-fPIC", "-fopenmp"]  # fmt: skip
 _lib: ctypes.CDLL | None = None
 _failed = False
 

@@ -58,18 +58,18 @@ def test_unsupported_layouts_fall_back():
     assert not cpu_attention.supports(torch.randn(2, 4, 64).half(), k_cache.half())
 
 
-def test_loading_the_kernel_leaves_float_mode_alone(tmp_path):
+def test_loading_the_kernels_leaves_float_mode_alone(tmp_path):
     """Building with -ffast-math linked crtfastmath.o, which turned on flush-to-zero for the whole
     process on load: 5e-324 * 1.0 became 0.0 in every thread that loaded it (a worker's sampler
     then saw top_p / repetition_penalty 5e-324 as 0). A fresh process and cache: the kernel built
-    with today's flags."""
+    with today's flags; every C kernel of the project (attention, fused ops, quantized matmul)."""
     import os
     import subprocess
     import sys
 
     code = (
-        "from common.kernels import cpu_attention\n"
-        "assert cpu_attention.available()\n"
+        "from common.kernels import cpu_attention, cpu_ops, cpu_quant\n"
+        "assert cpu_attention.available() and cpu_ops.available() and cpu_quant.c_available()\n"
         "x = float('5e-324')\n"
         "print(repr(x * 1.0), repr(x + x))\n"
     )
