@@ -14,16 +14,13 @@ compiler, or with PDSERVE_FUSED_OPS=0.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
+
+from common.kernels.cbuild import CLibrary
 
 log = logging.getLogger(__name__)
 
@@ -37,13 +34,9 @@ _FLAGS = [
     "-ffp-contract=off",
     "-fno-math-errno",
     "-fno-trapping-math",
-    "-shared",
-    "-fPIC",
 ]
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 MAX_HIDDEN = 16384  # MAX_DIM in fused_ops.c: the widest row add_rms_norm takes
-_lib: ctypes.CDLL | None = None
-_failed = False
 # PDSERVE_FUSED_OPS=0 forces the eager torch ops; tests and benchmarks flip this attribute.
 enabled = os.environ.get("PDSERVE_FUSED_OPS", "1") != "0"
 
@@ -57,50 +50,12 @@ _SIGNATURES = {
 }  # fmt: skip
 
 
-def _cache_dir() -> Path:
-    base = os.environ.get("PDSERVE_CACHE") or os.path.join(Path.home(), ".cache", "pdserve")
-    return Path(base) / "kernels"
-
-
-def _build() -> ctypes.CDLL | None:
-    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-    if compiler is None:
-        log.warning("no C compiler found: the fused CPU ops fall back to torch")
-        return None
-    source = _SOURCE.read_bytes()
-    # -march=native output only runs where it was built: key the file by source and host.
-    key = [source, " ".join(_FLAGS).encode(), platform.node().encode(), platform.machine().encode()]
-    tag = hashlib.sha256(b"\0".join(key)).hexdigest()[:16]
-    target = _cache_dir() / f"fused_ops-{tag}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            out = Path(tmp) / target.name
-            cmd = [compiler, *_FLAGS, str(_SOURCE), "-o", str(out), "-lm"]
-            result = subprocess.run(cmd, capture_output=True, text=True)
-            if result.returncode != 0:
-                log.warning("building %s failed: %s", _SOURCE.name, result.stderr[-2000:])
-                return None
-            os.replace(out, target)  # atomic: concurrent builders never load a half-written file
-    lib = ctypes.CDLL(str(target))
-    for name, argtypes in _SIGNATURES.items():
-        fn = getattr(lib, name)
-        fn.restype = ctypes.c_int
-        fn.argtypes = argtypes
-    return lib
+_LIB = CLibrary(_SOURCE, _FLAGS, _SIGNATURES, "the fused CPU ops")
 
 
 def available() -> bool:
     """True when the kernels are built (building them on the first call)."""
-    global _lib, _failed
-    if _lib is None and not _failed:
-        try:
-            _lib = _build()
-        except OSError as exc:
-            log.warning("loading the fused CPU ops failed: %s", exc)
-            _lib = None
-        _failed = _lib is None
-    return _lib is not None
+    return _LIB.available()
 
 
 def supports(x: torch.Tensor) -> bool:
@@ -109,9 +64,7 @@ def supports(x: torch.Tensor) -> bool:
 
 
 def _library() -> ctypes.CDLL:
-    if not available():
-        raise RuntimeError("the fused CPU ops could not be built")
-    return _lib
+    return _LIB.get()
 
 
 def _check_rows(name: str, t: torch.Tensor, width: int) -> None:

@@ -16,18 +16,15 @@ benchmark use it). Called by
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+
+from common.kernels.cbuild import REDUCTION_FLAGS, CLibrary
 
 if TYPE_CHECKING:
     from common.model.quant import QuantLinear
@@ -35,12 +32,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).parent / "csrc" / "quant_matmul.c"
-# Not -ffast-math: it links crtfastmath.o, which turns on flush-to-zero for the whole process when
-# the library loads (see cpu_attention.py). These are the parts the vectorized sums need.
-_FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros",
-          "-fassociative-math", "-freciprocal-math", "-shared", "-fPIC", "-fopenmp"]  # fmt: skip
-_lib: ctypes.CDLL | None = None
-_failed = False
+_FLAGS = ["-O3", "-march=native", *REDUCTION_FLAGS, "-fopenmp"]  # never -ffast-math: cbuild
 
 # Candidates per (bits, batch upper bound), fastest first as measured; the first that applies runs.
 PICK: list[tuple[int, int, tuple[str, ...]]] = [
@@ -52,59 +44,18 @@ PICK: list[tuple[int, int, tuple[str, ...]]] = [
 PATHS = ("c", "int4pack", "int8pack", "dequant")
 
 
-def _cache_dir() -> Path:
-    base = os.environ.get("PDSERVE_CACHE") or os.path.join(Path.home(), ".cache", "pdserve")
-    return Path(base) / "kernels"
-
-
-def _build() -> ctypes.CDLL | None:
-    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-    if compiler is None:
-        log.warning("no C compiler found: quantized matmuls use torch's kernels")
-        return None
-    source = _SOURCE.read_bytes()
-    # -march=native output only runs where it was built: key the file by source and host.
-    key = [source, " ".join(_FLAGS).encode(), platform.node().encode(), platform.machine().encode()]
-    tag = hashlib.sha256(b"\0".join(key)).hexdigest()[:16]
-    target = _cache_dir() / f"quant_matmul-{tag}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            out = Path(tmp) / target.name
-            result = subprocess.run(
-                [compiler, *_FLAGS, str(_SOURCE), "-o", str(out)], capture_output=True, text=True
-            )
-            if result.returncode != 0:
-                log.warning("building %s failed: %s", _SOURCE.name, result.stderr[-2000:])
-                return None
-            os.replace(out, target)  # atomic: concurrent builders never load a half-written file
-    lib = ctypes.CDLL(str(target))
-    lib.quant_matmul.restype = ctypes.c_int
-    lib.quant_matmul.argtypes = (
-        [ctypes.c_void_p, ctypes.c_long]
-        + [ctypes.c_int] * 6
-        + [
-            ctypes.c_void_p,
-            ctypes.c_void_p,
-            ctypes.c_void_p,
-            ctypes.c_int,
-            ctypes.c_void_p,
-            ctypes.c_int,
-        ]
-    )
-    return lib
+_p, _i = ctypes.c_void_p, ctypes.c_int
+_LIB = CLibrary(
+    _SOURCE,
+    _FLAGS,
+    {"quant_matmul": [_p, ctypes.c_long, _i, _i, _i, _i, _i, _i, _p, _p, _p, _i, _p, _i]},
+    "the CPU quantized matmul",
+)
 
 
 def c_available() -> bool:
     """True when the C kernel is built (building it on the first call)."""
-    global _lib, _failed
-    if _lib is None and not _failed:
-        try:
-            _lib = _build()
-        except OSError as exc:
-            log.warning("loading the CPU quantized matmul failed: %s", exc)
-        _failed = _lib is None
-    return _lib is not None
+    return _LIB.available()
 
 
 def applies(path: str, layer: QuantLinear, x: torch.Tensor) -> bool:
@@ -190,7 +141,7 @@ def _c_matmul(x: torch.Tensor, layer: QuantLinear) -> torch.Tensor:
         x = x.to(torch.float32).contiguous()
     out = torch.empty(m, layer.out_features, dtype=x.dtype)
     zero = layer.zero
-    rc = _lib.quant_matmul(
+    rc = _LIB.get().quant_matmul(
         x.data_ptr(),
         x.stride(0),
         0 if x.dtype == torch.float32 else 1,
