@@ -56,7 +56,8 @@ from common.api.requests import (
 from common.api.responses import chat_body, completion_body
 from common.api.tokenizer import Tokenizer
 from router.admission import Admission
-from router.dispatch import Dispatcher, Job
+from router.dispatch import Dispatcher
+from router.job import Job
 from router.metrics import RouterMetrics
 from router.registry import Registry
 from router.streaming import choice_deltas, sse_events

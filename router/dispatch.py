@@ -8,12 +8,12 @@ decode worker; when none takes it within the queue timeout the request gets a 50
 come back through `on_message`: `TokenOutput`s go to the flight's queue, `RequestFailed` fails it.
 A dead decode worker fails its flights; a dead prefill worker's flights that have not started
 decoding go to another prefill worker (or, with none left, prefill on the decode worker itself).
-`Job` groups the flights of one HTTP request around one event queue.
+`router.job.Job` groups the flights of one HTTP request around one event queue.
 
 Called by `router.app` (dispatch, release) and by `router.control` (worker messages, worker
 deaths). Single-threaded: everything runs on the router's event loop.
 
-Why one module of ~420 lines: `Dispatcher` is one state machine over a flight's life (reserve,
+Why one module of ~410 lines: `Dispatcher` is one state machine over a flight's life (reserve,
 prefill, generate, refusal, failure, failover, release), and each transition updates the same
 books (worker loads, reservations, the prefix index's pending keys); split across files, the
 places that must undo each other's bookkeeping would no longer be read together.
@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgspec
@@ -412,46 +412,3 @@ class Dispatcher:
             flight.prefill.queued_prefill_tokens -= flight.num_prefill_tokens
             flight.prefill = None
 
-
-class Job:
-    """The flights of one HTTP request (prompts x n choices), all reporting to one queue."""
-
-    def __init__(
-        self,
-        dispatcher: Dispatcher,
-        request_id: str,
-        inputs: Sequence[tuple[list[int], SamplingParams]],
-    ) -> None:
-        self.dispatcher = dispatcher
-        self.events: asyncio.Queue[Event] = asyncio.Queue()
-        self.flights = [
-            Flight(f"{request_id}-{i}", i, ids, params, self.events)
-            for i, (ids, params) in enumerate(inputs)
-        ]
-
-    async def start(self) -> None:
-        """Dispatch every flight; on any failure the others are cancelled and it re-raises."""
-        tasks = [asyncio.ensure_future(self.dispatcher.dispatch(f)) for f in self.flights]
-        try:
-            await asyncio.gather(*tasks)
-        except BaseException:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            raise
-
-    async def next_event(self, timeout_s: float) -> Event:
-        """The next event of any flight; RequestError(504) if none comes within timeout_s."""
-        try:
-            return await asyncio.wait_for(self.events.get(), max(timeout_s, 0.0))
-        except asyncio.TimeoutError:
-            raise RequestError("the request timed out", code=504, type="timeout") from None
-
-    def finish(self, index: int) -> None:
-        """Choice `index` needs nothing more (done, or cut by a stop string)."""
-        self.dispatcher.release(self.flights[index])
-
-    def close(self) -> None:
-        """Abort whatever still runs (client gone, error, timeout) and forget every flight."""
-        for flight in self.flights:
-            self.dispatcher.release(flight)

@@ -24,7 +24,8 @@ from common.api.responses import (
     usage_chunk,
 )
 from common.api.tokenizer import Tokenizer
-from router.dispatch import FlightFailed, Job
+from router.dispatch import FlightFailed
+from router.job import Job
 from router.metrics import RequestTimer
 
 
