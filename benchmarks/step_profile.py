@@ -21,7 +21,8 @@ embedding, of which a step reads a few rows) over the copy bandwidth of a 256 Mi
 measured here. `--clock cpu` times with the process's CPU time instead of the wall clock: on a
 machine shared with other jobs, use it with `--threads 1` (time spent waiting for a core is then
 not counted). Run: `python benchmarks/step_profile.py [--model default] [--dtype bfloat16]
-[--batches 1,8] [--context 256] [--iters 20] [--repeats 3] [--threads N] [--clock wall|cpu]`.
+[--quantization auto] [--batches 1,8] [--context 256] [--iters 20] [--repeats 3] [--threads N]
+[--clock wall|cpu]`.
 Result: a line with the floor, then a Markdown table per batch size (ms per step by part, eager
 and fused, and the step over the floor).
 """
@@ -40,6 +41,7 @@ from common.kernels import cpu_ops
 from common.model import llama
 from common.model.model_files import resolve_model
 from common.model.model_runner import ModelRunner, kv_bytes_per_block
+from common.model.quant import QuantLinear
 from common.model.weights import iter_weights
 
 clock = time.perf_counter  # --clock cpu: time.process_time
@@ -73,20 +75,32 @@ def instrument(timer: PartTimer) -> Callable[[], None]:
     """Wrap the model's building blocks in `timer`; returns the function that unwraps them."""
     patches = [
         (llama.Linear, "forward", "linear"),
+        (QuantLinear, "forward", "linear"),  # int8/int4 projections (and a quantized LM head)
         (llama.RMSNorm, "forward", "norm + residual"),
         (llama.Attention, "forward", "attention glue"),
         (llama.MLP, "forward", "mlp glue"),
-        (llama, "attention_backend", "attention kernel"),
+        (llama.ATTENTION_BACKENDS, "torch", "attention kernel"),
     ]
-    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
+    saved = [(owner, name, _get(owner, name)) for owner, name, _ in patches]
     for owner, name, part in patches:
-        setattr(owner, name, timer.wrap(part, getattr(owner, name)))
+        _set(owner, name, timer.wrap(part, _get(owner, name)))
 
     def undo() -> None:
         for owner, name, fn in saved:
-            setattr(owner, name, fn)
+            _set(owner, name, fn)
 
     return undo
+
+
+def _get(owner, name: str):
+    return owner[name] if isinstance(owner, dict) else getattr(owner, name)
+
+
+def _set(owner, name: str, value) -> None:
+    if isinstance(owner, dict):  # the attention backends are looked up in a dict per call
+        owner[name] = value
+    else:
+        setattr(owner, name, value)
 
 
 def decode_inputs(runner: ModelRunner, batch: int, context: int):
@@ -125,7 +139,7 @@ def step_without_linear_ms(runner: ModelRunner, inputs, iters: int) -> float:
     """The step with every Linear returning a cached zero tensor: all that is not the projections'
     weight streaming (the overhead this benchmark is about), measured without per-part timers."""
     zeros: dict[int, torch.Tensor] = {}
-    original = llama.Linear.forward
+    originals = llama.Linear.forward, QuantLinear.forward
 
     def no_matmul(self, x: torch.Tensor) -> torch.Tensor:
         key = id(self)
@@ -133,11 +147,11 @@ def step_without_linear_ms(runner: ModelRunner, inputs, iters: int) -> float:
             zeros[key] = x.new_zeros(x.shape[0], self.out_features)
         return zeros[key]
 
-    llama.Linear.forward = no_matmul
+    llama.Linear.forward = QuantLinear.forward = no_matmul
     try:
         return step_ms(runner, inputs, iters)
     finally:
-        llama.Linear.forward = original
+        llama.Linear.forward, QuantLinear.forward = originals
 
 
 def weight_bytes(model: llama.CausalLM) -> int:
@@ -165,6 +179,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="default")
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--quantization", default="auto", help="auto | none | int8 | int4")
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--iters", type=int, default=20)
@@ -182,6 +197,7 @@ def main() -> None:
     config = EngineConfig(
         model=args.model,
         dtype=args.dtype,
+        quantization=args.quantization,
         block_size=16,
         max_model_len=args.context + 16,
         kv_cache_memory=f"{kv_bytes // (1 << 20) + 16}MiB",
@@ -194,8 +210,8 @@ def main() -> None:
     bandwidth = copy_bandwidth()
     floor_ms = floor_bytes / bandwidth * 1e3
     print(
-        f"model {args.model}, {args.dtype}, {torch.get_num_threads()} threads, {args.clock} "
-        f"clock, context "
+        f"model {args.model}, {args.dtype}, weights {args.quantization}, "
+        f"{torch.get_num_threads()} threads, {args.clock} clock, context "
         f"{args.context}; weights {floor_bytes / 1e6:.1f} MB per step, copy bandwidth "
         f"{bandwidth / 1e9:.2f} GB/s, floor {floor_ms:.2f} ms per step"
     )
