@@ -8,8 +8,8 @@ Paths, all computing x [M, K] @ W.T for W = the dequantized weight:
   dequant    dequantize to x's dtype, then F.linear: the reference.
 `PICK` says which runs for (bits, batch) — chosen from measurements on an AVX2-only host (see the
 report in benchmarks/README.md); a path that does not apply falls through to the next candidate.
-`PDSERVE_CPU_QUANT_KERNEL=c|int4pack|int8pack|dequant` forces one where it applies (tests and the
-benchmark use it). Called by
+`PDSERVE_CPU_QUANT_KERNEL=c|int4pack|int8pack|dequant` forces one where it applies (tests use it;
+read when a layer first meets a batch size). Called by
 `common.model.quant.QuantLinear`.
 """
 
@@ -100,7 +100,13 @@ def choose(layer: QuantLinear, x: torch.Tensor) -> str:
 
 def quant_matmul(x: torch.Tensor, layer: QuantLinear) -> torch.Tensor:
     """x [M, K] @ W.T on the CPU through the path `choose` picks; the result has x's dtype."""
-    path = choose(layer, x)
+    # The choice is made once per (batch size, dtype) and kept on the layer (so the environment
+    # variable counts when a layer first meets a batch size): this runs ~120 times a decode
+    # step, where Python overhead is a visible share of the step.
+    key = (x.shape[0], x.dtype)
+    path = layer.cpu_paths.get(key)
+    if path is None:
+        path = layer.cpu_paths[key] = choose(layer, x)
     if path == "c":
         return _c_matmul(x, layer)
     if path == "int4pack":
@@ -139,24 +145,24 @@ def _c_matmul(x: torch.Tensor, layer: QuantLinear) -> torch.Tensor:
     m, k = x.shape
     if x.stride(1) != 1 or x.dtype not in (torch.float32, torch.bfloat16):
         x = x.to(torch.float32).contiguous()
-    out = torch.empty(m, layer.out_features, dtype=x.dtype)
-    zero = layer.zero
+    weights = layer.cpu_cache.get("c")
+    if weights is None:  # the weight's pointers and format, read once (cleared by layer.to())
+        zero = layer.zero
+        weights = layer.cpu_cache["c"] = (
+            layer.bits,
+            layer.group_size,
+            layer.qweight.data_ptr(),
+            layer.scale.data_ptr(),
+            None if zero is None else zero.data_ptr(),
+            0 if layer.scale.dtype == torch.float32 else 1,
+        )
+    bits, group, qweight, scale, zero, sdtype = weights
+    n = layer.out_features
+    out = torch.empty(m, n, dtype=x.dtype)
     rc = _LIB.get().quant_matmul(
-        x.data_ptr(),
-        x.stride(0),
-        0 if x.dtype == torch.float32 else 1,
-        m,
-        k,
-        layer.out_features,
-        layer.bits,
-        layer.group_size,
-        layer.qweight.data_ptr(),
-        layer.scale.data_ptr(),
-        None if zero is None else zero.data_ptr(),
-        0 if layer.scale.dtype == torch.float32 else 1,
-        out.data_ptr(),
-        torch.get_num_threads(),
-    )
+        x.data_ptr(), x.stride(0), 0 if x.dtype == torch.float32 else 1, m, k, n, bits, group,
+        qweight, scale, zero, sdtype, out.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
     if rc != 0:
         raise ValueError(f"shape not supported by the CPU quantized kernel: {layer} (rc {rc})")
     return out

@@ -190,7 +190,15 @@ class QuantLinear(nn.Module):
         self.register_buffer("scale", qt.scale.contiguous())
         self.register_buffer("zero", None if qt.zero is None else qt.zero.contiguous())
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), False)
-        self.cpu_cache: dict = {}  # common.kernels.cpu_quant's repacked weights, by dtype
+        self.cpu_cache: dict = {}  # common.kernels.cpu_quant's repacked weights and pointers
+        self.cpu_paths: dict = {}  # common.kernels.cpu_quant's kernel choice per batch size
+
+    def _apply(self, fn, recurse=True):
+        # .to() / .float() / .cuda() may move or convert the buffers: drop what was derived
+        # from them (the C kernel keeps raw pointers, the torch kernels repacked copies)
+        self.cpu_cache.clear()
+        self.cpu_paths.clear()
+        return super()._apply(fn, recurse)
 
     @property
     def qt(self) -> QuantizedTensor:

@@ -268,3 +268,19 @@ def test_quantized_kv_handoff_matches_single_engine(tiny_llama) -> None:
         for out in decode.step():
             outputs[out.request_id] += out.new_token_ids
     assert [outputs[f"r{i}"] for i in range(len(ps))] == expected
+
+
+def test_layer_to_dtype_drops_cached_kernel_state() -> None:
+    """The C path keeps the weight's pointers and scale dtype on the layer; .to() must drop them
+    (scale/zero become new bfloat16 tensors), or the kernel would read freed float32 buffers."""
+    torch.manual_seed(0)
+    layer = QuantLinear(quantize_rtn(torch.randn(64, 128) * 0.1, 4, 32))
+    x = torch.randn(1, 128)
+    first = layer(x)
+    assert layer.cpu_cache or layer.cpu_paths
+    layer = layer.to(torch.bfloat16)
+    assert not layer.cpu_cache and not layer.cpu_paths
+    got = layer(x.to(torch.bfloat16)).float()
+    ref = quant_matmul_reference(x.to(torch.bfloat16).float(), layer.qt)
+    assert (got - ref).abs().max() <= 2e-2 * ref.abs().max()
+    assert (first - ref).abs().max() <= 2e-2 * ref.abs().max()
