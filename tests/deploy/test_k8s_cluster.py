@@ -171,16 +171,24 @@ def test_request_through_the_router(cluster: ManifestCluster) -> None:
 
 
 def test_every_queried_metric_exists(cluster: ManifestCluster) -> None:
-    text = httpx.get(cluster.url + "/metrics", timeout=10).text
-    exposed = {name for name, _, _ in parse_metrics(text)}
     queried = queried_metrics()
     assert queried, "no PromQL found"
-    # The per-worker series the HPAs use exist for the worker pods, by pod name.
-    samples = parse_metrics(text)
-    workers = {labels.get("worker") for name, labels, _ in samples if "worker" in labels}
-    assert {"pdserve-prefill-0", "pdserve-decode-0"} <= workers
+    samples: list = []
+
+    def scraped() -> bool:  # per-worker series start with the worker's first heartbeat
+        samples[:] = parse_metrics(httpx.get(cluster.url + "/metrics", timeout=10).text)
+        return {name for name, _, _ in samples} >= queried.keys()
+
+    deadline = time.monotonic() + 10
+    while not scraped() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    exposed = {name for name, _, _ in samples}
     missing = {name: where for name, where in queried.items() if name not in exposed}
     assert not missing, f"queried but not in /metrics: {missing}"
+    # The per-worker series the HPAs use are labelled with the worker pods' names.
+    for name in ("pdserve:prefill_queued_tokens", "pdserve:kv_cache_usage_perc"):
+        workers = {labels.get("worker") for n, labels, _ in samples if n == name}
+        assert workers & {"pdserve-prefill-0", "pdserve-decode-0"}, name
 
 
 def test_probes_answer_and_readiness_drops_while_draining(cluster: ManifestCluster) -> None:
