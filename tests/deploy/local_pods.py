@@ -21,6 +21,7 @@ Used by tests/deploy/test_k8s_cluster.py.
 from __future__ import annotations
 
 import math
+import random
 import re
 import socket
 import sys
@@ -33,11 +34,27 @@ Manifest = dict[str, Any]
 POD_IP = "127.0.0.1"
 
 
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
 def free_port() -> int:
-    """A port the OS just handed out (the process that binds it starts moments later)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below the OS's ephemeral range: a worker binds it only once its model is
+    loaded, and meanwhile a port from that range could go to anyone binding port 0."""
+    high = _ephemeral_low()
+    low = max(1024, high - 12000)
+    for _ in range(100):
+        port = random.randrange(low, high)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {low}..{high}")
 
 
 def find(objects: list[Manifest], kind: str, name: str) -> Manifest:
