@@ -38,7 +38,7 @@ def cmd_decode(args: argparse.Namespace) -> int:
     """Load the engine, bind the KV receiver, register, decode until SIGTERM (drains first)."""
     from common.runtime.auth import check_bind, load_keys
     from common.runtime.worker import default_worker_id
-    from common.runtime.worker_cli import build_engine
+    from common.runtime.worker_cli import build_engine, start_health
     from decode.worker import DecodeWorker
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s decode %(message)s")
@@ -54,5 +54,10 @@ def cmd_decode(args: argparse.Namespace) -> int:
         keys=keys,
     )
     worker.stop_on_signals()
-    worker.run()
+    health = start_health(worker, args)  # probes see registration, then the loop turning
+    try:
+        worker.run()
+    finally:
+        if health is not None:
+            health.stop()
     return 0

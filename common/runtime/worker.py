@@ -196,6 +196,7 @@ class WorkerBase:
         self.kv_events_seq = -1  # the last KVEvents seq sent
         self.kv_snapshot_due = True  # send every held key next (after registering, or asked)
         self.loop_count = 0  # turns of `run`'s loop: the heartbeat's proof of progress
+        self.registered = False  # the router accepted our Register (read by the readiness probe)
 
     def _heartbeat(self) -> Heartbeat:
         beat = engine_heartbeat(self.worker_id, self.engine, self.counters)
@@ -271,6 +272,7 @@ class WorkerBase:
 
     def run(self) -> None:
         register(self.control, self.registration())
+        self.registered = True
         self.heartbeat.start()
         try:
             while self.running and not self._drained():

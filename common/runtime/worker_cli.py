@@ -1,6 +1,7 @@
 """What `pdserve prefill` and `pdserve decode` share: worker flags, building and seeding the engine.
 
-Owns `--router`, `--worker-id` and `--cluster-secret-file` (each also read from a PDSERVE_*
+Owns `--router`, `--worker-id`, `--cluster-secret-file` and the health endpoint's flags
+(`--health-port`, `--health-host`, `--health-stall-timeout-s`; each also read from a PDSERVE_*
 variable; the engine flags come from `common.config.add_engine_args`), turning the parsed flags
 into a loaded `Engine`, and seeding the process's random generators from `--seed`. Called by
 `prefill.cli` and `decode.cli`; heavy imports happen inside the functions so that `pdserve --help`
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from common.config import EngineConfig
     from common.engine.engine import Engine
+    from common.runtime.health import HealthServer, ProbedWorker
 
 DEFAULT_ROUTER = "tcp://127.0.0.1:8001"
 
@@ -47,7 +49,35 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
         "uses CURVE (env PDSERVE_CLUSTER_SECRET_FILE, or the secret itself in "
         "PDSERVE_CLUSTER_SECRET; `pdserve up` sets that for its workers)",
     )
+    parser.add_argument(
+        "--health-port",
+        type=int,
+        default=int(env("HEALTH_PORT", "0")),
+        help="serve /healthz (main loop alive) and /readyz (registered, not draining) over HTTP "
+        "on this port, for Kubernetes probes; 0 = off (env PDSERVE_HEALTH_PORT)",
+    )
+    parser.add_argument(
+        "--health-host",
+        default=env("HEALTH_HOST", "0.0.0.0"),
+        help="interface of the health endpoint (env PDSERVE_HEALTH_HOST)",
+    )
+    parser.add_argument(
+        "--health-stall-timeout-s",
+        type=float,
+        default=float(env("HEALTH_STALL_TIMEOUT_S", "60")),
+        help="/healthz fails once the main loop made no progress this long "
+        "(env PDSERVE_HEALTH_STALL_TIMEOUT_S)",
+    )
     add_engine_args(parser)
+
+
+def start_health(worker: ProbedWorker, args: argparse.Namespace) -> HealthServer | None:
+    """The worker's health endpoint as the flags ask (None with --health-port 0)."""
+    from common.runtime.health import start_health_server
+
+    return start_health_server(
+        worker, args.health_host, args.health_port, args.health_stall_timeout_s
+    )
 
 
 def seed_generators(seed: int) -> None:
