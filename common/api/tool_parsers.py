@@ -8,7 +8,8 @@ the two readers of output, both incremental so that streams and whole bodies agr
   templates ask for. Text outside the calls is content, streamed as it comes (a possible start of
   `<tool_call>` is held back until it is known); a block whose JSON is not a call stays content,
   as written; an unclosed block at the end is a call when its JSON is one (vLLM reads those too).
-  Whitespace between content and calls is not content once a call was made.
+  Once a call was made, whitespace at the start or the end of the content is not content (the
+  newlines around a `<tool_call>` block); content is otherwise the text with the calls cut out.
 - `ForcedCallParser` (tool_choice "required" or a named function): the grammar made the whole
   output JSON (`ToolRequest.forced_schema`); it is read once complete. Output that is not the
   expected JSON (cut short by max_tokens or a stop string) is returned as content.
@@ -85,6 +86,7 @@ class HermesParser:
         self._buf = ""  # text not yet classified
         self._in_call = False  # inside <tool_call>, waiting for </tool_call>
         self._pending_ws = ""  # whitespace after the last content, shown once content follows
+        self._shown_any = False  # some content was shown
 
     def feed(self, text: str) -> Parsed:
         self._buf += text
@@ -137,6 +139,9 @@ class HermesParser:
         text = self._pending_ws + text
         shown = text.rstrip()
         self._pending_ws = text[len(shown) :]
+        if not self._shown_any and self.num_calls:
+            shown = shown.lstrip()
+        self._shown_any = self._shown_any or bool(shown)
         return shown
 
 

@@ -159,9 +159,10 @@ def _tools(tools: Any) -> list[dict[str, Any]]:
         parameters = fn.get("parameters")
         parameters = EMPTY_PARAMETERS if parameters is None else parameters
         _check_schema(parameters, f"{param}.function.parameters")
-        function = {"name": name, "parameters": parameters}
+        function: dict[str, Any] = {"name": name}  # in OpenAI's order: templates dump it as is
         if description is not None:
             function["description"] = description
+        function["parameters"] = parameters
         out.append({"type": "function", "function": function})
     return out
 
