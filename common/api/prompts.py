@@ -50,6 +50,8 @@ def engine_inputs(
 def chat_prompt_ids(request: GenerationRequest, tokenizer: Tokenizer) -> list[int]:
     """A chat request's messages (and tools) through the chat template; RequestError when the
     template fails."""
+    if request.tools is not None:
+        request.tools.check_schemas()
     tools = chat_template_tools(request, tokenizer)
     try:
         return tokenizer.apply_chat_template(

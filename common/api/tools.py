@@ -16,6 +16,7 @@ template renders) and `common.api.choice` (which parser reads a choice's output)
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from dataclasses import dataclass, field
@@ -77,6 +78,17 @@ class ToolRequest:
         if not self.parallel:
             array["maxItems"] = 1
         return array
+
+    def check_schemas(self) -> None:
+        """RequestError naming the first tool whose parameters are not a valid JSON schema.
+
+        Milliseconds per new schema (cached after): callers run it off the event loop.
+        """
+        for i, tool in enumerate(self.tools):
+            error = _schema_error(json.dumps(tool["function"]["parameters"], sort_keys=True))
+            if error is not None:
+                param = f"tools[{i}].function.parameters"
+                raise RequestError(f"{param} {error}", param)
 
     def constrain(self, params: SamplingParams) -> None:
         """Set the grammar that forces a call ("required" / named) on `params`."""
@@ -168,21 +180,30 @@ def _tools(tools: Any) -> list[dict[str, Any]]:
 
 
 def _check_schema(schema: Any, param: str) -> None:
-    """A tool's parameters: a valid JSON schema of an object (OpenAI's rule)."""
-    import jsonschema
-
+    """The cheap checks of a tool's parameters: a schema object that describes an object (OpenAI's
+    rule). `ToolRequest.check_schemas` checks the rest, off the event loop."""
     if not isinstance(schema, dict):
         raise RequestError(f"{param} must be a JSON schema object", param)
     if schema.get("type", "object") != "object":
         raise RequestError(f'{param} must describe an object ("type": "object")', param)
+    if not isinstance(schema.get("$schema", ""), str):
+        raise RequestError(f"{param}.$schema must be a string", param)
+
+
+@functools.lru_cache(maxsize=1024)  # clients send the same tools with every request
+def _schema_error(schema_json: str) -> str | None:
+    """Why a schema (as JSON text) is not a valid JSON schema, or None."""
+    import jsonschema
+
+    schema = json.loads(schema_json)
+    # The metaschemas are bundled: an unknown $schema falls back to 2020-12, nothing is fetched.
+    validator = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
     try:
-        jsonschema.validators.validator_for(schema).check_schema(schema)
+        validator.check_schema(schema)
     except jsonschema.SchemaError as e:
         where = "/".join(str(p) for p in e.absolute_path)
-        raise RequestError(
-            f"{param} is not a valid JSON schema{f' at {where}' if where else ''}: {e.message}",
-            param,
-        ) from None
+        return f"is not a valid JSON schema{f' at {where}' if where else ''}: {e.message}"
+    return None
 
 
 def _tool_choice(choice: Any, tools: list[dict]) -> tuple[ToolChoice, str | None]:

@@ -136,16 +136,8 @@ def test_bad_tools_are_400s() -> None:
         "describe an object": {
             "tools": [{"type": "function", "function": {**fn, "parameters": {"type": "string"}}}]
         },
-        "not a valid JSON schema at properties/x/type": {
-            "tools": [
-                {
-                    "type": "function",
-                    "function": {
-                        **fn,
-                        "parameters": {"type": "object", "properties": {"x": {"type": "nah"}}},
-                    },
-                }
-            ]
+        "$schema must be a string": {
+            "tools": [{"type": "function", "function": {**fn, "parameters": {"$schema": 5}}}]
         },
         "characters": {
             "tools": [{"type": "function", "function": {**fn, "description": "x" * 600_000}}]
@@ -166,6 +158,16 @@ def test_bad_tools_are_400s() -> None:
     for body in ({"tools": TOOLS}, {"tools": TOOLS, "tool_choice": "auto"}):
         e = refused(body, parser="")
         assert "--tool-call-parser" in e.message and e.param == "tool_choice"
+
+
+def test_invalid_parameter_schemas_are_400s_before_tokenizing(tool_tok: Tokenizer) -> None:
+    bad = {"type": "object", "properties": {"x": {"type": "nah"}}}
+    tools = [TOOLS[1], {"type": "function", "function": {"name": "f", "parameters": bad}}]
+    req = parse_chat_request({"messages": USER, "tools": tools}, SERVED, "hermes")
+    with pytest.raises(RequestError) as e:
+        engine_inputs(req, tool_tok, max_model_len=2048)
+    assert e.value.param == "tools[1].function.parameters"
+    assert "not a valid JSON schema at properties/x/type" in e.value.message
 
 
 def test_a_forced_call_does_not_combine_with_another_structured_output() -> None:
