@@ -9,7 +9,7 @@ decoding needs). Owns:
 - `GrammarCompiler`: per tokenizer, compiles each (kind, spec) once into a prototype matcher kept
   in a bounded LRU (bad specs are cached too, as their error) and hands out copies;
 - `GrammarMatcher`: one sequence's matcher (`SequenceState.grammar`). It follows the sequence's
-  output tokens by count (`advance`), so a preempted and recomputed sequence, whose output tokens
+  output tokens by count (`sync`), so a preempted and recomputed sequence, whose output tokens
   stay, never feeds a token twice, and a decode worker that receives the prefill worker's first
   token consumes it like any other;
 - `check_structured_output`: the router's check before dispatch (a ValueError naming the
@@ -23,15 +23,19 @@ verifier (`common.engine.spec.verify`) asks for bitmasks, also after draft token
 from __future__ import annotations
 
 import json
+import sys
 import threading
 import weakref
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 
 from common.sampling_params import StructuredOutput
 
+assert sys.byteorder == "little", "allowed_tokens reads bitmask words as little-endian"
 MAX_CACHED_GRAMMARS = 256
 # Fixed separators and no free whitespace: a model that may emit whitespace anywhere can pad an
 # object until max_tokens; this way every object has exactly one spelling up to its values.
@@ -83,11 +87,15 @@ class GrammarCompiler:
 
     def __init__(
         self,
-        hf_tokenizer: Any,
+        hf_tokenizer: Any = None,
         vocab_size: int | None = None,
         max_cached: int = MAX_CACHED_GRAMMARS,
+        load_tokenizer: Callable[[], Any] | None = None,
     ) -> None:
+        """`hf_tokenizer`, or `load_tokenizer` to load it on first use (an engine loads its
+        model's tokenizer only when a structured request comes)."""
         self._hf = hf_tokenizer
+        self._load = load_tokenizer
         self._vocab_size = vocab_size
         self._max_cached = max_cached
         self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()  # matcher or ValueError
@@ -101,10 +109,26 @@ class GrammarCompiler:
         if self._tokenizer is None:
             import llguidance.hf
 
+            if self._hf is None and self._load is not None:
+                self._hf = self._load()
             hf = getattr(self._hf, "hf", self._hf)  # common.api.tokenizer.Tokenizer or HF's own
             n_vocab = max(len(hf), self._vocab_size or 0)
             self._tokenizer = llguidance.hf.from_tokenizer(hf, n_vocab=n_vocab)
         return self._tokenizer
+
+    @classmethod
+    def for_model(cls, model: str, vocab_size: int) -> GrammarCompiler:
+        """A compiler for the tokenizer of `model` (a name or path as `resolve_model` takes it),
+        loaded on first use."""
+
+        def load() -> Any:
+            from transformers import AutoTokenizer
+
+            from common.model.model_files import resolve_model
+
+            return AutoTokenizer.from_pretrained(resolve_model(model).hf_dir)
+
+        return cls(vocab_size=vocab_size, load_tokenizer=load)
 
     def compile(self, so: StructuredOutput) -> Any:
         """The prototype matcher of `so` (never advance it: `matcher` copies it); ValueError
@@ -169,11 +193,13 @@ class GrammarMatcher:
         """Nothing but the end may follow: the sequence stops here (finish_reason "stop")."""
         return self.matcher.is_stopped()
 
-    def advance(self, output_token_ids: list[int]) -> bool:
-        """Consume the output tokens past those already consumed; True when the grammar is over
-        (complete, or failed). Idempotent: tokens already consumed are skipped by count."""
-        new = output_token_ids[self.num_consumed :]
-        if new:
+    def sync(self, token_ids: list[int], num_prompt_tokens: int) -> bool:
+        """Consume the sequence's output tokens (`token_ids[num_prompt_tokens:]`) past those
+        already consumed; True when the grammar is over (complete, or failed). Idempotent: tokens
+        already consumed are skipped by count, so recomputing a sequence never feeds them twice."""
+        start = num_prompt_tokens + self.num_consumed
+        if start < len(token_ids):
+            new = token_ids[start:]
             self.num_consumed += len(new)
             self.matcher.consume_tokens(new)
         return self.matcher.is_stopped()
@@ -206,14 +232,18 @@ class GrammarMatcher:
 
 
 def allowed_tokens(bitmasks: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Bool [R, vocab_size] from int32 bitmasks [R, W]: columns beyond the masks are refused."""
-    bits = torch.arange(32, dtype=torch.int32, device=bitmasks.device)
-    allowed = ((bitmasks.unsqueeze(2) >> bits) & 1).bool().flatten(1)
-    width = allowed.shape[1]
+    """Bool [R, vocab_size] from int32 bitmasks [R, W] (on the CPU, as matchers fill them):
+    columns beyond the masks are refused."""
+    # Bit i of word w is token 32 w + i: on a little-endian host that is numpy's little-endian
+    # bit order over the words' bytes (one pass; shifting int32 words in torch takes five).
+    words = bitmasks.cpu().numpy()
+    bits = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")
+    width = bits.shape[1]
     if width >= vocab_size:
-        return allowed[:, :vocab_size]
-    pad = torch.zeros(allowed.shape[0], vocab_size - width, dtype=torch.bool, device=allowed.device)
-    return torch.cat([allowed, pad], dim=1)
+        bits = bits[:, :vocab_size]
+    else:
+        bits = np.pad(bits, ((0, 0), (0, vocab_size - width)))
+    return torch.from_numpy(bits).view(torch.bool)
 
 
 # The router's compilers, one per tokenizer it serves (weakly keyed: they go with the tokenizer).

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from common.engine.grammar import allowed_tokens
 from common.engine.penalties import TokenHistory, apply_penalties
 from common.sampling_params import SamplingParams
 
@@ -41,6 +42,8 @@ class SamplingState:
     eos_token_ids: frozenset[int] = frozenset()
     history: TokenHistory | None = None  # required when params.has_penalties
     extra_output_ids: Sequence[int] = ()  # output past `history` (draft tokens being verified)
+    # structured output: the allowed next tokens, one bit per id (GrammarMatcher.bitmask)
+    token_bitmask: torch.Tensor | None = None
 
     @classmethod
     def from_tokens(
@@ -125,7 +128,11 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, states: list[SamplingState]) -> list[SampleResult]:
         assert logits.dim() == 2 and logits.shape[0] == len(states), (logits.shape, len(states))
         blocked = [_min_tokens_blocked(s) for s in states]
-        needs_processing = any(blocked) or any(s.params.has_penalties for s in states)
+        needs_processing = (
+            any(blocked)
+            or any(s.params.has_penalties for s in states)
+            or any(s.token_bitmask is not None for s in states)
+        )
         wants_logprobs = any(s.params.logprobs is not None for s in states)
         if all(s.params.greedy for s in states) and not needs_processing and not wants_logprobs:
             # Fast path, the common all-greedy decode batch: one argmax (exact in any dtype).
@@ -137,6 +144,7 @@ class Sampler:
         if needs_processing:
             _mask_min_tokens(x, blocked)
             apply_penalties(x, states)
+            _mask_grammar(x, states)
 
         token_ids = [0] * len(states)
         greedy_rows = [i for i, s in enumerate(states) if s.params.greedy]
@@ -163,6 +171,7 @@ class Sampler:
         if any(blocked) or any(s.params.has_penalties for s in states):
             _mask_min_tokens(x, blocked)
             apply_penalties(x, states)
+        _mask_grammar(x, states)
         random_rows = [i for i, s in enumerate(states) if not s.params.greedy]
         if random_rows:
             scratch = self._buffer("scratch", logits.shape, logits.device)
@@ -232,6 +241,22 @@ def _mask_min_tokens(x: torch.Tensor, blocked: list[list[int]]) -> None:
     cols = [t for ids in blocked for t in ids if t < vocab]
     if rows:
         x[torch.tensor(rows, device=x.device), torch.tensor(cols, device=x.device)] = -math.inf
+
+
+def _mask_grammar(x: torch.Tensor, states: list[SamplingState]) -> None:
+    """Tokens a structured output's grammar refuses at -inf, before temperature and truncation
+    (so top-k/top-p pick among allowed tokens). Refused is also every column the bitmask does not
+    cover (a model's padded vocabulary)."""
+    rows = [i for i, s in enumerate(states) if s.token_bitmask is not None]
+    if not rows:
+        return
+    bitmasks = torch.stack([states[i].token_bitmask for i in rows])
+    refused = allowed_tokens(bitmasks, x.shape[1]).logical_not_().to(x.device)
+    if len(rows) == x.shape[0]:
+        x.masked_fill_(refused, -math.inf)
+    else:
+        index = torch.tensor(rows, device=x.device)
+        x[index] = x[index].masked_fill_(refused, -math.inf)
 
 
 def _truncation_cutoffs(

@@ -44,7 +44,7 @@ def _accepts(compiler: GrammarCompiler, hf_tokenizer, so: StructuredOutput, text
     m = compiler.matcher(so)
     ids = hf_tokenizer.encode(text, add_special_tokens=False)
     return m.matcher.validate_tokens(ids) == len(ids) and (
-        m.advance(ids) or m.matcher.is_accepting()
+        m.sync(ids, 0) or m.matcher.is_accepting()
     )
 
 
@@ -101,12 +101,12 @@ def test_compiled_grammars_are_cached_and_bounded(hf_tokenizer) -> None:
     assert compiler.num_compiled == 5
     # matchers are independent copies of the cached prototype
     a, b = compiler.matcher(specs[1]), compiler.matcher(specs[1])
-    a.advance(hf_tokenizer.encode("a", add_special_tokens=False))
+    a.sync(hf_tokenizer.encode("a", add_special_tokens=False), 0)
     assert a.num_consumed == 1 and b.num_consumed == 0
     assert not b.matcher.is_accepting()
 
 
-def test_advance_is_idempotent_and_drafts_roll_back(compiler, hf_tokenizer) -> None:
+def test_sync_is_idempotent_and_drafts_roll_back(compiler, hf_tokenizer) -> None:
     so = StructuredOutput("choice", '["alpha beta", "gamma"]')
     ids = hf_tokenizer.encode("alpha beta", add_special_tokens=False)
     assert len(ids) >= 2
@@ -121,9 +121,10 @@ def test_advance_is_idempotent_and_drafts_roll_back(compiler, hf_tokenizer) -> N
     allowed = allowed_tokens(torch.stack(masks), len(hf_tokenizer))
     assert allowed[0, ids[0]] and not allowed[1, wrong] and allowed[1, ids[1]]
     assert torch.equal(allowed[2], allowed[1])  # unreachable rows repeat the refusing row's mask
-    assert not m.advance(ids[:1])
-    assert not m.advance(ids[:1])  # already consumed: nothing happens
-    assert m.advance(ids) and not m.failed  # complete: "stop"
+    prompt = [7, 7]
+    assert not m.sync(prompt + ids[:1], len(prompt))
+    assert not m.sync(prompt + ids[:1], len(prompt))  # already consumed: nothing happens
+    assert m.sync(prompt + ids, len(prompt)) and not m.failed  # complete: "stop"
     assert m.num_consumed == len(ids)
 
 
