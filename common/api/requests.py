@@ -18,6 +18,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from common.api.structured import parse_structured_output
 from common.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 
 COMPLETIONS_URL = "/v1/completions"
@@ -126,9 +127,6 @@ def parse_chat_request(body: Any, served_model_names: list[str]) -> GenerationRe
     for name in ("tools", "functions"):
         if body.get(name):
             raise RequestError(f"{name} are not supported", name)
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise RequestError("only response_format {'type': 'text'} is supported", "response_format")
     want_logprobs = _bool(body, "logprobs", False)
     top = _int(body, "top_logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS)
     if top and not want_logprobs:
@@ -193,6 +191,8 @@ def _common(
         min_tokens=min_tokens,
         # pdserve extension: decode this request without speculation (one token a step).
         disable_speculation=_bool(body, "disable_speculation", False),
+        # response_format, structured_outputs or guided_*: common.api.structured
+        structured_output=parse_structured_output(body),
     )
     if max_tokens is not None and params.min_tokens > max_tokens:
         raise RequestError(
