@@ -54,6 +54,7 @@ from common.api.requests import (
     parse_request,
 )
 from common.api.responses import chat_body, completion_body
+from common.api.structured import check_structured_output
 from common.api.tokenizer import Tokenizer
 from common.api.tools import message_texts
 from router.admission import Admission
@@ -311,6 +312,8 @@ async def _validated(
     gen = parse_request(url, body, state.served_model_names, state.tool_call_parser)
     context_len = state.context_len()
     check_prompt_chars(_texts(gen), context_len, "messages" if url == CHAT_URL else "prompt")
+    if gen.params.structured_output is not None:  # compiles (cached): a 400 names what fails
+        await state.offload(check_structured_output, gen.params.structured_output, state.tokenizer)
     return gen, await state.offload(engine_inputs, gen, state.tokenizer, context_len)
 
 

@@ -18,6 +18,7 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
+from common.api.structured import parse_structured_output
 from common.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 
 if TYPE_CHECKING:
@@ -143,9 +144,6 @@ def parse_chat_request(
     model = _model(body, served_model_names)
     messages = _messages(body.get("messages"))
     tools = parse_tools(body, tool_call_parser)
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise RequestError("only response_format {'type': 'text'} is supported", "response_format")
     want_logprobs = _bool(body, "logprobs", False)
     top = _int(body, "top_logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS)
     if top and not want_logprobs:
@@ -214,6 +212,8 @@ def _common(
         min_tokens=min_tokens,
         # pdserve extension: decode this request without speculation (one token a step).
         disable_speculation=_bool(body, "disable_speculation", False),
+        # response_format, structured_outputs or guided_*: common.api.structured
+        structured_output=parse_structured_output(body),
     )
     if max_tokens is not None and params.min_tokens > max_tokens:
         raise RequestError(

@@ -154,7 +154,7 @@ BAD_BODIES = [
     (CHAT_URL, {**CHAT, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs", "[0, 20]"),
     (CHAT_URL, {**CHAT, "top_logprobs": 2}, 400, "top_logprobs", "requires logprobs"),
     (CHAT_URL, {**CHAT, "tools": [{"type": "function"}]}, 400, "tools[0].function", "object"),
-    (CHAT_URL, {**CHAT, "response_format": {"type": "json_object"}}, 400, "response_format", ""),
+    (CHAT_URL, {**CHAT, "response_format": {"type": "xml"}}, 400, "response_format", "xml"),
     (CHAT_URL, {**CHAT, "model": "gpt-4o"}, 404, "model", "does not exist"),
     (COMPLETIONS_URL, {**COMPLETION, "model": "gpt-4o"}, 404, "model", "gpt-4o"),
     (COMPLETIONS_URL, {**COMPLETION, "model": 5}, 400, "model", "string"),
