@@ -171,10 +171,13 @@ def test_invalid_parameter_schemas_are_400s_before_tokenizing(tool_tok: Tokenize
 
 
 def test_a_forced_call_does_not_combine_with_another_structured_output() -> None:
-    req = chat("", tool_choice="required")
-    params = SamplingParams(structured_output=StructuredOutput("json_object"))
-    with pytest.raises(RequestError, match="cannot be combined"):
-        req.tools.constrain(params)
+    e = refused(
+        {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}
+    )
+    assert "cannot be combined" in e.message and e.param == "tool_choice"
+    # "auto" and "none" leave the output free, so response_format applies as asked.
+    req = chat(tool_choice="none", response_format={"type": "json_object"})
+    assert req.params.structured_output.kind == "json_object"
 
 
 def test_tool_messages_are_accepted_and_normalized() -> None:
