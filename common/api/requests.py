@@ -34,13 +34,8 @@ MAX_INT32 = 2**31 - 1  # token counts, token ids and top_k: the engine keeps the
 # (max 3.4e38). Subnormal values (5e-324) would also flush to zero in float32.
 MIN_NONZERO_FLOAT = 1e-30
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-_CHAT_ROLES = {
-    "system": "system",
-    "developer": "system",
-    "user": "user",
-    "assistant": "assistant",
-    "tool": "tool",
-}
+_CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+_CHAT_ROLES["tool"] = "tool"  # a tool call's result (common.api.tools)
 
 
 class RequestError(Exception):
@@ -107,9 +102,7 @@ def parse_request(
     url: str, body: Any, served_model_names: list[str], tool_call_parser: str = ""
 ) -> GenerationRequest:
     """Validate a body for `url` (COMPLETIONS_URL or CHAT_URL); RequestError when it is bad.
-
-    `tool_call_parser` reads tool calls in tool_choice "auto" output (`--tool-call-parser`).
-    """
+    `tool_call_parser`: `--tool-call-parser`, which tool_choice "auto" needs."""
     if url == COMPLETIONS_URL:
         return parse_completion_request(body, served_model_names)
     if url == CHAT_URL:
