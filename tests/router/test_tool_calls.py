@@ -15,6 +15,7 @@ from transformers import AutoTokenizer
 
 from common.api.tokenizer import Tokenizer
 from common.protocol import Generate
+from router.server import RouterConfig, RouterServer
 from tests.common.api.tool_template import tool_tokenizer_dir
 from tests.router import fake_worker
 from tests.router.fake_worker import FakeWorker, RouterThread
@@ -169,3 +170,8 @@ def test_bad_tool_requests_are_400s(router: RouterThread) -> None:
             messages=MESSAGES,
             tools=[{"type": "function", "function": {"name": "has space"}}],
         )
+
+
+def test_unknown_parser_is_refused_at_startup(tok: Tokenizer) -> None:
+    with pytest.raises(ValueError, match="--tool-call-parser must be one of hermes"):
+        RouterServer(RouterConfig(tool_call_parser="mistral"), tok, 2048)
