@@ -35,7 +35,7 @@ import torch
 
 from common.sampling_params import StructuredOutput
 
-assert sys.byteorder == "little", "allowed_tokens reads bitmask words as little-endian"
+assert sys.byteorder == "little", "refused_tokens reads bitmask words as little-endian"
 MAX_CACHED_GRAMMARS = 256
 # Fixed separators and no free whitespace: a model that may emit whitespace anywhere can pad an
 # object until max_tokens; this way every object has exactly one spelling up to its values.
@@ -231,19 +231,19 @@ class GrammarMatcher:
         return masks
 
 
-def allowed_tokens(bitmasks: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Bool [R, vocab_size] from int32 bitmasks [R, W] (on the CPU, as matchers fill them):
-    columns beyond the masks are refused."""
+def refused_tokens(bitmasks: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Bool [R, vocab_size], True where a token is refused, from int32 bitmasks [R, W] of
+    allowed tokens (on the CPU, as matchers fill them); columns beyond the masks are refused."""
     # Bit i of word w is token 32 w + i: on a little-endian host that is numpy's little-endian
     # bit order over the words' bytes (one pass; shifting int32 words in torch takes five).
-    words = bitmasks.cpu().numpy()
+    words = np.invert(bitmasks.cpu().numpy())
     bits = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")
     width = bits.shape[1]
     if width >= vocab_size:
         bits = bits[:, :vocab_size]
     else:
-        bits = np.pad(bits, ((0, 0), (0, vocab_size - width)))
-    return torch.from_numpy(bits).view(torch.bool)
+        bits = np.pad(bits, ((0, 0), (0, vocab_size - width)), constant_values=1)
+    return torch.from_numpy(np.ascontiguousarray(bits)).view(torch.bool)
 
 
 # The router's compilers, one per tokenizer it serves (weakly keyed: they go with the tokenizer).

@@ -95,14 +95,14 @@ def assert_valid(model, seqs) -> None:
 def test_unconstrained_is_garbage_constrained_always_validates(model) -> None:
     engine = make_engine(model)
     p = prompt(model)
-    free = engine.generate([p] * 3, [SamplingParams(max_tokens=30, seed=s) for s in range(3)])
+    free = engine.generate([p] * 2, [SamplingParams(max_tokens=16, seed=s) for s in range(2)])
     for text in texts(model, free):
         with pytest.raises(ValueError):
             json.loads(text)
-    sampled = [SamplingParams(max_tokens=80, seed=s, structured_output=JSON) for s in range(4)]
+    sampled = [SamplingParams(max_tokens=80, seed=s, structured_output=JSON) for s in range(3)]
     greedy = SamplingParams(max_tokens=80, temperature=0.0, structured_output=JSON)
     top = SamplingParams(max_tokens=80, seed=9, top_k=5, top_p=0.9, structured_output=JSON)
-    seqs = engine.generate([p] * 6, [*sampled, greedy, top])
+    seqs = engine.generate([p] * 5, [*sampled, greedy, top])
     assert_valid(model, seqs)
     assert len({tuple(s.output_token_ids) for s in seqs}) > 2  # sampling still samples
 
@@ -125,9 +125,9 @@ def test_unconstrained_is_garbage_constrained_always_validates(model) -> None:
 )
 def test_each_kind_holds_sampled_and_greedy(model, so, check) -> None:
     engine = make_engine(model)
-    params = [SamplingParams(max_tokens=60, seed=s, structured_output=so) for s in range(3)]
-    params.append(SamplingParams(max_tokens=60, temperature=0.0, structured_output=so))
-    seqs = engine.generate([prompt(model)] * 4, params)
+    params = [SamplingParams(max_tokens=40, seed=s, structured_output=so) for s in range(2)]
+    params.append(SamplingParams(max_tokens=40, temperature=0.0, structured_output=so))
+    seqs = engine.generate([prompt(model)] * 3, params)
     for s, text in zip(seqs, texts(model, seqs)):
         if so.kind != "json_object":  # a free-form object may run to max_tokens
             assert s.finish_reason == "stop"
@@ -153,8 +153,8 @@ def test_ngram_speculation_is_checked_against_the_grammar(model) -> None:
     engine = make_engine(model, **spec)
     seqs = engine.generate([p], greedy)
     assert [s.output_token_ids for s in seqs] == expected  # exactly the plain grammar output
-    sampled = [SamplingParams(max_tokens=80, seed=s, structured_output=JSON) for s in range(3)]
-    seqs += engine.generate([p] * 3, sampled)
+    sampled = [SamplingParams(max_tokens=80, seed=s, structured_output=JSON) for s in range(2)]
+    seqs += engine.generate([p] * 2, sampled)
     assert_valid(model, seqs)
     assert engine.num_accepted_tokens > 0
     assert engine.num_accepted_tokens < engine.num_draft_tokens  # some drafts were refused

@@ -10,9 +10,9 @@ import torch
 
 from common.engine.grammar import (
     GrammarCompiler,
-    allowed_tokens,
     check_structured_output,
     grammar_text,
+    refused_tokens,
 )
 from common.sampling_params import StructuredOutput
 
@@ -118,7 +118,7 @@ def test_sync_is_idempotent_and_drafts_roll_back(compiler, hf_tokenizer) -> None
     assert len(masks) == 4
     assert torch.equal(masks[0], before)  # rolled back: the state is the one before the drafts
     assert torch.equal(m.bitmask(), before)
-    allowed = allowed_tokens(torch.stack(masks), len(hf_tokenizer))
+    allowed = ~refused_tokens(torch.stack(masks), len(hf_tokenizer))
     assert allowed[0, ids[0]] and not allowed[1, wrong] and allowed[1, ids[1]]
     assert torch.equal(allowed[2], allowed[1])  # unreachable rows repeat the refusing row's mask
     prompt = [7, 7]
@@ -132,10 +132,10 @@ def test_padded_vocabulary_refuses_the_padding(hf_tokenizer) -> None:
     vocab = len(hf_tokenizer)
     compiler = GrammarCompiler(hf_tokenizer, vocab_size=vocab + 64)
     m = compiler.matcher(StructuredOutput("json_object"))
-    allowed = allowed_tokens(m.bitmask()[None], vocab + 64)
+    allowed = ~refused_tokens(m.bitmask()[None], vocab + 64)
     assert allowed.shape == (1, vocab + 64)
     assert allowed[0, :vocab].any() and not allowed[0, vocab:].any()
-    narrow = allowed_tokens(m.bitmask()[None], vocab - 10)  # logits narrower than the tokenizer
+    narrow = refused_tokens(m.bitmask()[None], vocab - 10)  # logits narrower than the tokenizer
     assert narrow.shape == (1, vocab - 10)
 
 
