@@ -58,26 +58,42 @@ class ToolRequest:
 
         Named: the function's parameters (the output is its arguments). Required: as vLLM, an
         array of at least one {"name", "parameters"} object, one anyOf branch per tool; at most
-        one item when `parallel_tool_calls` is false.
+        one item when `parallel_tool_calls` is false. The tools' `$defs` / `definitions` move to
+        the root, where their `#/$defs/...` references point (as vLLM; a name two tools define
+        differently is a 400).
         """
         if self.choice == "function":
             assert self.function_name is not None
             return self.parameters[self.function_name]
         if self.choice != "required":
             return None
-        branches = [
-            {
-                "type": "object",
-                "properties": {"name": {"type": "string", "enum": [name]}, "parameters": schema},
-                "required": ["name", "parameters"],
-                "additionalProperties": False,
-            }
-            for name, schema in self.parameters.items()
-        ]
+        defs: dict[str, dict[str, Any]] = {"$defs": {}, "definitions": {}}
+        branches = []
+        for name, schema in self.parameters.items():
+            schema = dict(schema)
+            for key, hoisted in defs.items():
+                for def_name, definition in (schema.pop(key, None) or {}).items():
+                    if hoisted.setdefault(def_name, definition) != definition:
+                        raise RequestError(
+                            f"two tools define {key}/{def_name} differently; a required call "
+                            "needs one definition per name",
+                            "tools",
+                        )
+            branches.append(
+                {
+                    "type": "object",
+                    "properties": {
+                        "name": {"type": "string", "enum": [name]},
+                        "parameters": schema,
+                    },
+                    "required": ["name", "parameters"],
+                    "additionalProperties": False,
+                }
+            )
         array: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": branches}}
         if not self.parallel:
             array["maxItems"] = 1
-        return array
+        return {**array, **{key: hoisted for key, hoisted in defs.items() if hoisted}}
 
     def check_schemas(self) -> None:
         """RequestError naming the first tool whose parameters are not a valid JSON schema.
@@ -188,6 +204,9 @@ def _check_schema(schema: Any, param: str) -> None:
         raise RequestError(f'{param} must describe an object ("type": "object")', param)
     if not isinstance(schema.get("$schema", ""), str):
         raise RequestError(f"{param}.$schema must be a string", param)
+    for key in ("$defs", "definitions"):  # forced_schema moves them: they must be objects now
+        if not isinstance(schema.get(key, {}), dict):
+            raise RequestError(f"{param}.{key} must be an object", param)
 
 
 @functools.lru_cache(maxsize=1024)  # clients send the same tools with every request

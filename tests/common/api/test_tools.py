@@ -122,6 +122,34 @@ def test_forced_schemas_compile_in_the_grammar_engine(tok: Tokenizer) -> None:
         check_structured_output(chat("", tool_choice=choice).params.structured_output, tok)
 
 
+def test_required_schema_keeps_references_to_definitions(tok: Tokenizer) -> None:
+    # As pydantic writes them: "#/$defs/..." references, which point at the root once moved.
+    unit = {"type": "string", "enum": ["C", "F"]}
+    with_defs = {
+        "type": "object",
+        "properties": {"unit": {"$ref": "#/$defs/Unit"}},
+        "required": ["unit"],
+        "$defs": {"Unit": unit},
+    }
+    tools = TOOLS + [{"type": "function", "function": {"name": "temp", "parameters": with_defs}}]
+    req = parse_chat_request(
+        {"messages": USER, "tools": tools, "tool_choice": "required"}, SERVED, ""
+    )
+    so = req.params.structured_output
+    schema = json.loads(so.spec)
+    assert schema["$defs"] == {"Unit": unit}
+    jsonschema.validate([{"name": "temp", "parameters": {"unit": "C"}}], schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"name": "temp", "parameters": {"unit": "K"}}], schema)
+    check_structured_output(so, tok)
+    clash = {**with_defs, "$defs": {"Unit": {"type": "integer"}}}
+    tools.append({"type": "function", "function": {"name": "temp2", "parameters": clash}})
+    e = refused({"tools": tools, "tool_choice": "required"}, parser="")
+    assert "define $defs/Unit differently" in e.message
+    bad = {"type": "function", "function": {"name": "f", "parameters": {"$defs": []}}}
+    assert "$defs must be an object" in refused({"tools": [bad]}).message
+
+
 def test_bad_tools_are_400s() -> None:
     fn = {"name": "f", "parameters": {"type": "object"}}
     cases = {
