@@ -89,6 +89,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="model names requests may use (default: the --model argument as given)",
     )
+    batch.add_argument(
+        "--tool-call-parser",
+        default="",
+        choices=("", "hermes"),
+        help="read tool calls in tool_choice 'auto' answers (as the router's flag)",
+    )
     add_engine_args(batch)
     batch.set_defaults(func=cmd_run_batch)
 

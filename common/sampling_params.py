@@ -8,6 +8,36 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 MAX_TOP_LOGPROBS = 20
+# What a structured output may ask for (see StructuredOutput.spec for each kind's text).
+STRUCTURED_OUTPUT_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+MAX_STRUCTURED_SPEC_CHARS = 2**20  # a schema or grammar this long is a mistake, not a format
+
+
+@dataclass
+class StructuredOutput:
+    """A constraint on the generated text, enforced token by token (common.engine.grammar).
+
+    `kind` is one of STRUCTURED_OUTPUT_KINDS; `spec` is JSON-schema text for "json", "" for
+    "json_object" (any JSON object), the regex for "regex", a JSON array of strings for "choice",
+    and Lark grammar text (llguidance's dialect, which also reads GBNF-like rules) for "grammar".
+    """
+
+    kind: str
+    spec: str = ""
+
+    def validate(self) -> None:
+        """Raise ValueError for a kind that does not exist or an oversized spec (the grammar
+        engine's `check_structured_output` judges the spec itself)."""
+        if self.kind not in STRUCTURED_OUTPUT_KINDS:
+            raise ValueError(
+                f"structured output kind must be one of {', '.join(STRUCTURED_OUTPUT_KINDS)}, "
+                f"got {self.kind!r}"
+            )
+        if not isinstance(self.spec, str) or len(self.spec) > MAX_STRUCTURED_SPEC_CHARS:
+            raise ValueError(
+                f"a structured output spec must be a string of at most "
+                f"{MAX_STRUCTURED_SPEC_CHARS} characters"
+            )
 
 
 @dataclass
@@ -32,6 +62,7 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     disable_speculation: bool = False  # decode this request one token a step even when drafting
+    structured_output: StructuredOutput | None = None  # the output must match this
 
     @property
     def greedy(self) -> bool:
@@ -73,3 +104,5 @@ class SamplingParams:
             raise ValueError("min_tokens must not exceed max_tokens")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be non-negative integers")
+        if self.structured_output is not None:
+            self.structured_output.validate()

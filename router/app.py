@@ -54,7 +54,9 @@ from common.api.requests import (
     parse_request,
 )
 from common.api.responses import chat_body, completion_body
+from common.api.structured import check_structured_output
 from common.api.tokenizer import Tokenizer
+from common.api.tools import message_texts
 from router.admission import Admission
 from router.dispatch import Dispatcher
 from router.job import Job
@@ -84,6 +86,7 @@ class RouterState:
     max_model_len: int | None = None  # --max-model-len, when set
     api_key: str = ""
     metrics_without_key: bool = False
+    tool_call_parser: str = ""  # --tool-call-parser: reads tool_choice "auto" answers
     colocated: bool = False
     request_timeout_s: float = 600.0
     created: int = 0
@@ -247,7 +250,8 @@ def create_app(state: RouterState) -> FastAPI:
         body = await _json_body(state, request)
         _check_model(state, body)
         if "messages" in body:
-            gen = parse_request(CHAT_URL, {**body, "max_tokens": 1}, state.served_model_names)
+            chat = {**body, "max_tokens": 1}
+            gen = parse_request(CHAT_URL, chat, state.served_model_names, state.tool_call_parser)
             check_prompt_chars(_texts(gen), state.context_len(), "messages")
             ids = await state.offload(chat_prompt_ids, gen, state.tokenizer)
         else:
@@ -295,7 +299,8 @@ def _json_bytes(value: Any) -> bytes:
 def _texts(gen: GenerationRequest) -> list[str]:
     """The request's text that tokenizing would read (token-id prompts need no tokenizing)."""
     if gen.endpoint == "chat":
-        return [m["content"] for m in gen.messages]
+        tools = [json.dumps(gen.tools.tools)] if gen.tools is not None else []
+        return message_texts(gen.messages) + tools
     return [p for p in gen.prompts if isinstance(p, str)]
 
 
@@ -304,9 +309,11 @@ async def _validated(
 ) -> tuple[GenerationRequest, list[EngineInput]]:
     """The request read, validated and tokenized (off the loop): RequestError when it is bad."""
     body = await _json_body(state, request)
-    gen = parse_request(url, body, state.served_model_names)
+    gen = parse_request(url, body, state.served_model_names, state.tool_call_parser)
     context_len = state.context_len()
     check_prompt_chars(_texts(gen), context_len, "messages" if url == CHAT_URL else "prompt")
+    if gen.params.structured_output is not None:  # compiles (cached): a 400 names what fails
+        await state.offload(check_structured_output, gen.params.structured_output, state.tokenizer)
     return gen, await state.offload(engine_inputs, gen, state.tokenizer, context_len)
 
 

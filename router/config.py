@@ -45,6 +45,7 @@ class RouterConfig:
     log_level: str = "info"
     ready_file: str = ""
     cluster_secret_file: str = ""
+    tool_call_parser: str = ""
 
 
 HELP = {
@@ -88,6 +89,9 @@ HELP = {
     "cluster_secret_file": "file holding the cluster secret: workers must know it to join (ZeroMQ "
     "CURVE on the control socket; else $PDSERVE_CLUSTER_SECRET). Without one the control socket "
     "may bind loopback only",
+    "tool_call_parser": "read tool calls in tool_choice 'auto' answers with this parser: hermes "
+    "(<tool_call> JSON, as Hermes, Qwen2 and Qwen3 chat templates ask for). Unset, 'auto' is a 400 "
+    "(as vLLM without --enable-auto-tool-choice); 'required' and named functions need no parser",
     "ready_file": 'once serving, write the bound addresses here as JSON ({"http_port", '
     '"control_address"}), so a launcher that passed port 0 learns the ports the OS gave',
 }

@@ -47,6 +47,10 @@ def _validate(config: RouterConfig) -> None:
         raise ValueError("--worker-stall-timeout-s must be >= 0")
     if config.local_prefill_max_tokens < 0:
         raise ValueError("--local-prefill-max-tokens must be >= 0")
+    from common.api.tools import TOOL_CALL_PARSERS
+
+    if config.tool_call_parser and config.tool_call_parser not in TOOL_CALL_PARSERS:
+        raise ValueError(f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}")
     if config.max_body_bytes < 1:
         raise ValueError("--max-body-bytes must be >= 1")
     if (
@@ -121,6 +125,7 @@ class RouterServer:
             created=int(time.time()),
             max_body_bytes=config.max_body_bytes,
             admission=Admission(config.max_waiting_requests),
+            tool_call_parser=config.tool_call_parser,
         )
         self.http: uvicorn.Server | None = None
         self.http_port = 0  # the bound ports, once serving

@@ -79,7 +79,12 @@ async def sse_events(
         async for choice, delta in choice_deltas(job, choices, timeout_s, timer):
             new_tokens = len(choice.token_ids) > delta.first_token
             # A delta with no text still carries its tokens' logprobs when they were asked for.
-            if delta.text or delta.finish_reason or (choice.want_logprobs and new_tokens):
+            if (
+                delta.text
+                or delta.finish_reason
+                or delta.tool_calls
+                or (choice.want_logprobs and new_tokens)
+            ):
                 yield sse(delta_chunk(request, response_id, created, choice, delta, tokenizer))
         completion_tokens = sum(len(c.token_ids) for c in choices)
         timer.finished(prompt_tokens, completion_tokens, [c.finish_reason or "" for c in choices])

@@ -5,6 +5,8 @@ request's stop strings applied (the output is cut at the first stop string and t
 finish_reason "stop"; tokens after the one that completed it are dropped), and its finish reason.
 `Choice.add` takes one batch of new tokens and returns the `Delta` it made safe to show;
 `Choice.result` gives the `ChoiceResult` that the body builders in `common.api.responses` take.
+A chat request with tools has its output read by a tool-call parser (`common.api.tool_parsers`):
+deltas and results then carry the content outside the calls and the `ToolCall`s.
 
 Used by both sides that generate text: the router (`router.streaming`, fed by the decode workers'
 `TokenOutput`s) and `pdserve run-batch` (`common.runtime.run_batch`, fed by the engine's
@@ -14,11 +16,12 @@ Used by both sides that generate text: the router (`router.streaming`, fed by th
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from common.api.detokenizer import Detokenizer
 from common.api.requests import GenerationRequest
 from common.api.tokenizer import Tokenizer
+from common.api.tool_parsers import ToolCall, output_parser
 from common.sampling_params import SamplingParams
 
 TopLogprobs = list[tuple[int, float]]  # (token id, logprob) of the best alternatives
@@ -34,6 +37,7 @@ class ChoiceResult:
     finish_reason: str | None
     logprobs: list[float | None] | None = None  # per output token, when asked for
     top_logprobs: list[TopLogprobs | None] | None = None
+    tool_calls: list[ToolCall] = field(default_factory=list)  # chat with tools: the calls made
 
 
 @dataclass
@@ -43,6 +47,8 @@ class Delta:
     text: str  # the text it made safe to show (often '' while a character or stop is pending)
     first_token: int  # index in `Choice.token_ids` of the first token it added
     finish_reason: str | None  # set on the delta that finished the choice
+    tool_calls: list[ToolCall] = field(default_factory=list)  # calls it completed
+    first_tool_call: int = 0  # index among the choice's calls of the first of them
 
 
 class Choice:
@@ -72,6 +78,11 @@ class Choice:
         self.logprobs: list[float | None] = []
         self.top_logprobs: list[TopLogprobs | None] = []
         self.finish_reason: str | None = None
+        # With tools, the output is read by a tool-call parser: `text` is then the content, the
+        # text outside the calls, and a choice that made calls finishes with "tool_calls".
+        self.tool_parser = output_parser(request.tools)
+        self.tool_calls: list[ToolCall] = []
+        self._content = ""
         # Chars of the token strings already streamed: where the next streamed completions chunk's
         # logprobs text_offset starts (kept by common.api.responses.delta_chunk).
         self.streamed_token_chars = 0
@@ -82,8 +93,9 @@ class Choice:
 
     @property
     def text(self) -> str:
-        """The output text so far (cut at the stop string once one matched)."""
-        return self.detok.text
+        """The output text so far (cut at the stop string once one matched); with a tool
+        parser, the content shown so far."""
+        return self.detok.text if self.tool_parser is None else self._content
 
     def add(
         self,
@@ -116,15 +128,31 @@ class Choice:
         elif finished:
             text.append(self.detok.finish())
             self.finish_reason = finish_reason or "stop"
+        if self.tool_parser is not None:
+            return self._read_tool_calls("".join(text), first)
         return Delta("".join(text), first, self.finish_reason)
+
+    def _read_tool_calls(self, text: str, first: int) -> Delta:
+        """The delta of new output `text` as the tool parser reads it: content and calls."""
+        assert self.tool_parser is not None
+        parsed = self.tool_parser.feed(text)
+        if self.done:
+            parsed += self.tool_parser.finish()
+        first_call = len(self.tool_calls)
+        self.tool_calls.extend(parsed.calls)
+        self._content += parsed.content
+        if self.done and self.tool_calls and self.finish_reason == "stop":
+            self.finish_reason = "tool_calls"
+        return Delta(parsed.content, first, self.finish_reason, parsed.calls, first_call)
 
     def result(self, first_token: int = 0, text: str | None = None) -> ChoiceResult:
         """The choice (or its tokens from `first_token` on, with `text`) for the body builders."""
         return ChoiceResult(
             index=self.index,
-            text=self.detok.text if text is None else text,
+            text=self.text if text is None else text,
             token_ids=self.token_ids[first_token:],
             finish_reason=self.finish_reason,
             logprobs=self.logprobs[first_token:] if self.want_logprobs else None,
             top_logprobs=self.top_logprobs[first_token:] if self.want_logprobs else None,
+            tool_calls=list(self.tool_calls),
         )

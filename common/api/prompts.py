@@ -4,7 +4,8 @@ Owns tokenizing each prompt (chat messages through the model's chat template), t
 token ids allow (empty prompt, ids outside the vocabulary, the context-length check that names both
 numbers as OpenAI does), resolving `max_tokens` per prompt against the context, and the distinct
 seeds of a prompt's n choices. Called by `router.app` and `common.runtime.run_batch` after
-`common.api.requests` has validated the body.
+`common.api.requests` has validated the body. A chat request's tools are rendered by the chat
+template too, when it reads them (`chat_template_tools`).
 """
 
 from __future__ import annotations
@@ -47,13 +48,39 @@ def engine_inputs(
 
 
 def chat_prompt_ids(request: GenerationRequest, tokenizer: Tokenizer) -> list[int]:
-    """A chat request's messages through the chat template; RequestError when the template fails."""
+    """A chat request's messages (and tools) through the chat template; RequestError when the
+    template fails."""
+    if request.tools is not None:
+        request.tools.check_schemas()
+    tools = chat_template_tools(request, tokenizer)
     try:
         return tokenizer.apply_chat_template(
-            request.messages, add_generation_prompt=request.add_generation_prompt
+            request.messages, add_generation_prompt=request.add_generation_prompt, tools=tools
         )
     except Exception as e:  # template errors (e.g. roles must alternate) are the caller's
         raise RequestError(f"could not apply the chat template: {e}", "messages") from None
+
+
+def chat_template_tools(request: GenerationRequest, tokenizer: Tokenizer) -> list[dict] | None:
+    """The tools the chat template renders, None for none.
+
+    A template that ignores tools cannot offer them to the model: tool_choice "auto" there is a
+    400. "required" and a named function still work (the grammar forces the call) and "none"
+    needs no tools, so those go on without them.
+    """
+    tools = request.tools
+    if tools is None:
+        return None
+    if tokenizer.renders_tools():
+        return tools.tools
+    if tools.choice == "auto":
+        raise RequestError(
+            "this model's chat template does not render tools, so the model cannot choose "
+            'among them: send tool_choice "required" or a named function (the server then '
+            "forces a call), or use a model whose template supports tools",
+            "tools",
+        )
+    return None
 
 
 def _resolve_max_tokens(

@@ -5,7 +5,7 @@ served model names), the `GenerationRequest` they become, and `RequestError`, th
 carries its OpenAI error body. No HTTP and no tokenizer here: the router (`router.app`) and
 `pdserve run-batch` (`common.runtime.run_batch`) both call it; `common.api.prompts` then turns a
 request into engine inputs. Unknown body fields are ignored (OpenAI clients send extras); known
-fields we cannot honour (echo, suffix, logit_bias, tools, ...) are rejected rather than silently
+fields we cannot honour (echo, suffix, logit_bias, functions, ...) are rejected rather than silently
 dropped. Every integer and float field is bounded here, before anything reaches a worker: integers
 fit the wire's int64 (msgpack) and the engine's int32 token arithmetic, and a nonzero float is never
 so small (`MIN_NONZERO_FLOAT`) that dividing logits by it overflows float32 or that float32 flushes
@@ -16,9 +16,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
+from common.api.structured import parse_structured_output
 from common.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
+
+if TYPE_CHECKING:
+    from common.api.tools import ToolRequest
 
 COMPLETIONS_URL = "/v1/completions"
 CHAT_URL = "/v1/chat/completions"
@@ -31,6 +35,7 @@ MAX_INT32 = 2**31 - 1  # token counts, token ids and top_k: the engine keeps the
 MIN_NONZERO_FLOAT = 1e-30
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 _CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+_CHAT_ROLES["tool"] = "tool"  # a tool call's result (common.api.tools)
 
 
 class RequestError(Exception):
@@ -75,7 +80,7 @@ class GenerationRequest:
     params: SamplingParams
     max_tokens: int | None
     prompts: list[str | list[int]] = field(default_factory=list)  # completions only
-    messages: list[dict[str, str]] = field(default_factory=list)  # chat only: {role, content}
+    messages: list[dict[str, Any]] = field(default_factory=list)  # chat: {role, content, ...}
     add_generation_prompt: bool = True
     n: int = 1
     stop: list[str] = field(default_factory=list)
@@ -85,6 +90,7 @@ class GenerationRequest:
     stream: bool = False
     include_usage: bool = False
     user: str | None = None
+    tools: ToolRequest | None = None  # chat only: common.api.tools
 
     @property
     def num_top_logprobs(self) -> int | None:
@@ -92,12 +98,15 @@ class GenerationRequest:
         return self.params.logprobs
 
 
-def parse_request(url: str, body: Any, served_model_names: list[str]) -> GenerationRequest:
-    """Validate a body for `url` (COMPLETIONS_URL or CHAT_URL); RequestError when it is bad."""
+def parse_request(
+    url: str, body: Any, served_model_names: list[str], tool_call_parser: str = ""
+) -> GenerationRequest:
+    """Validate a body for `url` (COMPLETIONS_URL or CHAT_URL); RequestError when it is bad.
+    `tool_call_parser`: `--tool-call-parser`, which tool_choice "auto" needs."""
     if url == COMPLETIONS_URL:
         return parse_completion_request(body, served_model_names)
     if url == CHAT_URL:
-        return parse_chat_request(body, served_model_names)
+        return parse_chat_request(body, served_model_names, tool_call_parser)
     raise RequestError(f"unknown url {url!r}; supported: {COMPLETIONS_URL}, {CHAT_URL}", "url", 404)
 
 
@@ -118,17 +127,16 @@ def parse_completion_request(body: Any, served_model_names: list[str]) -> Genera
     return _common(body, "completions", model, max_tokens, logprobs, prompts=prompts)
 
 
-def parse_chat_request(body: Any, served_model_names: list[str]) -> GenerationRequest:
+def parse_chat_request(
+    body: Any, served_model_names: list[str], tool_call_parser: str = ""
+) -> GenerationRequest:
     """Validate a `/v1/chat/completions` body."""
+    from common.api.tools import parse_tools  # it imports RequestError from here
+
     body = _object(body)
     model = _model(body, served_model_names)
     messages = _messages(body.get("messages"))
-    for name in ("tools", "functions"):
-        if body.get(name):
-            raise RequestError(f"{name} are not supported", name)
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise RequestError("only response_format {'type': 'text'} is supported", "response_format")
+    tools = parse_tools(body, tool_call_parser)
     want_logprobs = _bool(body, "logprobs", False)
     top = _int(body, "top_logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS)
     if top and not want_logprobs:
@@ -137,7 +145,7 @@ def parse_chat_request(body: Any, served_model_names: list[str]) -> GenerationRe
     max_tokens = _int(body, "max_completion_tokens", None, lo=1, hi=MAX_INT32)
     if max_tokens is None:
         max_tokens = _int(body, "max_tokens", None, lo=1, hi=MAX_INT32)
-    return _common(
+    request = _common(
         body,
         "chat",
         model,
@@ -145,7 +153,11 @@ def parse_chat_request(body: Any, served_model_names: list[str]) -> GenerationRe
         logprobs,
         messages=messages,
         add_generation_prompt=_bool(body, "add_generation_prompt", True),
+        tools=tools,
     )
+    if tools is not None:
+        tools.constrain(request.params)
+    return request
 
 
 def _common(
@@ -193,6 +205,8 @@ def _common(
         min_tokens=min_tokens,
         # pdserve extension: decode this request without speculation (one token a step).
         disable_speculation=_bool(body, "disable_speculation", False),
+        # response_format, structured_outputs or guided_*: common.api.structured
+        structured_output=parse_structured_output(body),
     )
     if max_tokens is not None and params.min_tokens > max_tokens:
         raise RequestError(
@@ -269,7 +283,9 @@ def _prompts(prompt: Any) -> list[str | list[int]]:
     )
 
 
-def _messages(messages: Any) -> list[dict[str, str]]:
+def _messages(messages: Any) -> list[dict[str, Any]]:
+    from common.api.tools import assistant_tool_calls, tool_message
+
     if messages is None:
         raise RequestError("messages is required", "messages")
     if not isinstance(messages, list) or not messages:
@@ -284,13 +300,19 @@ def _messages(messages: Any) -> list[dict[str, str]]:
             raise RequestError(f"{param}.role must be a string", f"{param}.role")
         if role not in _CHAT_ROLES:
             raise RequestError(
-                f"{param}.role {role!r} is not supported (system, developer, user, assistant)",
+                f"{param}.role {role!r} is not supported "
+                "(system, developer, user, assistant, tool)",
                 f"{param}.role",
             )
         content = m.get("content")
         if content is None and role == "assistant":
             content = ""
-        out.append({"role": _CHAT_ROLES[role], "content": _content(content, f"{param}.content")})
+        message = {"role": _CHAT_ROLES[role], "content": _content(content, f"{param}.content")}
+        if role == "tool":
+            message = tool_message(m, message["content"], param)
+        elif role == "assistant" and m.get("tool_calls") is not None:
+            message["tool_calls"] = assistant_tool_calls(m["tool_calls"], f"{param}.tool_calls")
+        out.append(message)
     return out
 
 

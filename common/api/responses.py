@@ -6,6 +6,9 @@ and the `chat.completion.chunk` of one choice's delta, the chat stream's opening
 usage chunk (`stream_options.include_usage`), the error event and `[DONE]`. Takes `ChoiceResult`s
 and `Choice`s from `common.api.choice`. No HTTP: the router (`router.app`, `router.streaming`) and
 `pdserve run-batch` call it.
+
+Tool calls (chat with tools): `message.tool_calls` with content null when there is none; streamed,
+a call is one delta carrying its index, id, type, name and whole arguments.
 """
 
 from __future__ import annotations
@@ -79,13 +82,24 @@ def chat_body(
         "choices": [
             {
                 "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
+                "message": chat_message(c),
                 "logprobs": chat_logprobs(request, c, tokenizer),
                 "finish_reason": c.finish_reason,
             }
             for c in choices
         ],
         "usage": usage_body(prompt_tokens, sum(len(c.token_ids) for c in choices)),
+    }
+
+
+def chat_message(c: ChoiceResult) -> dict[str, Any]:
+    """A chat choice's message: with tool calls, content is null when there is none."""
+    if not c.tool_calls:
+        return {"role": "assistant", "content": c.text}
+    return {
+        "role": "assistant",
+        "content": c.text or None,
+        "tool_calls": [call.body() for call in c.tool_calls],
     }
 
 
@@ -175,9 +189,17 @@ def delta_chunk(
     """
     part = choice.result(delta.first_token, delta.text)
     if request.endpoint == "chat":
+        message: dict[str, Any] = {}
+        if delta.text or not (delta.finish_reason or delta.tool_calls):
+            message["content"] = delta.text
+        if delta.tool_calls:
+            first = delta.first_tool_call
+            message["tool_calls"] = [
+                call.delta_body(first + k) for k, call in enumerate(delta.tool_calls)
+            ]
         body = {
             "index": choice.index,
-            "delta": {"content": delta.text} if delta.text or not delta.finish_reason else {},
+            "delta": message,
             "logprobs": chat_logprobs(request, part, tokenizer),
             "finish_reason": delta.finish_reason,
         }

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from common.api.requests import MAX_INT32, MAX_N, MAX_STOP, MAX_STOP_TOKEN_IDS
+from common.api.tools import MAX_TOOLS
 from common.sampling_params import MAX_TOP_LOGPROBS
 
 _TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
@@ -69,9 +70,12 @@ _MESSAGE = {
     "type": "object",
     "required": ["role", "content"],
     "properties": {
-        "role": {"type": "string", "enum": ["system", "developer", "user", "assistant"]},
+        "role": {"type": "string", "enum": ["system", "developer", "user", "assistant", "tool"]},
+        "tool_call_id": {"type": "string", "description": "tool messages: the call answered"},
+        "tool_calls": {"type": "array", "items": {"type": "object"}},
         "content": {
             "oneOf": [
+                {"type": "null"},  # an assistant message with tool_calls
                 {"type": "string"},
                 {
                     "type": "array",
@@ -89,6 +93,43 @@ _MESSAGE = {
     },
 }
 _MESSAGES = {"type": "array", "items": _MESSAGE, "minItems": 1}
+_TOOL = {
+    "type": "object",
+    "required": ["type", "function"],
+    "properties": {
+        "type": {"type": "string", "enum": ["function"]},
+        "function": {
+            "type": "object",
+            "required": ["name"],
+            "properties": {
+                "name": {"type": "string", "pattern": "^[A-Za-z0-9_.-]{1,64}$"},
+                "description": {"type": "string"},
+                "parameters": {"type": "object", "description": "a JSON schema of an object"},
+            },
+        },
+    },
+}
+_TOOLS: dict[str, Any] = {
+    "tools": {"type": "array", "items": _TOOL, "maxItems": MAX_TOOLS},
+    "tool_choice": {
+        "oneOf": [
+            {"type": "string", "enum": ["none", "auto", "required"]},
+            {
+                "type": "object",
+                "required": ["type", "function"],
+                "properties": {
+                    "type": {"type": "string", "enum": ["function"]},
+                    "function": {
+                        "type": "object",
+                        "required": ["name"],
+                        "properties": {"name": {"type": "string"}},
+                    },
+                },
+            },
+        ]
+    },
+    "parallel_tool_calls": {"type": "boolean", "default": True},
+}
 
 COMPLETION_REQUEST: dict[str, Any] = {
     "type": "object",
@@ -116,6 +157,7 @@ CHAT_REQUEST: dict[str, Any] = {
         "top_logprobs": _integer(0, MAX_TOP_LOGPROBS),
         "max_completion_tokens": _integer(1),
         "add_generation_prompt": {"type": "boolean", "default": True},
+        **_TOOLS,
         **_SAMPLING,
     },
 }

@@ -6,6 +6,7 @@ ids. The router and run-batch tokenize with it; the engine only sees ids.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -18,6 +19,7 @@ class Tokenizer:
     def __init__(self, hf: Any, eos_token_ids: set[int]) -> None:
         self.hf = hf
         self.eos_token_ids = eos_token_ids
+        self._renders_tools: bool | None = None  # renders_tools(), once known
 
     @classmethod
     def from_source(cls, source: ModelSource) -> Tokenizer:
@@ -42,13 +44,21 @@ class Tokenizer:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(
-        self, messages: list[dict], add_generation_prompt: bool = True
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
     ) -> list[int]:
-        """Prompt ids for OpenAI-style messages, as the model's own chat template renders them."""
+        """Prompt ids for OpenAI-style messages (and `tools`, OpenAI's tool objects), as the
+        model's own chat template renders them."""
         if not getattr(self.hf, "chat_template", None):
             raise ValueError("this model has no chat template; use /v1/completions with a prompt")
         out = self.hf.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
+            messages,
+            tools=tools,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=True,
+            return_dict=False,
         )
         # transformers versions differ: a list, a BatchEncoding, or a batch of one.
         if isinstance(out, Mapping):
@@ -58,6 +68,24 @@ class Tokenizer:
         if out and isinstance(out[0], list):
             (out,) = out
         return [int(i) for i in out]
+
+    def renders_tools(self) -> bool:
+        """Whether the chat template reads `tools` (one that ignores them cannot offer them)."""
+        if self._renders_tools is None:
+            import jinja2
+            from jinja2 import meta
+
+            try:
+                template = self.hf.get_chat_template(tools=[])
+            except ValueError:  # no chat template at all
+                self._renders_tools = False
+                return False
+            try:
+                env = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"])
+                self._renders_tools = "tools" in meta.find_undeclared_variables(env.parse(template))
+            except jinja2.TemplateError:  # HF's own extensions ({% generation %}): by the name
+                self._renders_tools = re.search(r"\btools\b", template) is not None
+        return self._renders_tools
 
 
 def _eos_token_ids(source: ModelSource, hf_tokenizer: Any) -> set[int]:

@@ -21,6 +21,7 @@ import torch
 from common.config import EngineConfig
 from common.engine.block_manager import BlockBooks, BlockManager
 from common.engine.block_pool import BlockPool
+from common.engine.grammar import GrammarCompiler
 from common.engine.sampler import Sampler, SampleResult, make_generator, restore_generator
 from common.engine.scheduler import ScheduledSeq, Scheduler
 from common.engine.sequence import SequenceState, SequenceStatus
@@ -110,6 +111,8 @@ class Engine:
         self.held: dict[str, SequenceState] = {}  # finished, blocks kept until their KV is sent
         self.reserved: dict[str, SequenceState] = {}  # blocks held for KV that is on its way
         self.vocab_size = int(hf_config.vocab_size)
+        # structured outputs: the model's tokenizer is loaded when the first such request comes
+        self.grammars = GrammarCompiler.for_model(str(config.model), self.vocab_size)
         self._ids = itertools.count()
         self.check_books_when_idle = False  # tests: audit the blocks whenever the engine idles
 
@@ -143,13 +146,16 @@ class Engine:
     ) -> SequenceState:
         """A validated new sequence (ValueError naming the problem otherwise)."""
         self._check_new(request_id, prompt_token_ids, params)
-        return SequenceState(
+        seq = SequenceState(
             request_id=request_id,
             token_ids=list(prompt_token_ids),
             num_prompt_tokens=len(prompt_token_ids),
             params=params,
             generator=make_generator(params),
         )
+        if params.structured_output is not None:
+            seq.grammar = self.grammars.matcher(params.structured_output)  # ValueError if bad
+        return seq
 
     def _check_new(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
@@ -349,6 +355,8 @@ class Engine:
 
     def _finish_reason(self, seq: SequenceState, token: int) -> str | None:
         p = seq.params
+        if seq.grammar is not None and seq.grammar.sync(seq.token_ids, seq.num_prompt_tokens):
+            return "stop"  # the structured output is complete: only the end may follow
         if seq.num_output_tokens >= p.min_tokens:
             if not p.ignore_eos and token in self.eos_token_ids:
                 return "stop"

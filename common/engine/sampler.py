@@ -23,12 +23,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from common.engine.grammar import refused_tokens
 from common.engine.penalties import TokenHistory, apply_penalties
 from common.sampling_params import SamplingParams
 
 # Top-p first looks for the nucleus among this many best tokens; rows whose nucleus is larger fall
 # back to a full sort of the vocabulary (about 50x slower per row).
 TOP_P_CANDIDATES = 1024
+_NEG_INF = torch.tensor(-math.inf)
 
 
 @dataclass
@@ -41,6 +43,8 @@ class SamplingState:
     eos_token_ids: frozenset[int] = frozenset()
     history: TokenHistory | None = None  # required when params.has_penalties
     extra_output_ids: Sequence[int] = ()  # output past `history` (draft tokens being verified)
+    # structured output: the allowed next tokens, one bit per id (GrammarMatcher.bitmask)
+    token_bitmask: torch.Tensor | None = None
 
     @classmethod
     def from_tokens(
@@ -125,18 +129,30 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, states: list[SamplingState]) -> list[SampleResult]:
         assert logits.dim() == 2 and logits.shape[0] == len(states), (logits.shape, len(states))
         blocked = [_min_tokens_blocked(s) for s in states]
-        needs_processing = any(blocked) or any(s.params.has_penalties for s in states)
+        needs_processing = (
+            any(blocked)
+            or any(s.params.has_penalties for s in states)
+            or any(s.token_bitmask is not None for s in states)
+        )
         wants_logprobs = any(s.params.logprobs is not None for s in states)
         if all(s.params.greedy for s in states) and not needs_processing and not wants_logprobs:
             # Fast path, the common all-greedy decode batch: one argmax (exact in any dtype).
             return [SampleResult(t, None, None) for t in _argmax(logits)]
 
-        x = self._buffer("logits", logits.shape, logits.device).copy_(logits)
+        x = self._buffer("logits", logits.shape, logits.device)
+        refused = _grammar_refusals(states, logits.shape[1], logits.device)
+        if refused is not None and not wants_logprobs and logits.dtype == x.dtype:
+            torch.where(refused, _NEG_INF, logits, out=x)  # copy and mask in one pass
+            refused = None
+        else:
+            x.copy_(logits)
         scratch = self._buffer("scratch", logits.shape, logits.device)
         raw = _raw_logprobs(x, states, scratch) if wants_logprobs else None
         if needs_processing:
             _mask_min_tokens(x, blocked)
             apply_penalties(x, states)
+            if refused is not None:  # after the raw logprobs, which report the model's own
+                x.masked_fill_(refused, -math.inf)
 
         token_ids = [0] * len(states)
         greedy_rows = [i for i, s in enumerate(states) if s.params.greedy]
@@ -163,6 +179,9 @@ class Sampler:
         if any(blocked) or any(s.params.has_penalties for s in states):
             _mask_min_tokens(x, blocked)
             apply_penalties(x, states)
+        refused = _grammar_refusals(states, x.shape[1], x.device)
+        if refused is not None:
+            x.masked_fill_(refused, -math.inf)
         random_rows = [i for i, s in enumerate(states) if not s.params.greedy]
         if random_rows:
             scratch = self._buffer("scratch", logits.shape, logits.device)
@@ -232,6 +251,23 @@ def _mask_min_tokens(x: torch.Tensor, blocked: list[list[int]]) -> None:
     cols = [t for ids in blocked for t in ids if t < vocab]
     if rows:
         x[torch.tensor(rows, device=x.device), torch.tensor(cols, device=x.device)] = -math.inf
+
+
+def _grammar_refusals(
+    states: list[SamplingState], vocab_size: int, device: torch.device
+) -> torch.Tensor | None:
+    """Bool [R, V]: the tokens each row's structured-output grammar refuses (None: no row has a
+    grammar). Applied before temperature and truncation, so top-k/top-p pick among allowed tokens;
+    a model's padded vocabulary beyond the tokenizer is refused too."""
+    rows = [i for i, s in enumerate(states) if s.token_bitmask is not None]
+    if not rows:
+        return None
+    refused = refused_tokens(torch.stack([states[i].token_bitmask for i in rows]), vocab_size)
+    if len(rows) < len(states):
+        full = torch.zeros(len(states), vocab_size, dtype=torch.bool)
+        full[torch.tensor(rows)] = refused
+        refused = full
+    return refused.to(device)
 
 
 def _truncation_cutoffs(

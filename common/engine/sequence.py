@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from common.engine.grammar import GrammarMatcher
 from common.engine.penalties import TokenHistory
 from common.engine.sampler import SamplingState
 from common.sampling_params import SamplingParams
@@ -45,6 +46,7 @@ class SequenceState:
     output_logprobs: list[float | None] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
     history: TokenHistory | None = None  # for penalties; created by the first sampling_state
+    grammar: GrammarMatcher | None = None  # structured output: follows the output tokens
 
     @property
     def num_tokens(self) -> int:

@@ -41,7 +41,7 @@ class _Line:
 
 
 def parse_line(
-    raw: str, served_model_names: list[str]
+    raw: str, served_model_names: list[str], tool_call_parser: str = ""
 ) -> tuple[Any, GenerationRequest | RequestError]:
     """(custom_id, the validated request or why it is refused) of one input line."""
     try:
@@ -60,7 +60,7 @@ def parse_line(
         url = obj.get("url")
         if not isinstance(url, str):
             raise RequestError("url must be a string", "url")
-        request = parse_request(url, obj.get("body"), served_model_names)
+        request = parse_request(url, obj.get("body"), served_model_names, tool_call_parser)
         if request.stream:
             raise RequestError("stream=true is not supported by run-batch", "stream")
     except RequestError as e:
@@ -83,10 +83,17 @@ def _output_line(custom_id: Any, status_code: int, body: dict, hex_id: str) -> s
 class BatchRunner:
     """Runs batch lines through one engine; see `run`."""
 
-    def __init__(self, engine: Engine, tokenizer: Tokenizer, served_model_names: list[str]) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        tokenizer: Tokenizer,
+        served_model_names: list[str],
+        tool_call_parser: str = "",
+    ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.served_model_names = served_model_names
+        self.tool_call_parser = tool_call_parser  # --tool-call-parser: tool_choice "auto"
         # Engine requests admitted ahead of the running batch, so the scheduler always has work.
         self.max_in_flight = 2 * engine.config.max_num_seqs
         self._running: dict[str, tuple[int, Choice]] = {}  # engine request id: (line_no, choice)
@@ -138,7 +145,7 @@ class BatchRunner:
 
     def _admit(self, line_no: int, raw: str) -> bool:
         """Parse, tokenize and queue one line; on error its error line is ready at once."""
-        custom_id, request = parse_line(raw, self.served_model_names)
+        custom_id, request = parse_line(raw, self.served_model_names, self.tool_call_parser)
         if isinstance(request, RequestError):
             self._fail(line_no, custom_id, request)
             return False
@@ -232,7 +239,7 @@ def run_batch_command(args: argparse.Namespace) -> int:
     else:
         with open(args.input_file, encoding="utf-8") as f:
             input_lines = f.read().splitlines()
-    runner = BatchRunner(engine, tokenizer, served)
+    runner = BatchRunner(engine, tokenizer, served, getattr(args, "tool_call_parser", ""))
     out = sys.stdout if args.output_file == "-" else open(args.output_file, "w", encoding="utf-8")
     try:
 

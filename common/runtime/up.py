@@ -51,6 +51,8 @@ def cluster_from_args(
         router_flags += ["--api-key", args.api_key]
     if args.served_model_name:
         router_flags += ["--served-model-name", *args.served_model_name]
+    if args.tool_call_parser:
+        router_flags += ["--tool-call-parser", args.tool_call_parser]
     if args.enforce_eager:
         engine_flags.append("--enforce-eager")
     decode_flags = ["--kv-host", "127.0.0.1", *engine_flags]
@@ -169,6 +171,11 @@ def add_up_args(up: argparse.ArgumentParser) -> None:
     up.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs on any worker")
     up.add_argument("--api-key", default=env("API_KEY", ""))
     up.add_argument("--served-model-name", nargs="+", default=None)
+    up.add_argument(
+        "--tool-call-parser",
+        default=env("TOOL_CALL_PARSER", ""),
+        help="the router's --tool-call-parser (hermes): tool_choice 'auto'",
+    )
     up.add_argument("--startup-timeout-s", type=float, default=600.0)
     up.add_argument(
         "--max-worker-restarts",

@@ -199,3 +199,20 @@ def test_small_messages_have_small_limits_and_bounded_fields() -> None:
     prompt = list(range(200_000))
     reserve = protocol.Reserve("r", prompt, build(protocol.Reserve).params, deadline_s=5.0)
     assert protocol.decode_control(protocol.encode(reserve)) == reserve
+
+
+@pytest.mark.parametrize("kind", ["Reserve", "Prefill", "Generate"])
+def test_structured_output_travels_to_workers(kind: str) -> None:
+    from common.sampling_params import StructuredOutput
+
+    so = StructuredOutput("json", '{"type": "object", "properties": {"a": {"type": "integer"}}}')
+    message = build(getattr(protocol, kind))
+    message.params = SamplingParams(max_tokens=5, structured_output=so)
+    decoded = protocol.decode_control(protocol.encode(message))
+    assert type(decoded.params.structured_output) is StructuredOutput
+    assert decoded.params.structured_output == so
+    plain = protocol.decode_control(protocol.encode(protocol.Generate("r", [1], SamplingParams())))
+    assert plain.params.structured_output is None
+    frame = protocol.encode(message).replace(b"\xa4kind", b"\xa4kinx")  # an unknown field name
+    with pytest.raises(protocol.ProtocolError):
+        protocol.decode_control(frame)

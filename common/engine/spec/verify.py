@@ -108,6 +108,9 @@ class Verifier:
             offset += n
         if plain:
             states = [batch[i].seq.sampling_state(self.eos_token_ids) for i in plain]
+            for i, state in zip(plain, states):
+                if batch[i].seq.grammar is not None:
+                    state.token_bitmask = batch[i].seq.grammar.bitmask()
             for i, result in zip(plain, sampler(_rows(logits, plain_at), states)):
                 results[i] = [result]
         if verify:
@@ -123,6 +126,15 @@ class Verifier:
             for item in items
             for j in range(len(item.draft_token_ids) + 1)
         ]
+        start = 0
+        for item in items:
+            if item.seq.grammar is not None:
+                # the grammar's mask at each draft: a draft it refuses has probability 0 there,
+                # so it is rejected (and the matcher is left as it was before the drafts)
+                masks = item.seq.grammar.draft_bitmasks(item.draft_token_ids)
+                for state, mask in zip(states[start:], masks):
+                    state.token_bitmask = mask
+            start += len(item.draft_token_ids) + 1
         scores = self.sampler.process_logits(logits, states)
         argmax = scores.max(dim=-1).indices.tolist()
         results = []

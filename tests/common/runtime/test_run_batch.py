@@ -256,3 +256,34 @@ def test_logprobs_formats(engine: Engine, tok: Tokenizer) -> None:
         assert len(entry["top_logprobs"]) == 2
         assert entry["top_logprobs"][0]["logprob"] >= entry["top_logprobs"][1]["logprob"]
         assert all(set(t) == {"token", "logprob", "bytes"} for t in entry["top_logprobs"])
+
+
+def test_tool_calls_have_the_router_shape(engine: Engine, tok: Tokenizer) -> None:
+    """Forced calls need no tool template (the grammar makes them); "auto" needs the parser."""
+    city = {"type": "string", "enum": ["Paris", "Lima"]}
+    params = {
+        "type": "object",
+        "properties": {"city": city},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": params}}]
+    msgs = [{"role": "user", "content": "Weather?"}]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    forced, required, auto = run(
+        engine,
+        tok,
+        [
+            chat("a", messages=msgs, tools=tools, tool_choice=named, max_tokens=30, seed=0),
+            chat("b", messages=msgs, tools=tools, tool_choice="required", max_tokens=60, seed=1),
+            chat("c", messages=msgs, tools=tools),
+        ],
+    )
+    for result in (forced, required):
+        (choice,) = ok_body(result)["choices"]
+        assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+        for call in choice["message"]["tool_calls"]:
+            assert call["id"].startswith("call_") and call["function"]["name"] == "get_weather"
+            assert json.loads(call["function"]["arguments"])["city"] in ("Paris", "Lima")
+    assert auto["response"]["status_code"] == 400
+    assert "--tool-call-parser" in auto["response"]["body"]["error"]["message"]
