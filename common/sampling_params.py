@@ -16,6 +16,8 @@ class SamplingParams:
 
     `temperature == 0` means greedy. `top_k <= 0` disables top-k. `logprobs` is the number of
     top alternatives to return per token (0 = only the chosen token's logprob; None = no logprobs).
+    `prompt_logprobs` (vLLM's extension) is the same for every prompt token but the first: its
+    logprob given the tokens before it, its rank and that many best alternatives.
     """
 
     max_tokens: int = 16
@@ -32,6 +34,7 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     disable_speculation: bool = False  # decode this request one token a step even when drafting
+    prompt_logprobs: int | None = None  # see common.engine.prompt_logprobs
 
     @property
     def greedy(self) -> bool:
@@ -67,6 +70,12 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not (
+            isinstance(self.prompt_logprobs, int) and 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS
+        ):
+            raise ValueError(
+                f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs}"
+            )
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
             raise ValueError(f"min_tokens must be a non-negative integer, got {self.min_tokens}")
         if self.min_tokens > self.max_tokens:
