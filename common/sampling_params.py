@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 MAX_TOP_LOGPROBS = 20
+MAX_PROMPT_LOGPROB_TOKENS = 2**17  # longest prompt whose logprobs are returned (bounds messages)
 
 
 @dataclass

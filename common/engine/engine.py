@@ -20,9 +20,9 @@ from dataclasses import dataclass
 import torch
 
 from common.config import EngineConfig
+from common.engine import prompt_logprobs as scoring
 from common.engine.block_manager import BlockBooks, BlockManager
 from common.engine.block_pool import BlockPool
-from common.engine.prompt_logprobs import PromptLogprob, adopt_prompt_logprobs, run_and_score
 from common.engine.sampler import Sampler, SampleResult, make_generator, restore_generator
 from common.engine.scheduler import ScheduledSeq, Scheduler
 from common.engine.sequence import SequenceState, SequenceStatus
@@ -48,7 +48,7 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int
-    prompt_logprobs: list[PromptLogprob] | None = None  # with the first token, when asked for
+    prompt_logprobs: list[scoring.PromptLogprob] | None = None  # with the first token, if asked
 
 
 CPU_SPECULATIVE_MAX_BATCH = 2  # --speculative-disable-by-batch-size's default on a CPU
@@ -169,6 +169,8 @@ class Engine:
             )
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.vocab_size:
             raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
+        if params.prompt_logprobs is not None:
+            scoring.check_prompt_length(len(prompt_token_ids))
 
     def abort(self, request_id: str) -> bool:
         """Drop a request wherever it is and free its blocks; False if it is not here."""
@@ -226,7 +228,7 @@ class Engine:
         logprob: float | None = None,
         top_logprobs: list[tuple[int, float]] | None = None,
         generator_state: bytes = b"",
-        prompt_logprobs: list[PromptLogprob] | None = None,
+        prompt_logprobs: list[scoring.PromptLogprob] | None = None,
     ) -> RequestOutput:
         """The reserved prompt's KV has arrived: add the first token and start decoding it.
 
@@ -235,7 +237,7 @@ class Engine:
         `prompt_logprobs`: the prefill side's scores of the prompt (when the request wants them).
         """
         seq = self.reserved[request_id]
-        adopt_prompt_logprobs(seq, prompt_logprobs)  # raises before anything changes
+        scoring.adopt_prompt_logprobs(seq, prompt_logprobs)  # raises before anything changes
         if seq.generator is not None and generator_state:
             restore_generator(seq.generator, generator_state)  # raises before anything changes
         del self.reserved[request_id]
@@ -283,7 +285,7 @@ class Engine:
             rows.append((tokens, start, seq.block_table))
             at_end = start + item.num_new_tokens == seq.num_tokens
             num_logits.append(len(item.draft_token_ids) + 1 if at_end else 0)
-        logits = run_and_score(self.runner, batch, rows, num_logits)
+        logits = scoring.run_and_score(self.runner, batch, rows, num_logits)
         results = self.verifier.pick_tokens(self.sampler, batch, logits, num_logits)
         outputs = []
         for item, samples in zip(batch, results):

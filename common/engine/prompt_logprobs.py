@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from common.sampling_params import MAX_PROMPT_LOGPROB_TOKENS
+
 if TYPE_CHECKING:
     from common.engine.scheduler import ScheduledSeq
     from common.engine.sequence import SequenceState
@@ -78,6 +80,16 @@ def score(
             tops = [[] for _ in part]
         out.extend(zip(chosen_list, ranks, tops))
     return out
+
+
+def check_prompt_length(num_prompt_tokens: int) -> None:
+    """ValueError for a prompt too long to have its logprobs returned (they travel in bounded
+    messages: common.protocol.MAX_KV_HEADER_BYTES)."""
+    if num_prompt_tokens > MAX_PROMPT_LOGPROB_TOKENS:
+        raise ValueError(
+            f"prompt logprobs are returned for prompts of at most {MAX_PROMPT_LOGPROB_TOKENS} "
+            f"tokens; this one has {num_prompt_tokens}"
+        )
 
 
 def adopt_prompt_logprobs(seq: SequenceState, received: list[PromptLogprob] | None) -> None:

@@ -238,9 +238,7 @@ class ModelRunner:
         kept = [hidden[starts[i] : starts[i + 1]] for i in hidden_rows]
         if not any(num_logits):
             return None, kept
-        wanted = [
-            range(end - n, end) for end, n in zip(starts[1:].tolist(), num_logits) if n
-        ]
+        wanted = [range(end - n, end) for end, n in zip(starts[1:].tolist(), num_logits) if n]
         index = torch.tensor([i for r in wanted for i in r], device=self.device)
         return self.model.compute_logits(hidden[index]), kept
 
