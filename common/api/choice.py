@@ -6,6 +6,11 @@ finish_reason "stop"; tokens after the one that completed it are dropped), and i
 `Choice.add` takes one batch of new tokens and returns the `Delta` it made safe to show;
 `Choice.result` gives the `ChoiceResult` that the body builders in `common.api.responses` take.
 
+With `echo` (completions) the choice shows its prompt first: the prompt text comes with the first
+delta (`Delta.echo`), and results carry the prompt's token ids and logprobs for the body builders;
+with `echo_only` (max_tokens 0) the prompt is all it shows, and the one token the engine computed
+is dropped (finish_reason "length", as vLLM). Prompt logprobs arrive with the first tokens.
+
 Used by both sides that generate text: the router (`router.streaming`, fed by the decode workers'
 `TokenOutput`s) and `pdserve run-batch` (`common.runtime.run_batch`, fed by the engine's
 `RequestOutput`s). Each caller aborts the engine request itself when a stop string cut it short.
@@ -14,7 +19,7 @@ Used by both sides that generate text: the router (`router.streaming`, fed by th
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from common.api.detokenizer import Detokenizer
 from common.api.requests import GenerationRequest
@@ -22,6 +27,8 @@ from common.api.tokenizer import Tokenizer
 from common.sampling_params import SamplingParams
 
 TopLogprobs = list[tuple[int, float]]  # (token id, logprob) of the best alternatives
+# Per prompt token after the first: (logprob, rank, best alternatives) (engine.prompt_logprobs)
+PromptLogprobs = list[tuple[float, int, TopLogprobs]]
 
 
 @dataclass
@@ -34,6 +41,9 @@ class ChoiceResult:
     finish_reason: str | None
     logprobs: list[float | None] | None = None  # per output token, when asked for
     top_logprobs: list[TopLogprobs | None] | None = None
+    echo_token_ids: list[int] = field(default_factory=list)  # the prompt shown before `token_ids`
+    prompt_token_ids: list[int] = field(default_factory=list)
+    prompt_logprobs: PromptLogprobs | None = None  # when computed (prompt_logprobs or echo)
 
 
 @dataclass
@@ -43,6 +53,7 @@ class Delta:
     text: str  # the text it made safe to show (often '' while a character or stop is pending)
     first_token: int  # index in `Choice.token_ids` of the first token it added
     finish_reason: str | None  # set on the delta that finished the choice
+    echo: bool = False  # `text` starts with the echoed prompt (the choice's first delta)
 
 
 class Choice:
@@ -72,6 +83,11 @@ class Choice:
         self.logprobs: list[float | None] = []
         self.top_logprobs: list[TopLogprobs | None] = []
         self.finish_reason: str | None = None
+        self.echo = request.echo
+        self.echo_only = request.echo_only
+        self.echo_pending = request.echo  # the prompt is not shown yet
+        self.prompt_text = _prompt_text(request, index, prompt_token_ids, tokenizer)
+        self.prompt_logprobs: PromptLogprobs | None = None
         # Chars of the token strings already streamed: where the next streamed completions chunk's
         # logprobs text_offset starts (kept by common.api.responses.delta_chunk).
         self.streamed_token_chars = 0
@@ -82,8 +98,9 @@ class Choice:
 
     @property
     def text(self) -> str:
-        """The output text so far (cut at the stop string once one matched)."""
-        return self.detok.text
+        """The output text so far (cut at the stop string once one matched), after the prompt
+        when echoed."""
+        return self.prompt_text + self.detok.text
 
     def add(
         self,
@@ -92,6 +109,7 @@ class Choice:
         top_logprobs: Sequence[TopLogprobs | None] = (),
         finished: bool = False,
         finish_reason: str | None = None,
+        prompt_logprobs: PromptLogprobs | None = None,
     ) -> Delta:
         """Append new tokens (with their logprobs when asked for); `finished`: no more will come.
 
@@ -100,6 +118,12 @@ class Choice:
         """
         if self.done:
             raise RuntimeError(f"choice {self.index} is done; no more tokens")
+        if prompt_logprobs is not None:
+            self.prompt_logprobs = list(prompt_logprobs)
+        echo, self.echo_pending = self.echo_pending, False
+        if self.echo_only:
+            self.finish_reason = "length"
+            return Delta(self.prompt_text, 0, self.finish_reason, echo=True)
         first = len(self.token_ids)
         text = []
         for j, token_id in enumerate(token_ids):
@@ -116,15 +140,39 @@ class Choice:
         elif finished:
             text.append(self.detok.finish())
             self.finish_reason = finish_reason or "stop"
-        return Delta("".join(text), first, self.finish_reason)
+        if echo:
+            text.insert(0, self.prompt_text)
+        return Delta("".join(text), first, self.finish_reason, echo)
 
-    def result(self, first_token: int = 0, text: str | None = None) -> ChoiceResult:
-        """The choice (or its tokens from `first_token` on, with `text`) for the body builders."""
+    def result(
+        self, first_token: int = 0, text: str | None = None, with_prompt: bool | None = None
+    ) -> ChoiceResult:
+        """The choice (or its tokens from `first_token` on, with `text`) for the body builders.
+
+        The whole choice shows the echoed prompt; a part of it when `with_prompt` (its first).
+        """
+        shows_prompt = self.echo and (text is None if with_prompt is None else with_prompt)
         return ChoiceResult(
             index=self.index,
-            text=self.detok.text if text is None else text,
+            text=self.text if text is None else text,
             token_ids=self.token_ids[first_token:],
             finish_reason=self.finish_reason,
             logprobs=self.logprobs[first_token:] if self.want_logprobs else None,
             top_logprobs=self.top_logprobs[first_token:] if self.want_logprobs else None,
+            echo_token_ids=self.prompt_token_ids if shows_prompt else [],
+            prompt_token_ids=self.prompt_token_ids,
+            prompt_logprobs=self.prompt_logprobs,
         )
+
+
+def _prompt_text(
+    request: GenerationRequest, index: int, prompt_token_ids: list[int], tokenizer: Tokenizer
+) -> str:
+    """The text echo shows: the prompt as sent (choice `index` is choice index % n of prompt
+    index // n, as the router and run-batch number them), token-id prompts decoded."""
+    if not request.echo:
+        return ""
+    prompt = request.prompts[index // request.n]
+    if isinstance(prompt, str):
+        return prompt
+    return tokenizer.decode(prompt_token_ids, skip_special_tokens=False)
