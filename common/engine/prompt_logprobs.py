@@ -17,9 +17,13 @@ The engine hands the list out with the sequence's first output token. Entry i is
 token i+1's; token 0 has no context (the API reports null there). A prefill worker sends the list
 to the decode worker in the KV handoff (`common.protocol.KVHeader.prompt_logprobs`).
 
-Prefix-cache hits would skip positions whose logits are then never computed: such a sequence does
-not read the prefix cache until its prompt is scored (`SequenceState.reads_prefix_cache`), as vLLM
-v1 does; it still writes its blocks there for other requests.
+Prefix-cache hits would skip positions whose logits are then never computed. Recomputing only the
+skipped part would still need a forward over it (logits cannot be had from cached KV), so such a
+sequence simply does not read the prefix cache until its prompt is scored
+(`SequenceState.reads_prefix_cache`, checked by the scheduler), as vLLM v1 does; it still writes its
+blocks there for other requests. On a decode worker in 1P1D, `Engine.reserve` still reuses the
+blocks it holds: the prefill worker computes and scores the whole prompt anyway, and the reuse only
+saves sending those blocks. The router's prefix-aware routing is unchanged.
 """
 
 from __future__ import annotations
