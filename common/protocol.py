@@ -266,7 +266,10 @@ class KVHeader(msgspec.Struct, tag="kv", forbid_unknown_fields=True):
     transport: str
     first_token_id: int  # sampled by the prefill worker
     first_logprob: float | None = None
-    first_top_logprobs: list[tuple[int, float]] | None = None
+    # bounded: the header's size limit leaves room for prompt logprobs, not for these
+    first_top_logprobs: (
+        Annotated[list[tuple[int, float]], Meta(max_length=MAX_TOP_LOGPROBS)] | None
+    ) = None
     # seeded requests: the sampler's RNG state after the first token, so decode continues its stream
     generator_state: bytes = b""
     shm_name: str = ""  # shm transport: the segment holding the payload
