@@ -169,3 +169,21 @@ def test_prompt_logprobs_refused_in_streams(router: RouterThread) -> None:
         r = post(router, path, {**body, "prompt_logprobs": 0, "stream": True, "max_tokens": 1})
         assert r.status_code == 200
         assert last_params(router).prompt_logprobs is None
+
+
+def test_prompt_too_long_for_prompt_logprobs_is_a_400() -> None:
+    # Prompt logprobs travel in bounded messages (common.protocol.MAX_KV_HEADER_BYTES): a longer
+    # prompt is refused up front rather than by every decode worker's reservation.
+    from common.api.prompts import engine_inputs
+    from common.api.requests import RequestError, parse_request
+    from common.sampling_params import MAX_PROMPT_LOGPROB_TOKENS
+
+    prompt = [5] * (MAX_PROMPT_LOGPROB_TOKENS + 1)
+    body = {"prompt": prompt, "prompt_logprobs": 0, "max_tokens": 1}
+    request = parse_request("/v1/completions", body, ["default"])
+    with pytest.raises(RequestError) as e:
+        engine_inputs(request, default_tokenizer(), 2 * MAX_PROMPT_LOGPROB_TOKENS)
+    assert e.value.code == 400 and e.value.param == "prompt_logprobs"
+    body["prompt"] = prompt[1:]
+    request = parse_request("/v1/completions", body, ["default"])
+    assert len(engine_inputs(request, default_tokenizer(), 2 * MAX_PROMPT_LOGPROB_TOKENS)) == 1
