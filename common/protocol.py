@@ -29,9 +29,9 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
-from common.sampling_params import SamplingParams
+from common.sampling_params import MAX_PROMPT_LOGPROB_TOKENS, MAX_TOP_LOGPROBS, SamplingParams
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 MAX_CONTROL_MESSAGE_BYTES = 64 * 2**20  # a 128k-token prompt of int ids fits with room to spare
 # Messages that are small by nature have a smaller limit, checked from the tag before decoding: a
 # 40 MiB heartbeat would otherwise stall the router's event loop while it is decoded.
@@ -53,6 +53,17 @@ Role = Literal["prefill", "decode"]
 # Bounds on what workers send, enforced while decoding (the router never builds a huge object).
 Name = Annotated[str, Meta(max_length=256)]
 Count = Annotated[int, Meta(ge=0, le=2**53)]
+# Prompt logprobs (common.engine.prompt_logprobs): per prompt token after the first, its logprob,
+# its rank and up to MAX_TOP_LOGPROBS best (token id, logprob): at most 402 bytes of msgpack a
+# token (9 per number), so 51 MiB for the longest prompt that may ask for them, under
+# MAX_CONTROL_MESSAGE_BYTES.
+PROMPT_LOGPROB_BYTES = 1 + 9 + 9 + 3 + MAX_TOP_LOGPROBS * (1 + 9 + 9)
+# A KV header is a few hundred bytes, plus the prompt's logprobs when the request asked for them.
+MAX_KV_HEADER_BYTES = 2**20 + PROMPT_LOGPROB_BYTES * MAX_PROMPT_LOGPROB_TOKENS
+PromptLogprobs = Annotated[
+    list[tuple[float, int, Annotated[list[tuple[int, float]], Meta(max_length=MAX_TOP_LOGPROBS)]]],
+    Meta(max_length=MAX_PROMPT_LOGPROB_TOKENS),
+]
 
 
 class Register(msgspec.Struct, tag="register", forbid_unknown_fields=True):
@@ -199,6 +210,8 @@ class TokenOutput(msgspec.Struct, tag="tokens", forbid_unknown_fields=True):
     finish_reason: str | None
     num_prompt_tokens: int
     num_cached_tokens: int
+    # with the first token of a request whose params ask for prompt_logprobs
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class RequestFailed(msgspec.Struct, tag="failed", forbid_unknown_fields=True):
@@ -253,11 +266,16 @@ class KVHeader(msgspec.Struct, tag="kv", forbid_unknown_fields=True):
     transport: str
     first_token_id: int  # sampled by the prefill worker
     first_logprob: float | None = None
-    first_top_logprobs: list[tuple[int, float]] | None = None
+    # bounded: the header's size limit leaves room for prompt logprobs, not for these
+    first_top_logprobs: (
+        Annotated[list[tuple[int, float]], Meta(max_length=MAX_TOP_LOGPROBS)] | None
+    ) = None
     # seeded requests: the sampler's RNG state after the first token, so decode continues its stream
     generator_state: bytes = b""
     shm_name: str = ""  # shm transport: the segment holding the payload
     ipc_handle: bytes = b""  # cuda_ipc transport: the exporter's handle
+    # the prompt's logprobs, computed here, when the request's params ask for prompt_logprobs
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class KVAck(msgspec.Struct, tag="kv_ack", forbid_unknown_fields=True):
@@ -346,7 +364,7 @@ def decode_control(frame: bytes, max_bytes: int = MAX_CONTROL_MESSAGE_BYTES) -> 
 
 def decode_kv(frame: bytes) -> KVMessage:
     """Decode one kv-socket header frame (the payload frame is raw bytes, never decoded here)."""
-    if len(frame) > MAX_CONTROL_MESSAGE_BYTES:
+    if len(frame) > MAX_KV_HEADER_BYTES:
         raise ProtocolError(f"kv header of {len(frame)} bytes exceeds the limit")
     try:
         return _kv_decoder.decode(frame)

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 MAX_TOP_LOGPROBS = 20
+MAX_PROMPT_LOGPROB_TOKENS = 2**17  # longest prompt whose logprobs are returned (bounds messages)
 # What a structured output may ask for (see StructuredOutput.spec for each kind's text).
 STRUCTURED_OUTPUT_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 MAX_STRUCTURED_SPEC_CHARS = 2**20  # a schema or grammar this long is a mistake, not a format
@@ -46,6 +47,8 @@ class SamplingParams:
 
     `temperature == 0` means greedy. `top_k <= 0` disables top-k. `logprobs` is the number of
     top alternatives to return per token (0 = only the chosen token's logprob; None = no logprobs).
+    `prompt_logprobs` (vLLM's extension) is the same for every prompt token but the first: its
+    logprob given the tokens before it, its rank and that many best alternatives.
     """
 
     max_tokens: int = 16
@@ -63,6 +66,7 @@ class SamplingParams:
     min_tokens: int = 0
     disable_speculation: bool = False  # decode this request one token a step even when drafting
     structured_output: StructuredOutput | None = None  # the output must match this
+    prompt_logprobs: int | None = None  # see common.engine.prompt_logprobs
 
     @property
     def greedy(self) -> bool:
@@ -98,6 +102,12 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not (
+            isinstance(self.prompt_logprobs, int) and 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS
+        ):
+            raise ValueError(
+                f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs}"
+            )
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
             raise ValueError(f"min_tokens must be a non-negative integer, got {self.min_tokens}")
         if self.min_tokens > self.max_tokens:

@@ -44,6 +44,7 @@ def token_output(out: RequestOutput) -> TokenOutput:
         finish_reason=out.finish_reason,
         num_prompt_tokens=out.num_prompt_tokens,
         num_cached_tokens=out.num_cached_tokens,
+        prompt_logprobs=out.prompt_logprobs,
     )
 
 
@@ -152,8 +153,9 @@ class DecodeWorker(WorkerBase):
                 header.first_logprob,
                 header.first_top_logprobs,
                 generator_state=header.generator_state,
+                prompt_logprobs=header.prompt_logprobs,
             )
-        except ValueError as exc:  # a malformed generator state fails this request only
+        except ValueError as exc:  # a bad generator state or prompt logprobs fail this one only
             self.kv_failures += 1
             self.engine.abort(rid)
             self.control.send(RequestFailed(rid, "transfer", str(exc)))

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 import zmq
 
-from common.protocol import KVAck, KVHeader, ProtocolError, decode_kv, encode
+from common.protocol import MAX_KV_HEADER_BYTES, KVAck, KVHeader, ProtocolError, decode_kv, encode
 from kvtransfer import cuda_ipc, payload, shm
 from kvtransfer.sender import SOCKET_BUFFER_BYTES
 
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-MAX_HEADER_BYTES = 1 << 20  # a header is a few hundred bytes; anything this big is garbage
+MAX_HEADER_BYTES = MAX_KV_HEADER_BYTES  # a few hundred bytes, or a prompt's logprobs with them
 MAX_MESSAGES_PER_POLL = 64  # keep one poll short even under a flood
 SHM_SWEEP_EVERY_S = 1.0  # how often to drop the mappings of segments their senders unlinked
 

@@ -2,7 +2,8 @@
 
 Owns the prefill side of a request: the engine runs the prompt (batched, chunked, prefix-cached)
 with `max_tokens=1` and holds its blocks afterwards; the KV sender pushes the blocks the decode
-worker lacks, with the first token, and the blocks stay pinned until the decode side acks, refuses,
+worker lacks, with the first token (and the prompt's logprobs when asked for: they are computed
+where the prompt is), and the blocks stay pinned until the decode side acks, refuses,
 or the deadline passes. They then remain in the prefix cache. Started by `pdserve prefill`.
 """
 
@@ -130,6 +131,7 @@ class PrefillWorker(WorkerBase):
             first_logprob=seq.output_logprobs[0],
             first_top_logprobs=seq.output_top_logprobs[0],
             generator_state=generator_state(seq.generator),
+            prompt_logprobs=seq.prompt_logprobs if seq.params.prompt_logprobs is not None else None,
         )
         remaining = req.deadline_s - (time.monotonic() - job.received_at)
         try:

@@ -50,6 +50,7 @@ async def choice_deltas(
             event.top_logprobs,
             finished=event.finished,
             finish_reason=event.finish_reason,
+            prompt_logprobs=event.prompt_logprobs,
         )
         if choice.done:
             remaining -= 1
@@ -78,12 +79,14 @@ async def sse_events(
                 yield sse(role_chunk(request, response_id, created, choice.index))
         async for choice, delta in choice_deltas(job, choices, timeout_s, timer):
             new_tokens = len(choice.token_ids) > delta.first_token
-            # A delta with no text still carries its tokens' logprobs when they were asked for.
+            # A delta with no text still carries its tokens' logprobs when they were asked for
+            # (and an echoed prompt's: an empty prompt text may still have tokens).
+            shows_tokens = new_tokens or delta.echo
             if (
                 delta.text
                 or delta.finish_reason
                 or delta.tool_calls
-                or (choice.want_logprobs and new_tokens)
+                or (choice.want_logprobs and shows_tokens)
             ):
                 yield sse(delta_chunk(request, response_id, created, choice, delta, tokenizer))
         completion_tokens = sum(len(c.token_ids) for c in choices)

@@ -8,6 +8,11 @@ finish_reason "stop"; tokens after the one that completed it are dropped), and i
 A chat request with tools has its output read by a tool-call parser (`common.api.tool_parsers`):
 deltas and results then carry the content outside the calls and the `ToolCall`s.
 
+With `echo` (completions) the choice shows its prompt first: the prompt text comes with the first
+delta (`Delta.echo`), and results carry the prompt's token ids and logprobs for the body builders;
+with `echo_only` (max_tokens 0) the prompt is all it shows, and the one token the engine computed
+is dropped (finish_reason "length", as vLLM). Prompt logprobs arrive with the first tokens.
+
 Used by both sides that generate text: the router (`router.streaming`, fed by the decode workers'
 `TokenOutput`s) and `pdserve run-batch` (`common.runtime.run_batch`, fed by the engine's
 `RequestOutput`s). Each caller aborts the engine request itself when a stop string cut it short.
@@ -25,6 +30,8 @@ from common.api.tool_parsers import ToolCall, output_parser
 from common.sampling_params import SamplingParams
 
 TopLogprobs = list[tuple[int, float]]  # (token id, logprob) of the best alternatives
+# Per prompt token after the first: (logprob, rank, best alternatives) (engine.prompt_logprobs)
+PromptLogprobs = list[tuple[float, int, TopLogprobs]]
 
 
 @dataclass
@@ -38,6 +45,9 @@ class ChoiceResult:
     logprobs: list[float | None] | None = None  # per output token, when asked for
     top_logprobs: list[TopLogprobs | None] | None = None
     tool_calls: list[ToolCall] = field(default_factory=list)  # chat with tools: the calls made
+    echo_token_ids: list[int] = field(default_factory=list)  # the prompt shown before `token_ids`
+    prompt_token_ids: list[int] = field(default_factory=list)
+    prompt_logprobs: PromptLogprobs | None = None  # when computed (prompt_logprobs or echo)
 
 
 @dataclass
@@ -49,6 +59,7 @@ class Delta:
     finish_reason: str | None  # set on the delta that finished the choice
     tool_calls: list[ToolCall] = field(default_factory=list)  # calls it completed
     first_tool_call: int = 0  # index among the choice's calls of the first of them
+    echo: bool = False  # `text` starts with the echoed prompt (the choice's first delta)
 
 
 class Choice:
@@ -83,6 +94,11 @@ class Choice:
         self.tool_parser = output_parser(request.tools)
         self.tool_calls: list[ToolCall] = []
         self._content = ""
+        self.echo = request.echo
+        self.echo_only = request.echo_only
+        self.echo_pending = request.echo  # the prompt is not shown yet
+        self.prompt_text = _prompt_text(request, index, prompt_token_ids, tokenizer)
+        self.prompt_logprobs: PromptLogprobs | None = None
         # Chars of the token strings already streamed: where the next streamed completions chunk's
         # logprobs text_offset starts (kept by common.api.responses.delta_chunk).
         self.streamed_token_chars = 0
@@ -93,9 +109,9 @@ class Choice:
 
     @property
     def text(self) -> str:
-        """The output text so far (cut at the stop string once one matched); with a tool
-        parser, the content shown so far."""
-        return self.detok.text if self.tool_parser is None else self._content
+        """The output text so far (cut at the stop string once one matched), after the prompt
+        when echoed; with a tool parser, the content shown so far."""
+        return self.prompt_text + (self.detok.text if self.tool_parser is None else self._content)
 
     def add(
         self,
@@ -104,6 +120,7 @@ class Choice:
         top_logprobs: Sequence[TopLogprobs | None] = (),
         finished: bool = False,
         finish_reason: str | None = None,
+        prompt_logprobs: PromptLogprobs | None = None,
     ) -> Delta:
         """Append new tokens (with their logprobs when asked for); `finished`: no more will come.
 
@@ -112,6 +129,12 @@ class Choice:
         """
         if self.done:
             raise RuntimeError(f"choice {self.index} is done; no more tokens")
+        if prompt_logprobs is not None:
+            self.prompt_logprobs = list(prompt_logprobs)
+        echo, self.echo_pending = self.echo_pending, False
+        if self.echo_only:
+            self.finish_reason = "length"
+            return Delta(self.prompt_text, 0, self.finish_reason, echo=True)
         first = len(self.token_ids)
         text = []
         for j, token_id in enumerate(token_ids):
@@ -128,9 +151,11 @@ class Choice:
         elif finished:
             text.append(self.detok.finish())
             self.finish_reason = finish_reason or "stop"
-        if self.tool_parser is not None:
+        if self.tool_parser is not None:  # chat only: never with echo (completions only)
             return self._read_tool_calls("".join(text), first)
-        return Delta("".join(text), first, self.finish_reason)
+        if echo:
+            text.insert(0, self.prompt_text)
+        return Delta("".join(text), first, self.finish_reason, echo=echo)
 
     def _read_tool_calls(self, text: str, first: int) -> Delta:
         """The delta of new output `text` as the tool parser reads it: content and calls."""
@@ -143,10 +168,19 @@ class Choice:
         self._content += parsed.content
         if self.done and self.tool_calls and self.finish_reason == "stop":
             self.finish_reason = "tool_calls"
-        return Delta(parsed.content, first, self.finish_reason, parsed.calls, first_call)
+        return Delta(
+            parsed.content, first, self.finish_reason, tool_calls=parsed.calls,
+            first_tool_call=first_call,
+        )  # fmt: skip
 
-    def result(self, first_token: int = 0, text: str | None = None) -> ChoiceResult:
-        """The choice (or its tokens from `first_token` on, with `text`) for the body builders."""
+    def result(
+        self, first_token: int = 0, text: str | None = None, with_prompt: bool | None = None
+    ) -> ChoiceResult:
+        """The choice (or its tokens from `first_token` on, with `text`) for the body builders.
+
+        The whole choice shows the echoed prompt; a part of it when `with_prompt` (its first).
+        """
+        shows_prompt = self.echo and (text is None if with_prompt is None else with_prompt)
         return ChoiceResult(
             index=self.index,
             text=self.text if text is None else text,
@@ -155,4 +189,20 @@ class Choice:
             logprobs=self.logprobs[first_token:] if self.want_logprobs else None,
             top_logprobs=self.top_logprobs[first_token:] if self.want_logprobs else None,
             tool_calls=list(self.tool_calls),
+            echo_token_ids=self.prompt_token_ids if shows_prompt else [],
+            prompt_token_ids=self.prompt_token_ids,
+            prompt_logprobs=self.prompt_logprobs,
         )
+
+
+def _prompt_text(
+    request: GenerationRequest, index: int, prompt_token_ids: list[int], tokenizer: Tokenizer
+) -> str:
+    """The text echo shows: the prompt as sent (choice `index` is choice index % n of prompt
+    index // n, as the router and run-batch number them), token-id prompts decoded."""
+    if not request.echo:
+        return ""
+    prompt = request.prompts[index // request.n]
+    if isinstance(prompt, str):
+        return prompt
+    return tokenizer.decode(prompt_token_ids, skip_special_tokens=False)

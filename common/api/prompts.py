@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 
 from common.api.requests import GenerationRequest, RequestError
 from common.api.tokenizer import Tokenizer
-from common.sampling_params import SamplingParams
+from common.sampling_params import MAX_PROMPT_LOGPROB_TOKENS, SamplingParams
 
 
 @dataclass
@@ -43,6 +43,12 @@ def engine_inputs(
             raise RequestError("the prompt is empty", "prompt")
         if min(ids) < 0 or max(ids) >= vocab_size:
             raise RequestError(f"prompt token ids must be in [0, {vocab_size})", "prompt")
+        if request.params.prompt_logprobs is not None and len(ids) > MAX_PROMPT_LOGPROB_TOKENS:
+            raise RequestError(
+                f"prompt logprobs (prompt_logprobs, or echo with logprobs) are returned for "
+                f"prompts of at most {MAX_PROMPT_LOGPROB_TOKENS} tokens; this one has {len(ids)}",
+                "prompt_logprobs",
+            )
         inputs.append(EngineInput(ids, _resolve_max_tokens(request, len(ids), max_model_len)))
     return inputs
 

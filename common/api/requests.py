@@ -5,7 +5,7 @@ served model names), the `GenerationRequest` they become, and `RequestError`, th
 carries its OpenAI error body. No HTTP and no tokenizer here: the router (`router.app`) and
 `pdserve run-batch` (`common.runtime.run_batch`) both call it; `common.api.prompts` then turns a
 request into engine inputs. Unknown body fields are ignored (OpenAI clients send extras); known
-fields we cannot honour (echo, suffix, logit_bias, functions, ...) are rejected rather than silently
+fields we cannot honour (suffix, logit_bias, functions, ...) are rejected rather than silently
 dropped. Every integer and float field is bounded here, before anything reaches a worker: integers
 fit the wire's int64 (msgpack) and the engine's int32 token arithmetic, and a nonzero float is never
 so small (`MIN_NONZERO_FLOAT`) that dividing logits by it overflows float32 or that float32 flushes
@@ -87,6 +87,9 @@ class GenerationRequest:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     return_tokens_as_token_ids: bool = False
+    echo: bool = False  # completions: the prompt (and its logprobs) before each choice's output
+    echo_only: bool = False  # echo with max_tokens 0: the prompt alone (a token computed, dropped)
+    prompt_logprobs: int | None = None  # alternatives in the response's prompt_logprobs (vLLM)
     stream: bool = False
     include_usage: bool = False
     user: str | None = None
@@ -115,16 +118,21 @@ def parse_completion_request(body: Any, served_model_names: list[str]) -> Genera
     body = _object(body)
     model = _model(body, served_model_names)
     prompts = _prompts(body.get("prompt"))
-    if _bool(body, "echo", False):
-        raise RequestError("echo is not supported", "echo")
+    echo = _bool(body, "echo", False)
     if body.get("suffix") is not None:
         raise RequestError("suffix is not supported", "suffix")
     best_of = _int(body, "best_of", None, lo=1, hi=MAX_INT32)
     if best_of is not None and best_of > 1:
         raise RequestError("best_of is not supported; use n", "best_of")
     logprobs = _int(body, "logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS)
-    max_tokens = _int(body, "max_tokens", DEFAULT_COMPLETION_MAX_TOKENS, lo=1, hi=MAX_INT32)
-    return _common(body, "completions", model, max_tokens, logprobs, prompts=prompts)
+    max_tokens = _int(
+        body, "max_tokens", DEFAULT_COMPLETION_MAX_TOKENS, lo=0 if echo else 1, hi=MAX_INT32
+    )
+    request = _common(
+        body, "completions", model, max_tokens or 1, logprobs, prompts=prompts, echo=echo,
+        echo_only=max_tokens == 0,
+    )  # fmt: skip
+    return _with_prompt_logprobs(request, body, logprobs if echo else None)
 
 
 def parse_chat_request(
@@ -157,6 +165,22 @@ def parse_chat_request(
     )
     if tools is not None:
         tools.constrain(request.params)
+    return _with_prompt_logprobs(request, body, None)
+
+
+def _with_prompt_logprobs(
+    request: GenerationRequest, body: dict, echo_logprobs: int | None
+) -> GenerationRequest:
+    """vLLM's `prompt_logprobs` (alternatives per prompt token; as vLLM, refused above 0 in a
+    stream, whose chunks have no field for them) and what echo's logprobs need
+    (`echo_logprobs`): the engine computes enough alternatives for both."""
+    asked = _int(body, "prompt_logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS)
+    if asked and request.stream:
+        raise RequestError("prompt_logprobs are not available with stream", "prompt_logprobs")
+    if not request.stream:  # as vLLM: echo with logprobs reports them too
+        request.prompt_logprobs = asked if asked is not None else echo_logprobs
+    wanted = [n for n in (request.prompt_logprobs, echo_logprobs) if n is not None]
+    request.params.prompt_logprobs = max(wanted) if wanted else None
     return request
 
 

@@ -1,7 +1,9 @@
 """Engine results in, OpenAI response bodies out: whole bodies and the SSE chunks of a stream.
 
 Owns the non-streamed `text_completion` and `chat.completion` bodies with usage and logprobs (in
-each endpoint's own format), and the streamed ones: the SSE framing, the `text_completion` chunk
+each endpoint's own format; with echo, a completion's logprobs cover its prompt first, null for
+the first prompt token, as vLLM) and vLLM's `prompt_logprobs` (on each completions choice, on the
+chat response), and the streamed ones: the SSE framing, the `text_completion` chunk
 and the `chat.completion.chunk` of one choice's delta, the chat stream's opening role chunk, the
 usage chunk (`stream_options.include_usage`), the error event and `[DONE]`. Takes `ChoiceResult`s
 and `Choice`s from `common.api.choice`. No HTTP: the router (`router.app`, `router.streaming`) and
@@ -13,12 +15,13 @@ a call is one delta carrying its index, id, type, name and whole arguments.
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 import uuid
 from typing import Any
 
-from common.api.choice import Choice, ChoiceResult, Delta
+from common.api.choice import Choice, ChoiceResult, Delta, TopLogprobs
 from common.api.detokenizer import token_bytes, token_text
 from common.api.requests import GenerationRequest, RequestError
 from common.api.tokenizer import Tokenizer
@@ -47,6 +50,7 @@ def completion_body(
     created: int | None = None,
 ) -> dict[str, Any]:
     """A non-streamed `text_completion` body; `prompt_tokens` counts every prompt once."""
+    with_prompt_logprobs = request.prompt_logprobs is not None
     return {
         "id": request_id or f"cmpl-{uuid.uuid4().hex}",
         "object": "text_completion",
@@ -58,6 +62,11 @@ def completion_body(
                 "text": c.text,
                 "logprobs": completion_logprobs(request, c, tokenizer),
                 "finish_reason": c.finish_reason,
+                **(
+                    {"prompt_logprobs": prompt_logprobs_body(request, c, tokenizer)}
+                    if with_prompt_logprobs
+                    else {}
+                ),
             }
             for c in choices
         ],
@@ -74,6 +83,9 @@ def chat_body(
     created: int | None = None,
 ) -> dict[str, Any]:
     """A non-streamed `chat.completion` body."""
+    extra = {}
+    if request.prompt_logprobs is not None and choices:  # the choices share one prompt
+        extra["prompt_logprobs"] = prompt_logprobs_body(request, choices[0], tokenizer)
     return {
         "id": request_id or f"chatcmpl-{uuid.uuid4().hex}",
         "object": "chat.completion",
@@ -89,6 +101,7 @@ def chat_body(
             for c in choices
         ],
         "usage": usage_body(prompt_tokens, sum(len(c.token_ids) for c in choices)),
+        **extra,
     }
 
 
@@ -116,26 +129,66 @@ def _token_str(request: GenerationRequest, tokenizer: Tokenizer, token_id: int) 
 def completion_logprobs(
     request: GenerationRequest, c: ChoiceResult, tokenizer: Tokenizer
 ) -> dict[str, list] | None:
-    """A choice's `logprobs` in the /v1/completions format, or None when not asked for."""
+    """A choice's `logprobs` in the /v1/completions format, or None when not asked for: its
+    echoed prompt's tokens first (when it has one), then its output tokens."""
     if request.num_top_logprobs is None or c.logprobs is None:
         return None
-    tokens, top_logprobs, text_offset, offset = [], [], [], 0
-    for i, token_id in enumerate(c.token_ids):
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top_logprobs: list[dict[str, float] | None] = []
+
+    def add(token_id: int, lp: float | None, alts: TopLogprobs | None) -> None:
         text = _token_str(request, tokenizer, token_id)
         tokens.append(text)
-        text_offset.append(offset)
-        offset += len(text)
-        # As vLLM: the sampled token first, then the best alternatives.
-        top = {text: _logprob(c.logprobs[i])}
-        for alt_id, lp in (c.top_logprobs[i] if c.top_logprobs else None) or []:
-            top.setdefault(_token_str(request, tokenizer, alt_id), _logprob(lp))
+        token_logprobs.append(_logprob(lp))
+        # As vLLM: the token itself first, then the best alternatives.
+        top = {text: _logprob(lp)}
+        for alt_id, alt_lp in alts or []:
+            top.setdefault(_token_str(request, tokenizer, alt_id), _logprob(alt_lp))
         top_logprobs.append(top)
+
+    scores = c.prompt_logprobs or []
+    for j, token_id in enumerate(c.echo_token_ids):
+        if 0 < j <= len(scores):
+            lp, _, alts = scores[j - 1]
+            add(token_id, lp, alts[: request.num_top_logprobs])
+        else:  # the first prompt token has no context: null, as vLLM
+            tokens.append(_token_str(request, tokenizer, token_id))
+            token_logprobs.append(None)
+            top_logprobs.append(None)
+    for i, token_id in enumerate(c.token_ids):
+        add(token_id, c.logprobs[i], c.top_logprobs[i] if c.top_logprobs else None)
     return {
         "tokens": tokens,
-        "token_logprobs": [_logprob(v) for v in c.logprobs],
+        "token_logprobs": token_logprobs,
         "top_logprobs": top_logprobs,
-        "text_offset": text_offset,
+        "text_offset": list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=0))
+        if tokens
+        else [],
     }
+
+
+def prompt_logprobs_body(
+    request: GenerationRequest, c: ChoiceResult, tokenizer: Tokenizer
+) -> list[dict[int, dict[str, Any]] | None] | None:
+    """vLLM's `prompt_logprobs`: null for the first prompt token, then per token a map from
+    token id to {logprob, rank, decoded_token} holding the token itself and its best
+    `request.prompt_logprobs` alternatives (ranks 1..n). None when they were not computed."""
+    if c.prompt_logprobs is None:
+        return None
+
+    def ranked(token_id: int, lp: float, rank: int) -> dict[str, Any]:
+        text = _token_str(request, tokenizer, token_id)
+        return {"logprob": _logprob(lp), "rank": rank, "decoded_token": text}
+
+    body: list[dict[int, dict[str, Any]] | None] = [None]
+    num_top = request.prompt_logprobs or 0
+    for token_id, (lp, rank, alts) in zip(c.prompt_token_ids[1:], c.prompt_logprobs):
+        entry = {token_id: ranked(token_id, lp, rank)}
+        for alt_rank, (alt_id, alt_lp) in enumerate(alts[:num_top], 1):
+            entry.setdefault(alt_id, ranked(alt_id, alt_lp, alt_rank))
+        body.append(entry)
+    return body
 
 
 def chat_logprobs(
@@ -187,7 +240,7 @@ def delta_chunk(
     Completions logprobs' `text_offset` counts from the start of the choice, so this advances
     `choice.streamed_token_chars`: call it once per delta, in order.
     """
-    part = choice.result(delta.first_token, delta.text)
+    part = choice.result(delta.first_token, delta.text, with_prompt=delta.echo)
     if request.endpoint == "chat":
         message: dict[str, Any] = {}
         if delta.text or not (delta.finish_reason or delta.tool_calls):

@@ -63,6 +63,7 @@ _SAMPLING: dict[str, Any] = {
     "skip_special_tokens": {"type": "boolean", "default": True},
     "return_tokens_as_token_ids": {"type": "boolean", "default": False},
     "disable_speculation": {"type": "boolean", "default": False},
+    "prompt_logprobs": _integer(0, MAX_TOP_LOGPROBS),
     "user": {"type": "string"},
 }
 
@@ -144,6 +145,7 @@ COMPLETION_REQUEST: dict[str, Any] = {
             ]
         },
         "logprobs": _integer(0, MAX_TOP_LOGPROBS),
+        "echo": {"type": "boolean", "default": False},
         **_SAMPLING,
     },
 }

@@ -5,7 +5,8 @@ sampling of each step's logits and, with speculative decoding, the verification 
 bookkeeping: appending the accepted tokens (cut at a stop), rolling the KV of rejected drafts back
 and counting drafts. The scheduler decides what runs, the proposer (`common.engine.spec.proposers`)
 drafts, the model runner turns rows of tokens into logits, the sampler and the verifier
-(`common.engine.spec.verify`) pick the tokens. `block_books` audits where every KV block is.
+(`common.engine.spec.verify`) pick the tokens, `common.engine.prompt_logprobs` scores prompts
+on the same forward. `block_books` audits where every KV block is.
 Used in-process by `pdserve run-batch` and the benchmarks, and inside the prefill/decode workers.
 """
 
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from common.config import EngineConfig
+from common.engine import prompt_logprobs as scoring
 from common.engine.block_manager import BlockBooks, BlockManager
 from common.engine.block_pool import BlockPool
 from common.engine.grammar import GrammarCompiler
@@ -47,6 +49,7 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int
+    prompt_logprobs: list[scoring.PromptLogprob] | None = None  # with the first token, if asked
 
 
 CPU_SPECULATIVE_MAX_BATCH = 2  # --speculative-disable-by-batch-size's default on a CPU
@@ -172,6 +175,8 @@ class Engine:
             )
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.vocab_size:
             raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
+        if params.prompt_logprobs is not None:
+            scoring.check_prompt_length(len(prompt_token_ids))
 
     def abort(self, request_id: str) -> bool:
         """Drop a request wherever it is and free its blocks; False if it is not here."""
@@ -229,13 +234,16 @@ class Engine:
         logprob: float | None = None,
         top_logprobs: list[tuple[int, float]] | None = None,
         generator_state: bytes = b"",
+        prompt_logprobs: list[scoring.PromptLogprob] | None = None,
     ) -> RequestOutput:
         """The reserved prompt's KV has arrived: add the first token and start decoding it.
 
         `generator_state` is the prefill side's sampler RNG state after it sampled the first token
         (seeded requests): restoring it makes the decode side continue the same random stream.
+        `prompt_logprobs`: the prefill side's scores of the prompt (when the request wants them).
         """
         seq = self.reserved[request_id]
+        scoring.adopt_prompt_logprobs(seq, prompt_logprobs)  # raises before anything changes
         if seq.generator is not None and generator_state:
             restore_generator(seq.generator, generator_state)  # raises before anything changes
         del self.reserved[request_id]
@@ -283,7 +291,7 @@ class Engine:
             rows.append((tokens, start, seq.block_table))
             at_end = start + item.num_new_tokens == seq.num_tokens
             num_logits.append(len(item.draft_token_ids) + 1 if at_end else 0)
-        logits = self.runner.run(rows, num_logits)
+        logits = scoring.run_and_score(self.runner, batch, rows, num_logits)
         results = self.verifier.pick_tokens(self.sampler, batch, logits, num_logits)
         outputs = []
         for item, samples in zip(batch, results):
@@ -319,6 +327,7 @@ class Engine:
         that finishes the sequence."""
         reason = None
         kept = []
+        handed = seq.prompt_logprobs if seq.scores_prompt else None  # with the first token only
         for sample in samples:
             seq.token_ids.append(sample.token_id)
             seq.output_logprobs.append(sample.logprob)
@@ -338,6 +347,7 @@ class Engine:
             num_prompt_tokens=seq.num_prompt_tokens,
             num_output_tokens=seq.num_output_tokens,
             num_cached_tokens=seq.num_cached_tokens,
+            prompt_logprobs=handed,
         )
 
     def _finish(self, seq: SequenceState, reason: str) -> None:

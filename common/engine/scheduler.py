@@ -148,7 +148,8 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if not seq.block_table:
-                hit = self.block_manager.match_prefix(seq)
+                # prompt logprobs need every prompt position computed (engine.prompt_logprobs)
+                hit = self.block_manager.match_prefix(seq) if seq.reads_prefix_cache else 0
                 if seq.num_output_tokens == 0:  # a preempted sequence keeps its first count
                     seq.num_cached_tokens = hit
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)

@@ -15,6 +15,7 @@ import torch
 
 from common.engine.grammar import GrammarMatcher
 from common.engine.penalties import TokenHistory
+from common.engine.prompt_logprobs import PromptLogprob
 from common.engine.sampler import SamplingState
 from common.sampling_params import SamplingParams
 
@@ -47,6 +48,8 @@ class SequenceState:
     output_top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
     history: TokenHistory | None = None  # for penalties; created by the first sampling_state
     grammar: GrammarMatcher | None = None  # structured output: follows the output tokens
+    # params.prompt_logprobs: prompt tokens 1.. scored so far (common.engine.prompt_logprobs)
+    prompt_logprobs: list[PromptLogprob] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -63,6 +66,17 @@ class SequenceState:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Its prompt tokens' logprobs are wanted and not yet all handed out."""
+        return self.params.prompt_logprobs is not None and self.num_output_tokens == 0
+
+    @property
+    def reads_prefix_cache(self) -> bool:
+        """A cache hit would skip prompt positions whose logprobs are wanted: such a sequence
+        computes its whole prompt (and still registers its blocks for others)."""
+        return not self.scores_prompt
 
     @property
     def is_finished(self) -> bool:

@@ -7,7 +7,10 @@ the captured decode graphs (`common.model.cuda_graph`) that replay uniform decod
 
 The engine calls `run` once per step with the step's rows (tokens, first position, block table;
 see `common.kernels.attention.build_batch`) and how many trailing logits each row wants; it samples
-and verifies drafts itself. The runner knows nothing of sequences, sampling or speculation.
+and verifies drafts itself. A step with rows whose prompt tokens are scored (prompt logprobs) calls
+`run_with_hidden` instead, which also returns those rows' final hidden states for the engine to put
+through `compute_logits` a slice at a time; other steps never pay for it. The runner knows nothing
+of sequences, sampling or speculation.
 """
 
 from __future__ import annotations
@@ -222,3 +225,24 @@ class ModelRunner:
             wanted = [range(end - n, end) for end, n in zip(ends.tolist(), num_logits) if n]
             index = torch.tensor([i for r in wanted for i in r], device=self.device)
         return self._logits(ids, pos, meta, index)
+
+    @torch.inference_mode()
+    def run_with_hidden(
+        self, rows: list[Row], num_logits: list[int], hidden_rows: list[int]
+    ) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+        """As `run` (always eager), plus the final hidden states of every token of each row in
+        `hidden_rows` ([row's tokens, hidden] each, views into one forward's output)."""
+        ids, pos, meta = self.build_rows(rows)
+        hidden = self.model(ids, pos, meta)
+        starts = np.concatenate(([0], np.cumsum(meta.query_lens_cpu)))
+        kept = [hidden[starts[i] : starts[i + 1]] for i in hidden_rows]
+        if not any(num_logits):
+            return None, kept
+        wanted = [range(end - n, end) for end, n in zip(starts[1:].tolist(), num_logits) if n]
+        index = torch.tensor([i for r in wanted for i in r], device=self.device)
+        return self.model.compute_logits(hidden[index]), kept
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head over final hidden states (from `run_with_hidden`)."""
+        return self.model.compute_logits(hidden)

@@ -192,6 +192,7 @@ class BatchRunner:
             out.new_top_logprobs,
             finished=out.finished,
             finish_reason=out.finish_reason,
+            prompt_logprobs=out.prompt_logprobs,
         )
         if not choice.done:
             return len(out.new_token_ids)

@@ -216,3 +216,21 @@ def test_structured_output_travels_to_workers(kind: str) -> None:
     frame = protocol.encode(message).replace(b"\xa4kind", b"\xa4kinx")  # an unknown field name
     with pytest.raises(protocol.ProtocolError):
         protocol.decode_control(frame)
+
+
+def test_prompt_logprobs_are_bounded() -> None:
+    # One prompt token's worst case (every number at its widest) fits PROMPT_LOGPROB_BYTES, so
+    # the longest prompt allowed to ask for them fits MAX_KV_HEADER_BYTES and the control limit.
+    from common.sampling_params import MAX_PROMPT_LOGPROB_TOKENS, MAX_TOP_LOGPROBS
+
+    worst = (-1e30, 2**63 - 1, [(2**63 - 1, -1e30)] * MAX_TOP_LOGPROBS)
+    assert len(protocol.encode(worst)) <= protocol.PROMPT_LOGPROB_BYTES
+    assert protocol.MAX_KV_HEADER_BYTES <= protocol.MAX_CONTROL_MESSAGE_BYTES
+    header = msgspec.structs.replace(build(protocol.KVHeader), prompt_logprobs=[worst])
+    assert protocol.decode_kv(protocol.encode(header)) == header
+    too_wide = (-1.0, 1, [(1, -1.0)] * (MAX_TOP_LOGPROBS + 1))
+    too_long = [(-1.0, 1, [])] * (MAX_PROMPT_LOGPROB_TOKENS + 1)
+    for bad in ([too_wide], too_long):
+        out = msgspec.structs.replace(build(protocol.TokenOutput), prompt_logprobs=bad)
+        with pytest.raises(protocol.ProtocolError, match="length <="):
+            protocol.decode_control(protocol.encode(out))

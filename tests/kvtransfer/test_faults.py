@@ -13,7 +13,7 @@ import zlib
 import pytest
 import torch
 
-from common.protocol import KVAck, encode
+from common.protocol import MAX_KV_HEADER_BYTES, KVAck, encode
 from kvtransfer import KVReceiver, KVSender, payload, shm
 from tests.kvtransfer import (
     DST_BLOCKS,
@@ -261,7 +261,13 @@ def test_garbage_frames_are_dropped(pair, frames):
 def test_oversized_header_is_dropped(pair):
     sender, receiver = pair
     header, data = good_frames(sender.kv_cache)
-    header.first_top_logprobs = [(i, 0.0) for i in range(200_000)]  # > 1 MiB of msgpack
+    # over the size limit (which leaves room for a long prompt's logprobs)
+    header.shm_name = "x" * MAX_KV_HEADER_BYTES
+    received, ack = raw_exchange(receiver, [encode(header), data])
+    assert received == [] and ack is None
+    # within it, but a field over its own bound
+    header.shm_name = ""
+    header.first_top_logprobs = [(i, 0.0) for i in range(200_000)]
     received, ack = raw_exchange(receiver, [encode(header), data])
     assert received == [] and ack is None
     assert_serves(sender, receiver)

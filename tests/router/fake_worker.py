@@ -3,7 +3,8 @@ running in a thread.
 
 `FakeWorker` is a DEALER (identity = worker id) in a thread of its own that speaks the real control
 protocol: it registers, heartbeats, answers `Reserve` / `Generate` / `Prefill` by emitting
-`TokenOutput` sequences the test controls (by default it echoes the prompt's tokens back), records
+`TokenOutput` sequences the test controls (by default it echoes the prompt's tokens back; prompt
+logprobs, when asked for, are `fake_prompt_logprobs`), records
 every message it receives, and can be told to refuse, fail, stay silent or die. A fake prefill
 worker "pushes KV" by telling the fake decode worker named in its `Prefill` (through `KV_BUS`,
 keyed by the decode worker's kv address), which then starts emitting tokens. No model weights.
@@ -54,14 +55,24 @@ def default_tokenizer() -> Tokenizer:
     return Tokenizer.from_source(resolve_model("default"))
 
 
+def fake_prompt_logprobs(prompt: list[int], k: int) -> list[tuple[float, int, list]]:
+    """What a fake decode worker reports as prompt logprobs: token j+1 gets -0.25 * (j + 1), rank
+    j + 1 and k alternatives (prompt[j+1] + a + 1, -0.1 - a)."""
+    return [
+        (-0.25 * (j + 1), j + 1, [((t + a + 1) % VOCAB, -0.1 - a) for a in range(k)])
+        for j, t in enumerate(prompt[1:])
+    ]
+
+
 class _Stream:
     """Tokens a fake decode worker is emitting for one request."""
 
-    def __init__(self, request_id: str, tokens: list[int], params: SamplingParams, n_prompt: int):
+    def __init__(self, request_id: str, tokens: list[int], params: SamplingParams, prompt: list):
         self.request_id = request_id
         self.tokens = tokens
         self.params = params
-        self.num_prompt_tokens = n_prompt
+        self.prompt = prompt
+        self.num_prompt_tokens = len(prompt)
         self.num_sent = 0
         self.next_s = 0.0
 
@@ -236,7 +247,7 @@ class FakeWorker:
 
     def _start_stream(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
         tokens = self.output_token_ids or prompt
-        self._streams[request_id] = _Stream(request_id, list(tokens), params, len(prompt))
+        self._streams[request_id] = _Stream(request_id, list(tokens), params, list(prompt))
 
     def _emit_due(self, now: float) -> None:
         for rid, s in list(self._streams.items()):
@@ -252,6 +263,8 @@ class FakeWorker:
             length = s.num_sent >= s.params.max_tokens
             k = s.params.logprobs
             finished = stop or length
+            n_prompt = s.params.prompt_logprobs
+            first = s.num_sent == 1 and n_prompt is not None
             self._send(
                 TokenOutput(
                     request_id=rid,
@@ -264,6 +277,7 @@ class FakeWorker:
                     finish_reason=("stop" if stop else "length") if finished else None,
                     num_prompt_tokens=s.num_prompt_tokens,
                     num_cached_tokens=0,
+                    prompt_logprobs=fake_prompt_logprobs(s.prompt, n_prompt) if first else None,
                 )
             )
             if finished:

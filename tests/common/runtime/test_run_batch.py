@@ -287,3 +287,40 @@ def test_tool_calls_have_the_router_shape(engine: Engine, tok: Tokenizer) -> Non
             assert json.loads(call["function"]["arguments"])["city"] in ("Paris", "Lima")
     assert auto["response"]["status_code"] == 400
     assert "--tool-call-parser" in auto["response"]["body"]["error"]["message"]
+
+
+def test_echo_and_prompt_logprobs(engine: Engine, tok: Tokenizer, model_dir: Path) -> None:
+    # The in-process engine scores the prompt too: echo with max_tokens 0 (lm_eval's request) and
+    # vLLM's prompt_logprobs on chat, against transformers on the same weights (1e-4 per token:
+    # see tests/common/engine/test_prompt_logprobs.py).
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    msgs = [{"role": "user", "content": "Hi there"}]
+    comp, ch = run(
+        engine,
+        tok,
+        [
+            completion("a", prompt="Hello world, again", max_tokens=0, echo=True, logprobs=1),
+            chat("b", messages=msgs, max_tokens=1, prompt_logprobs=0),
+        ],
+    )
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+    def expected(ids: list[int]) -> list[float]:
+        with torch.no_grad():
+            logprobs = hf(torch.tensor([ids])).logits[0, :-1].float().log_softmax(-1)
+        return logprobs.gather(1, torch.tensor(ids[1:])[:, None]).squeeze(1).tolist()
+
+    choice = ok_body(comp)["choices"][0]
+    ids = tok.encode("Hello world, again")
+    assert choice["text"] == "Hello world, again" and choice["finish_reason"] == "length"
+    assert ok_body(comp)["usage"]["completion_tokens"] == 0
+    lp = choice["logprobs"]
+    assert lp["token_logprobs"][0] is None and len(lp["tokens"]) == len(ids)
+    assert lp["token_logprobs"][1:] == pytest.approx(expected(ids), abs=1e-4)
+    chat_ids = tok.apply_chat_template(msgs)
+    body = ok_body(ch)["prompt_logprobs"]
+    assert body[0] is None
+    got = [entry[str(t)]["logprob"] for entry, t in zip(body[1:], chat_ids[1:])]
+    assert got == pytest.approx(expected(chat_ids), abs=1e-4)
