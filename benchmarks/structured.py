@@ -2,16 +2,17 @@
 
 In one process, an in-process `Engine` on the default model (or, with `--tiny`, a random-weight
 2-layer model over the default model's tokenizer, which shows the grammar's fixed cost against a
-nearly free forward pass) decodes `batch` sampled requests at once, for each batch size:   -
-`free`: no constraint (ignore_eos, so every sequence runs the whole measured window),   - `json`:
-the same requests with a JSON schema (an array of objects long enough to outlast the     window),
-its grammar compiled and cached by an untimed warm-up request. Inter-token latency is the mean
-engine step time over the first `--steps` decode steps in which all `batch` sequences are running
-(each gets one token per step), best of `--repeats` runs taken in turns. The grammar's own work per
-step (bitmasks, matcher updates, unpacking the masks; timed inside the step) is reported too: on a
-shared, noisy machine it is the steadier measure of the overhead, while the difference of the two
-step times swings with the neighbours' load. Compile time: building the tokenizer's grammar tables
-(once per model), the schema's first compile, and a cached lookup.
+nearly free forward pass) decodes `batch` sampled requests at once, for each batch size:
+  - `free`: no constraint (ignore_eos, so every sequence runs the whole measured window),
+  - `json`: the same requests with a JSON schema (an array of objects long enough to outlast the
+    window), its grammar compiled and cached by an untimed warm-up request.
+Inter-token latency is the mean engine step time over the first `--steps` decode steps in which
+all `batch` sequences are running (each gets one token per step), best of `--repeats` runs taken
+in turns. The grammar's own work per step (bitmasks, matcher updates, unpacking the masks; timed
+inside the step) is reported too: on a shared, noisy machine it is the steadier measure of the
+overhead, while the difference of two step times swings with the neighbours' load. Compile time:
+building the tokenizer's grammar tables (once per model), the schema's first compile, and a
+cached lookup.
 
     python benchmarks/structured.py [--model default] [--tiny] [--batch-sizes 1,16] [--steps 24]
         [--repeats 2] [--threads N] [--greedy]
