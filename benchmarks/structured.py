@@ -188,7 +188,10 @@ def main() -> None:
                 best[name] = min(best[name], ms)
                 if name == "json":
                     grammar_ms = min(grammar_ms, in_grammar)
-                print(f"batch {batch} {name}: {ms:.2f} ms/token", file=sys.stderr)
+                print(
+                    f"batch {batch} {name}: {ms:.2f} ms/token, grammar {in_grammar:.2f} ms/step",
+                    file=sys.stderr,
+                )
         rows.append((batch, best["free"], best["json"], grammar_ms))
 
     model = "tiny random 2-layer" if args.tiny else args.model
