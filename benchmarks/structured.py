@@ -8,8 +8,11 @@ nearly free forward pass) decodes `batch` sampled requests at once, for each bat
     window), its grammar compiled and cached by an untimed warm-up request.
 Inter-token latency is the mean engine step time over the first `--steps` decode steps in which
 all `batch` sequences are running (each gets one token per step), best of `--repeats` runs taken
-in turns. Compile time: building the tokenizer's grammar tables (once per model), the schema's
-first compile, and a cached lookup.
+in turns. The grammar's own work per step (bitmasks, matcher updates, unpacking the masks; timed
+inside the step) is reported too: on a shared, noisy machine it is the steadier measure of the
+overhead, while the difference of two step times swings with the neighbours' load. Compile time:
+building the tokenizer's grammar tables (once per model), the schema's first compile, and a
+cached lookup.
 
     python benchmarks/structured.py [--model default] [--tiny] [--batch-sizes 1,16] [--steps 24]
         [--repeats 2] [--threads N] [--greedy]
@@ -36,8 +39,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a plain
 
 from common.api.tokenizer import Tokenizer  # noqa: E402
 from common.config import EngineConfig  # noqa: E402
+from common.engine import sampler as sampler_module  # noqa: E402
 from common.engine.engine import Engine  # noqa: E402
-from common.engine.grammar import GrammarCompiler  # noqa: E402
+from common.engine.grammar import GrammarCompiler, GrammarMatcher  # noqa: E402
 from common.model.model_files import resolve_model  # noqa: E402
 from common.sampling_params import SamplingParams, StructuredOutput  # noqa: E402
 
@@ -71,7 +75,7 @@ def build_engine(args: argparse.Namespace) -> tuple[Engine, Tokenizer]:
     source = resolve_model(args.model)
     tokenizer = Tokenizer.from_source(source)
     config = EngineConfig(
-        model=args.model, dtype="float32", kv_cache_memory="256MiB", max_num_seqs=64
+        model=args.model, dtype="float32", kv_cache_memory="256MiB", max_model_len=2048
     )
     if not args.tiny:
         return Engine(config, eos_token_ids=tokenizer.eos_token_ids), tokenizer
@@ -88,25 +92,49 @@ def build_engine(args: argparse.Namespace) -> tuple[Engine, Tokenizer]:
     return Engine(config, hf_config, weights, tokenizer.eos_token_ids), tokenizer
 
 
+class GrammarTimer:
+    """Seconds spent in the grammar's own work (bitmasks, matcher updates, mask unpacking):
+    the part of a step that structured output adds, measured inside the step, so it is less
+    exposed to a shared machine's noise than the difference of two step times."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        for owner, name in ((GrammarMatcher, "bitmask"), (GrammarMatcher, "sync"),
+                            (sampler_module, "_grammar_refusals")):  # fmt: skip
+            setattr(owner, name, self._timed(getattr(owner, name)))
+
+    def _timed(self, fn):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - start
+
+        return timed
+
+
 def step_latency_ms(engine: Engine, prompt: list[int], params: SamplingParams, batch: int,
-                    steps: int) -> float:  # fmt: skip
-    """Mean step time over the first `steps` steps where all `batch` sequences decode."""
+                    steps: int, timer: GrammarTimer) -> tuple[float, float]:  # fmt: skip
+    """Mean step time and grammar time (ms) over the first `steps` steps where all `batch`
+    sequences decode."""
     ids = [f"b{time.monotonic_ns()}-{i}" for i in range(batch)]
     for rid in ids:
         engine.add_request(rid, prompt, params)
-    times = []
+    times, grammar = [], []
     while engine.has_unfinished():
         full = all(rid in engine.seqs and engine.seqs[rid].num_output_tokens > 0 for rid in ids)
-        start = time.perf_counter()
+        start, in_grammar = time.perf_counter(), timer.seconds
         engine.step()
         if full and len(engine.scheduler.running) == batch:
             times.append(time.perf_counter() - start)
+            grammar.append(timer.seconds - in_grammar)
         if len(times) >= steps:
             for rid in ids:
                 engine.abort(rid)
     if len(times) < steps // 2:
         raise SystemExit(f"only {len(times)} full steps at batch {batch}: raise max_tokens")
-    return 1000 * sum(times) / len(times)
+    return 1000 * sum(times) / len(times), 1000 * sum(grammar) / len(grammar)
 
 
 def compile_times(tokenizer: Tokenizer, vocab_size: int) -> dict[str, float]:
@@ -149,23 +177,31 @@ def main() -> None:
     constrained = SamplingParams(max_tokens=window, temperature=temperature, structured_output=so)
     engine.generate([prompt], SamplingParams(max_tokens=8, structured_output=so))  # warm, compile
 
+    timer = GrammarTimer()
     rows = []
     for batch in [int(b) for b in args.batch_sizes.split(",")]:
         best = {"free": float("inf"), "json": float("inf")}
+        grammar_ms = float("inf")
         for _ in range(args.repeats):
             for name, params in (("free", free), ("json", constrained)):
-                ms = step_latency_ms(engine, prompt, params, batch, args.steps)
+                ms, in_grammar = step_latency_ms(engine, prompt, params, batch, args.steps, timer)
                 best[name] = min(best[name], ms)
-                print(f"batch {batch} {name}: {ms:.2f} ms/token", file=sys.stderr)
-        rows.append((batch, best["free"], best["json"]))
+                if name == "json":
+                    grammar_ms = min(grammar_ms, in_grammar)
+                print(
+                    f"batch {batch} {name}: {ms:.2f} ms/token, grammar {in_grammar:.2f} ms/step",
+                    file=sys.stderr,
+                )
+        rows.append((batch, best["free"], best["json"], grammar_ms))
 
     model = "tiny random 2-layer" if args.tiny else args.model
     print(f"\nModel: {model}, {'greedy' if args.greedy else 'sampled (T=0.8)'}, "
           f"{torch.get_num_threads()} threads, best of {args.repeats}\n")  # fmt: skip
-    print("| batch | free ms/token | json schema ms/token | overhead |")
-    print("|---|---|---|---|")
-    for batch, a, b in rows:
-        print(f"| {batch} | {a:.2f} | {b:.2f} | {100 * (b - a) / a:+.1f}% |")
+    print("| batch | free ms/token | json schema ms/token | overhead | grammar work ms/step |")
+    print("|---|---|---|---|---|")
+    for batch, a, b, g in rows:
+        print(f"| {batch} | {a:.2f} | {b:.2f} | {100 * (b - a) / a:+.1f}% | {g:.2f} "
+              f"({100 * g / a:.1f}% of a free step) |")  # fmt: skip
     print(
         f"\nCompile: tokenizer tables {times['tokenizer_tables_s']:.2f} s (once per model), "
         f"schema first compile {times['first_compile_ms']:.1f} ms, "

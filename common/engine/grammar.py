@@ -100,20 +100,26 @@ class GrammarCompiler:
         self._max_cached = max_cached
         self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()  # matcher or ValueError
         self._lock = threading.Lock()
+        self._tokenizer_lock = threading.Lock()
         self._tokenizer = None
         self.num_compiled = 0  # grammars compiled (cache misses), for tests and the benchmark
 
     @property
     def ll_tokenizer(self) -> Any:
         """The llguidance tokenizer (built on first use: about a second for a 150k vocabulary)."""
-        if self._tokenizer is None:
-            import llguidance.hf
+        with self._tokenizer_lock:  # built once even when router threads ask together
+            if self._tokenizer is None:
+                import llguidance.hf
 
-            if self._hf is None and self._load is not None:
-                self._hf = self._load()
-            hf = getattr(self._hf, "hf", self._hf)  # common.api.tokenizer.Tokenizer or HF's own
-            n_vocab = max(len(hf), self._vocab_size or 0)
-            self._tokenizer = llguidance.hf.from_tokenizer(hf, n_vocab=n_vocab)
+                try:
+                    if self._hf is None and self._load is not None:
+                        self._hf = self._load()
+                    # common.api.tokenizer.Tokenizer or a HF tokenizer
+                    hf = getattr(self._hf, "hf", self._hf)
+                    n_vocab = max(len(hf), self._vocab_size or 0)
+                    self._tokenizer = llguidance.hf.from_tokenizer(hf, n_vocab=n_vocab)
+                except Exception as e:  # the request fails, not the worker
+                    raise ValueError(f"structured outputs need the model's tokenizer: {e}") from e
         return self._tokenizer
 
     @classmethod

@@ -29,24 +29,8 @@ _LIB = CLibrary(
     _SOURCE,
     _FLAGS,
     {
-        "paged_decode": [
-            _ptr,
-            ctypes.c_long,
-            _ptr,
-            _ptr,
-            _ptr,
-            _ptr,
-            _ptr,
-            _c_int,
-            _c_int,
-            _c_int,
-            _c_int,
-            _c_int,
-            _c_int,
-            ctypes.c_float,
-            _c_int,
-            _c_int,
-        ],
+        "paged_decode": [_ptr, ctypes.c_long, _ptr, _ptr, _ptr, _ptr, _ptr, _c_int, _c_int,
+                         _c_int, _c_int, _c_int, _c_int, ctypes.c_float, _c_int, _c_int],
     },  # fmt: skip
     "CPU decode attention",
 )

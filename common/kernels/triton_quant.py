@@ -38,23 +38,12 @@ def _interpreted() -> bool:
 
 @triton.jit
 def _quant_matmul_kernel(
-    x_ptr,
-    w_ptr,
-    scale_ptr,
-    zero_ptr,
-    out_ptr,
-    M,
-    N,
-    K,
-    stride_xm,
-    stride_xk,
-    stride_wn,
-    stride_wk,
-    stride_sn,
-    stride_sg,
-    stride_os,
-    stride_om,
-    stride_on,
+    x_ptr, w_ptr, scale_ptr, zero_ptr, out_ptr,
+    M, N, K,
+    stride_xm, stride_xk,
+    stride_wn, stride_wk,
+    stride_sn, stride_sg,
+    stride_os, stride_om, stride_on,
     GROUP_SIZE: tl.constexpr,
     BITS: tl.constexpr,
     HAS_ZERO: tl.constexpr,
@@ -90,8 +79,7 @@ def _quant_matmul_kernel(
             offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
             packed = tl.load(
                 w_ptr + offs_n[:, None] * stride_wn + offs_b[None, :] * stride_wk,
-                mask=mask_n[:, None],
-                other=0,
+                mask=mask_n[:, None], other=0,
             )
             lo = ((packed & 0xF).to(tl.float32) - 8.0) * s
             hi = ((packed >> 4).to(tl.float32) - 8.0) * s
@@ -108,21 +96,18 @@ def _quant_matmul_kernel(
             offs_k = k0 + tl.arange(0, BLOCK_K)
             q = tl.load(
                 w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :] * stride_wk,
-                mask=mask_n[:, None],
-                other=0,
+                mask=mask_n[:, None], other=0,
             )
             w = q.to(tl.float32) * s
             if HAS_ZERO:
                 w += z
             xt = tl.load(
                 x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
-                mask=mask_m[:, None],
-                other=0.0,
+                mask=mask_m[:, None], other=0.0,
             ).to(dot_dtype)
             acc += tl.dot(xt, tl.trans(w.to(dot_dtype)), input_precision="ieee")
-    out_ptrs = (
-        out_ptr + pid_s * stride_os + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
-    )
+    out_ptrs = (out_ptr + pid_s * stride_os
+                + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on)
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
@@ -228,23 +213,12 @@ def quant_matmul(
     if m:
         grid = (triton.cdiv(n, cfg.block_n), split, triton.cdiv(m, cfg.block_m))
         _quant_matmul_kernel[grid](
-            x2,
-            qweight,
-            scale,
-            zero if zero is not None else scale,
-            out,
-            m,
-            n,
-            k,
-            x2.stride(0),
-            x2.stride(1),
-            qweight.stride(0),
-            qweight.stride(1),
-            scale.stride(0),
-            scale.stride(1),
-            out.stride(0) if split > 1 else 0,
-            out.stride(-2),
-            out.stride(-1),
+            x2, qweight, scale, zero if zero is not None else scale, out,
+            m, n, k,
+            x2.stride(0), x2.stride(1),
+            qweight.stride(0), qweight.stride(1),
+            scale.stride(0), scale.stride(1),
+            out.stride(0) if split > 1 else 0, out.stride(-2), out.stride(-1),
             GROUP_SIZE=group_size,
             BITS=bits,
             HAS_ZERO=zero is not None,

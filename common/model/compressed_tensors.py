@@ -40,13 +40,8 @@ import torch
 
 QUANT_METHOD = "compressed-tensors"
 READ_FORMATS = ("pack-quantized", "int-quantized", "naive-quantized")
-_PARAM_SUFFIXES = (
-    "weight_packed",
-    "weight_scale",
-    "weight_zero_point",
-    "weight_shape",
-    "weight_g_idx",
-)
+_PARAM_SUFFIXES = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape",
+                   "weight_g_idx")
 # Files of a model directory that a written checkpoint replaces rather than copies.
 _WEIGHT_FILE_RE = re.compile(r".*\.(safetensors|bin|pt|pth|gguf)$|.*\.safetensors\.index\.json$")
 
@@ -65,11 +60,8 @@ class WeightScheme:
 
 def quantization_config(hf_config: Any) -> dict | None:
     """The `quantization_config` of a transformers config object or a config.json dict."""
-    qc = (
-        hf_config.get("quantization_config")
-        if isinstance(hf_config, dict)
-        else getattr(hf_config, "quantization_config", None)
-    )
+    qc = hf_config.get("quantization_config") if isinstance(hf_config, dict) else getattr(
+        hf_config, "quantization_config", None)
     if qc is not None and not isinstance(qc, dict):
         qc = qc.to_dict()
     return qc
@@ -86,20 +78,15 @@ def parse_schemes(qc: dict) -> list[WeightScheme]:
     """Validate a compressed-tensors quantization_config; ValueError names what is unsupported."""
     status = qc.get("quantization_status", "compressed")
     if status != "compressed":
-        raise ValueError(
-            f"compressed-tensors: quantization_status {status!r} is not supported "
-            "(only 'compressed' checkpoints)"
-        )
+        raise ValueError(f"compressed-tensors: quantization_status {status!r} is not supported "
+                         "(only 'compressed' checkpoints)")
     if qc.get("kv_cache_scheme"):
         raise ValueError(
-            "compressed-tensors: kv_cache_scheme (quantized KV cache) is not supported"
-        )
+            "compressed-tensors: kv_cache_scheme (quantized KV cache) is not supported")
     sparsity = qc.get("sparsity_config") or {}
     if sparsity.get("format") not in (None, "dense"):
-        raise ValueError(
-            f"compressed-tensors: sparsity format {sparsity['format']!r} is not "
-            "supported (dense weights only)"
-        )
+        raise ValueError(f"compressed-tensors: sparsity format {sparsity['format']!r} is not "
+                         "supported (dense weights only)")
     groups = qc.get("config_groups") or {}
     if not groups:
         raise ValueError("compressed-tensors: quantization_config has no config_groups")
@@ -110,49 +97,34 @@ def parse_schemes(qc: dict) -> list[WeightScheme]:
             if group.get(act):
                 raise ValueError(
                     f"{where}: {act} quantization (e.g. W8A8, FP8 activations) is not supported; "
-                    "pdserve serves weight-only W4A16 / W8A16 (activations stay 16-bit)"
-                )
+                    "pdserve serves weight-only W4A16 / W8A16 (activations stay 16-bit)")
         w = group.get("weights")
         if not w:
             raise ValueError(f"{where}: no weight quantization")
         fmt = group.get("format") or qc.get("format")
         if fmt not in READ_FORMATS:
-            raise ValueError(
-                f"{where}: format {fmt!r} is not supported (supported: {', '.join(READ_FORMATS)})"
-            )
+            raise ValueError(f"{where}: format {fmt!r} is not supported (supported: "
+                             f"{', '.join(READ_FORMATS)})")
         if w.get("type", "int") != "int":
-            raise ValueError(
-                f"{where}: weight type {w.get('type')!r} (e.g. fp8/nvfp4) is not "
-                "supported; integer weights only"
-            )
+            raise ValueError(f"{where}: weight type {w.get('type')!r} (e.g. fp8/nvfp4) is not "
+                             "supported; integer weights only")
         bits = w.get("num_bits")
         if bits not in (4, 8):
             raise ValueError(f"{where}: {bits}-bit weights are not supported (4 or 8 bits)")
         strategy = w.get("strategy")
         if strategy not in ("group", "channel"):
-            raise ValueError(
-                f"{where}: weight strategy {strategy!r} is not supported (group or channel)"
-            )
+            raise ValueError(f"{where}: weight strategy {strategy!r} is not supported "
+                             "(group or channel)")
         if w.get("dynamic"):
             raise ValueError(f"{where}: dynamic weight quantization is not supported")
         if w.get("actorder") == "group":
-            raise ValueError(
-                f"{where}: actorder 'group' (activation reordering with g_idx) is not "
-                "supported; re-quantize with actorder 'weight' or none"
-            )
+            raise ValueError(f"{where}: actorder 'group' (activation reordering with g_idx) is not "
+                             "supported; re-quantize with actorder 'weight' or none")
         group_size = w.get("group_size") if strategy == "group" else None
         if strategy == "group" and not group_size:
             raise ValueError(f"{where}: strategy 'group' without a group_size")
-        schemes.append(
-            WeightScheme(
-                bits,
-                strategy,
-                group_size,
-                bool(w.get("symmetric", True)),
-                fmt,
-                tuple(group.get("targets") or ()),
-            )
-        )
+        schemes.append(WeightScheme(bits, strategy, group_size, bool(w.get("symmetric", True)),
+                                    fmt, tuple(group.get("targets") or ())))
     return schemes
 
 
@@ -184,7 +156,7 @@ def pack_int32(q: torch.Tensor, bits: int, dim: int = 1) -> torch.Tensor:
     u = torch.nn.functional.pad(u, (0, pad)).view(u.shape[0], -1, per_word)
     shifts = torch.arange(per_word, dtype=torch.int64) * bits
     words = (u << shifts).sum(-1)  # disjoint bit fields: the sum is the bitwise or
-    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    words = torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
     return words.movedim(1, dim).contiguous()
 
 
@@ -210,10 +182,8 @@ def to_quantized_tensor(tensors: dict[str, torch.Tensor], scheme: WeightScheme, 
         packed = tensors["weight_packed"]
         n, k = (int(v) for v in tensors["weight_shape"].tolist())
         if packed.dtype != torch.int32 or packed.shape[0] != n:
-            raise ValueError(
-                f"{module}: weight_packed {packed.dtype} {tuple(packed.shape)} does "
-                f"not hold an int32 [{n}, *] packing"
-            )
+            raise ValueError(f"{module}: weight_packed {packed.dtype} {tuple(packed.shape)} does "
+                             f"not hold an int32 [{n}, *] packing")
         if k % 2 or sys.byteorder != "little":
             q = unpack_int32(packed, bits, k)
             nibbles = None
@@ -234,10 +204,8 @@ def to_quantized_tensor(tensors: dict[str, torch.Tensor], scheme: WeightScheme, 
     groups = k // group_size
     scale = tensors["weight_scale"]
     if scale.numel() != n * groups:
-        raise ValueError(
-            f"{module}: weight_scale {tuple(scale.shape)} does not match "
-            f"[{n}, {groups}] for K={k}, group_size {group_size}"
-        )
+        raise ValueError(f"{module}: weight_scale {tuple(scale.shape)} does not match "
+                         f"[{n}, {groups}] for K={k}, group_size {group_size}")
     scale = scale.reshape(n, groups).to(torch.float32)
     zp = tensors.get("weight_zero_point")
     zero = None
@@ -257,9 +225,8 @@ def to_quantized_tensor(tensors: dict[str, torch.Tensor], scheme: WeightScheme, 
         qweight = nibbles
     else:
         qweight = q
-    return QuantizedTensor(
-        bits=bits, group_size=group_size, qweight=qweight, scale=scale, zero=zero, shape=(n, k)
-    )
+    return QuantizedTensor(bits=bits, group_size=group_size, qweight=qweight, scale=scale,
+                           zero=zero, shape=(n, k))
 
 
 def iter_compressed_tensors(model_dir: Path, hf_config: Any) -> Iterator[tuple[str, Any]]:
@@ -289,29 +256,21 @@ def _iter_modules(where, handles, quantized, schemes) -> Iterator[tuple[str, Any
     for key in sorted(where):
         module, _, param = key.rpartition(".")
         if module in quantized:
-            if param in _PARAM_SUFFIXES[1:] or (
-                param == "weight" and f"{module}.weight_packed" in where
-            ):
+            if param in _PARAM_SUFFIXES[1:] or (param == "weight" and f"{module}.weight_packed"
+                                                in where):
                 continue  # read with the module's weight
             if param in ("weight_packed", "weight"):
-                parts = {
-                    p: handles[where[f"{module}.{p}"]].get_tensor(f"{module}.{p}")
-                    for p in ("weight_packed", "weight", *_PARAM_SUFFIXES[1:])
-                    if f"{module}.{p}" in where
-                }
-                yield (
-                    f"{module}.weight",
-                    to_quantized_tensor(parts, scheme_for(module, schemes), module),
-                )
+                parts = {p: handles[where[f"{module}.{p}"]].get_tensor(f"{module}.{p}")
+                         for p in ("weight_packed", "weight", *_PARAM_SUFFIXES[1:])
+                         if f"{module}.{p}" in where}
+                yield f"{module}.weight", to_quantized_tensor(parts, scheme_for(module, schemes),
+                                                              module)
                 continue
         yield key, handles[where[key]].get_tensor(key)
 
 
 def rtn_quantize(
-    weight: torch.Tensor,
-    bits: int,
-    group_size: int | None,
-    symmetric: bool,
+    weight: torch.Tensor, bits: int, group_size: int | None, symmetric: bool,
     scale_dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Round-to-nearest with compressed-tensors' min-max parameters -> (q int8 [N, K] signed,
@@ -342,43 +301,33 @@ def rtn_quantize(
     return q, scale, None if zp is None else zp.to(torch.int8)
 
 
-def scheme_config(
-    bits: int, group_size: int | None, symmetric: bool, ignore: Iterable[str]
-) -> dict:
+def scheme_config(bits: int, group_size: int | None, symmetric: bool,
+                  ignore: Iterable[str]) -> dict:
     """The quantization_config llm-compressor writes for a W{bits}A16 preset (pack-quantized)."""
     return {
         "quant_method": QUANT_METHOD,
         "format": "pack-quantized",
         "quantization_status": "compressed",
-        "config_groups": {
-            "group_0": {
-                "targets": ["Linear"],
-                "weights": {
-                    "num_bits": bits,
-                    "type": "int",
-                    "symmetric": symmetric,
-                    "strategy": "group" if group_size else "channel",
-                    "group_size": group_size,
-                    "dynamic": False,
-                    "actorder": None,
-                    "observer": "minmax",
-                    "observer_kwargs": {},
-                    "block_structure": None,
-                },
-                "input_activations": None,
-                "output_activations": None,
-                "format": "pack-quantized",
-            }
-        },
+        "config_groups": {"group_0": {
+            "targets": ["Linear"],
+            "weights": {
+                "num_bits": bits, "type": "int", "symmetric": symmetric,
+                "strategy": "group" if group_size else "channel", "group_size": group_size,
+                "dynamic": False, "actorder": None, "observer": "minmax", "observer_kwargs": {},
+                "block_structure": None,
+            },
+            "input_activations": None,
+            "output_activations": None,
+            "format": "pack-quantized",
+        }},
         "ignore": sorted(ignore),
         "kv_cache_scheme": None,
         "sparsity_config": {},
     }
 
 
-def compress_weight(
-    q: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor | None, bits: int, module: str
-) -> dict[str, torch.Tensor]:
+def compress_weight(q: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor | None, bits: int,
+                    module: str) -> dict[str, torch.Tensor]:
     """A module's pack-quantized tensors from RTN (or GPTQ) output."""
     out = {
         f"{module}.weight_packed": pack_int32(q, bits),
@@ -393,22 +342,13 @@ def compress_weight(
 def is_quantizable(name: str, tensor: torch.Tensor, ignore: Iterable[str]) -> bool:
     """Linear weights of the decoder layers; embeddings, norms and ignored modules stay 16-bit."""
     module = name.rpartition(".")[0]
-    return (
-        name.endswith(".weight")
-        and tensor.dim() == 2
-        and "embed" not in module
-        and not any(_matches(t, module) for t in ignore)
-    )
+    return (name.endswith(".weight") and tensor.dim() == 2 and "embed" not in module
+            and not any(_matches(t, module) for t in ignore))
 
 
 def write_compressed_tensors(
-    weights: Iterable[tuple[str, torch.Tensor]],
-    hf_dir: Path,
-    out_dir: Path,
-    bits: int,
-    group_size: int | None,
-    symmetric: bool = True,
-    ignore: Iterable[str] = ("lm_head",),
+    weights: Iterable[tuple[str, torch.Tensor]], hf_dir: Path, out_dir: Path, bits: int,
+    group_size: int | None, symmetric: bool = True, ignore: Iterable[str] = ("lm_head",),
     dtype: torch.dtype | None = None,
 ) -> Path:
     """Quantize `weights` (HF names, 16/32-bit) with RTN and write a compressed-tensors checkpoint.

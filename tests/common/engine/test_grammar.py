@@ -142,3 +142,12 @@ def test_padded_vocabulary_refuses_the_padding(hf_tokenizer) -> None:
 def test_grammar_text_choice_escapes_literals() -> None:
     text = grammar_text(StructuredOutput("choice", json.dumps(['say "hi"', "a\\b"])))
     assert '\\"hi\\"' in text
+
+
+def test_a_tokenizer_that_cannot_load_fails_the_request_only() -> None:
+    def load():
+        raise OSError("no tokenizer files here")
+
+    compiler = GrammarCompiler(vocab_size=256, load_tokenizer=load)
+    with pytest.raises(ValueError, match="need the model's tokenizer: no tokenizer files"):
+        compiler.matcher(StructuredOutput("regex", "a"))
