@@ -11,8 +11,9 @@ allocations in the children and prints, at the end, what grew over the second ha
 by line, live objects by type).
 
     python benchmarks/soak.py [--minutes 30] [--concurrency 4] [--window-s 60] [--sample-s 5]
-        [--model default] [--dtype bfloat16] [--kv-cache-memory 2GiB] [--long-words 700]
-        [--max-tokens 48] [--num-threads 1] [--tracemalloc] [--seed 0] [--json PATH]
+        [--model default] [--dtype bfloat16] [--kv-cache-memory 2GiB] [--long-words 400]
+        [--max-tokens 48] [--max-num-batched-tokens 256] [--num-threads 1] [--tracemalloc]
+        [--seed 0] [--json PATH]
         [--log-dir DIR]
 
 Result (stdout, bounded: one row per window): the machine line; a Markdown table per window
@@ -395,7 +396,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--kv-cache-memory", default="2GiB", help="each worker's (the workers' default)")
     p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--long-words", type=int, default=700, help="words in a long prompt")
+    p.add_argument("--long-words", type=int, default=400, help="words in a long prompt")
+    # Bounded steps: on a loaded 2-core machine an unchunked 2,000-token bfloat16 step took over
+    # the router's 30 s --worker-stall-timeout-s, which then declared a healthy worker dead.
+    p.add_argument("--max-num-batched-tokens", type=int, default=256)
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--num-threads", type=int, default=1, help="torch threads per worker")
     p.add_argument("--request-timeout-s", type=float, default=300)
@@ -408,6 +412,7 @@ def main(argv: list[str] | None = None) -> int:
     flags = [
         "--dtype", args.dtype, "--max-model-len", str(args.max_model_len),
         "--kv-cache-memory", args.kv_cache_memory, "--num-threads", str(args.num_threads),
+        "--max-num-batched-tokens", str(args.max_num_batched_tokens),
     ]  # fmt: skip
     workers = [
         WorkerSpec("prefill", "prefill-0", flags, threads=args.num_threads),
@@ -440,7 +445,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"soak: {args.minutes:g} min at concurrency {args.concurrency}, mix {KINDS}, "
                 f"long prompts {args.long_words} words, max_tokens <= {args.max_tokens}, "
                 f"{args.dtype}, KV cache {args.kv_cache_memory} per worker, "
-                f"{args.num_threads} torch thread(s) per worker"
+                f"{args.num_threads} torch thread(s) per worker, "
+                f"--max-num-batched-tokens {args.max_num_batched_tokens}"
                 + (", tracemalloc on" if args.tracemalloc else "")
                 + "\n"
             )
