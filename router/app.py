@@ -14,7 +14,8 @@ is a 4xx, never a 500). Request validation comes from `common.api.body`, `common
 The event loop never tokenizes, detokenizes or parses a large body itself: that work runs on a
 small thread pool (`RouterState.offload`; the tokenizer releases the GIL), so one 10 MB request
 cannot stall every stream. A prompt too long to fit the context by its character count alone is
-refused before tokenizing (`common.api.body.check_prompt_chars`).
+refused before tokenizing (`common.api.body.check_prompt_chars`). The heap a large request freed
+goes back to the OS once it is over (`router.memory`).
 
 `/health` is 200 when at least one decode worker is live and either a prefill worker is live or
 the router runs with `--colocated` (decode workers prefill themselves).
@@ -60,6 +61,7 @@ from common.api.tools import message_texts
 from router.admission import Admission
 from router.dispatch import Dispatcher
 from router.job import Job
+from router.memory import Trimmer
 from router.metrics import RouterMetrics
 from router.registry import Registry
 from router.streaming import choice_deltas, sse_events
@@ -92,6 +94,7 @@ class RouterState:
     created: int = 0
     max_body_bytes: int = MAX_BODY_BYTES
     admission: Admission = field(default_factory=Admission)
+    trimmer: Trimmer = field(default_factory=Trimmer)  # heap back to the OS after big requests
     executor: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(TOKENIZER_THREADS, "tokenizer")
     )
@@ -135,6 +138,8 @@ class _Guard:
             if error is not None:
                 await error_response(error)(scope, receive, send)
                 return
+            await self.state.trimmer.serve(self.app, scope, receive, send, self.state.executor)
+            return
         await self.app(scope, receive, send)
 
     def _refusal(self, scope: Scope) -> RequestError | None:
