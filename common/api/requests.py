@@ -1,70 +1,41 @@
 """OpenAI request bodies in, validated requests out.
 
 Owns the strict validation of `/v1/completions` and `/v1/chat/completions` bodies (types, ranges,
-served model names), the `GenerationRequest` they become, and `RequestError`, the refusal that
-carries its OpenAI error body. No HTTP and no tokenizer here: the router (`router.app`) and
-`pdserve run-batch` (`common.runtime.run_batch`) both call it; `common.api.prompts` then turns a
-request into engine inputs. Unknown body fields are ignored (OpenAI clients send extras); known
-fields we cannot honour (suffix, logit_bias, functions, ...) are rejected rather than silently
-dropped. Every integer and float field is bounded here, before anything reaches a worker: integers
-fit the wire's int64 (msgpack) and the engine's int32 token arithmetic, and a nonzero float is never
-so small (`MIN_NONZERO_FLOAT`) that dividing logits by it overflows float32 or that float32 flushes
-it to zero.
+served model names) and the `GenerationRequest` they become; `RequestError` and the typed field
+readers live in `common.api.fields` (shared with `structured` and `tools`). No HTTP and no
+tokenizer here: the router (`router.app`) and `pdserve run-batch` (`common.runtime.run_batch`)
+both call it; `common.api.prompts` then turns a request into engine inputs. Unknown body fields
+are ignored (OpenAI clients send extras); known fields we cannot honour (suffix, logit_bias,
+functions, ...) are rejected rather than silently dropped. Every integer and float field is
+bounded here, before anything reaches a worker (see `common.api.fields` for the bounds' reasons).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
+from common.api.fields import MAX_INT32, RequestError
+from common.api.fields import bool_field as _bool
+from common.api.fields import float_field as _float
+from common.api.fields import int_field as _int
+from common.api.fields import is_int as _is_int
+from common.api.fields import json_object as _object
 from common.api.structured import parse_structured_output
+from common.api.tools import ToolRequest, assistant_tool_calls, parse_tools, tool_message
 from common.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
-
-if TYPE_CHECKING:
-    from common.api.tools import ToolRequest
 
 COMPLETIONS_URL = "/v1/completions"
 CHAT_URL = "/v1/chat/completions"
 MAX_N = 16  # choices per prompt
 MAX_STOP = 16  # stop strings per request (OpenAI allows 4, vLLM any number)
 MAX_STOP_TOKEN_IDS = 256
-MAX_INT32 = 2**31 - 1  # token counts, token ids and top_k: the engine keeps them in int32
-# Temperature and repetition_penalty divide logits: below this a logit of 100 overflows float32
-# (max 3.4e38). Subnormal values (5e-324) would also flush to zero in float32.
-MIN_NONZERO_FLOAT = 1e-30
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-_CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
-_CHAT_ROLES["tool"] = "tool"  # a tool call's result (common.api.tools)
-
-
-class RequestError(Exception):
-    """A request the API refuses; `code` is the HTTP status, `body()` the OpenAI error body."""
-
-    def __init__(
-        self,
-        message: str,
-        param: str | None = None,
-        code: int = 400,
-        type: str = "invalid_request_error",
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.message = message
-        self.param = param
-        self.code = code
-        self.type = type
-        self.headers = headers  # extra HTTP headers of the response (Retry-After on a 429)
-
-    def body(self) -> dict[str, Any]:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.type,
-                "param": self.param,
-                "code": self.code,
-            }
-        }
+# developer is OpenAI's newer name for system; tool carries a tool call's result (common.api.tools)
+_CHAT_ROLES = {
+    "system": "system", "developer": "system", "user": "user", "assistant": "assistant",
+    "tool": "tool",
+}  # fmt: skip
 
 
 @dataclass
@@ -139,8 +110,6 @@ def parse_chat_request(
     body: Any, served_model_names: list[str], tool_call_parser: str = ""
 ) -> GenerationRequest:
     """Validate a `/v1/chat/completions` body."""
-    from common.api.tools import parse_tools  # it imports RequestError from here
-
     body = _object(body)
     model = _model(body, served_model_names)
     messages = _messages(body.get("messages"))
@@ -258,12 +227,6 @@ def _common(
     )
 
 
-def _object(body: Any) -> dict:
-    if not isinstance(body, dict):
-        raise RequestError("the request body must be a JSON object")
-    return body
-
-
 def _model(body: dict, served_model_names: list[str]) -> str:
     model = body.get("model")
     if model is None:
@@ -278,10 +241,6 @@ def _model(body: dict, served_model_names: list[str]) -> str:
             "model_not_found",
         )
     return model
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def _is_token_ids(v: Any) -> bool:
@@ -308,8 +267,6 @@ def _prompts(prompt: Any) -> list[str | list[int]]:
 
 
 def _messages(messages: Any) -> list[dict[str, Any]]:
-    from common.api.tools import assistant_tool_calls, tool_message
-
     if messages is None:
         raise RequestError("messages is required", "messages")
     if not isinstance(messages, list) or not messages:
@@ -376,61 +333,3 @@ def _stop_token_ids(ids: Any) -> list[int]:
     if len(ids) > MAX_STOP_TOKEN_IDS:
         raise RequestError(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids", "stop_token_ids")
     return list(ids)
-
-
-def _int(
-    body: dict, name: str, default: int | None, lo: int | None = None, hi: int | None = None
-) -> int | None:
-    v = body.get(name)
-    if v is None:
-        return default
-    if not _is_int(v):
-        raise RequestError(f"{name} must be an integer, got {_show(v)}", name)
-    if (lo is not None and v < lo) or (hi is not None and v > hi):
-        if hi is None or hi == MAX_INT32:  # a technical bound: name only the one broken
-            bounds = f">= {lo}" if lo is not None and v < lo else f"<= {hi}"
-        else:
-            bounds = f"in [{lo}, {hi}]"
-        raise RequestError(f"{name} must be {bounds}, got {_show(v)}", name)
-    return v
-
-
-def _float(
-    body: dict, name: str, default: float, lo: float, hi: float, lo_open: bool = False
-) -> float:
-    v = body.get(name)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise RequestError(f"{name} must be a number, got {_show(v)}", name)
-    try:
-        v = float(v)  # an integer of 400 digits does not fit a float: OverflowError
-    except OverflowError:
-        v = math.inf
-    if not math.isfinite(v):
-        raise RequestError(f"{name} must be a finite number in [{lo}, {hi}]", name)
-    if v < lo or v > hi or (lo_open and v == lo):
-        bounds = f"{'(' if lo_open else '['}{lo}, {hi}]"
-        raise RequestError(f"{name} must be in {bounds}, got {_show(v)}", name)
-    if v != 0 and abs(v) < MIN_NONZERO_FLOAT:
-        raise RequestError(
-            f"{name} must be 0 or at least {MIN_NONZERO_FLOAT}, got {_show(v)}", name
-        )
-    return v
-
-
-def _bool(body: dict, name: str, default: bool, param: str | None = None) -> bool:
-    v = body.get(name)
-    if v is None:
-        return default
-    if not isinstance(v, bool):
-        raise RequestError(f"{param or name} must be a boolean, got {_show(v)}", param or name)
-    return v
-
-
-def _show(v: Any) -> str:
-    """A value for an error message: short, whatever the client sent."""
-    if isinstance(v, int) and abs(v) >= 10**30:
-        return f"an integer of {len(str(abs(v)))} digits"
-    text = repr(v)
-    return text if len(text) <= 60 else text[:57] + "..."

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from common.api.fields import RequestError
 from common.sampling_params import StructuredOutput
 
 # vLLM's structured_outputs options that tune a backend: accepted and ignored (the grammar engine
@@ -35,8 +36,6 @@ _GUIDED["guided_grammar"] = "grammar"
 
 def parse_structured_output(body: dict) -> StructuredOutput | None:
     """The body's structured-output request, or None; RequestError when it is malformed."""
-    from common.api.requests import RequestError
-
     found: list[tuple[str, StructuredOutput]] = []
     fmt = body.get("response_format")
     if fmt is not None:
@@ -61,7 +60,6 @@ def parse_structured_output(body: dict) -> StructuredOutput | None:
 def check_structured_output(so: StructuredOutput, tokenizer: Any) -> None:
     """RequestError (400) naming what the grammar engine cannot do with `so`. Compiles (cached):
     call it off the event loop."""
-    from common.api.requests import RequestError
     from common.engine.grammar import check_structured_output as check
 
     try:
@@ -71,8 +69,6 @@ def check_structured_output(so: StructuredOutput, tokenizer: Any) -> None:
 
 
 def _response_format(fmt: Any) -> StructuredOutput | None:
-    from common.api.requests import RequestError
-
     if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
         raise RequestError("response_format must be an object with a type", "response_format")
     kind = fmt["type"]
@@ -100,8 +96,6 @@ def _response_format(fmt: Any) -> StructuredOutput | None:
 
 
 def _structured_outputs(value: Any) -> StructuredOutput:
-    from common.api.requests import RequestError
-
     param = "structured_outputs"
     if not isinstance(value, dict):
         raise RequestError("structured_outputs must be an object", param)
@@ -126,8 +120,6 @@ def _structured_outputs(value: Any) -> StructuredOutput:
 def _spec(kind: str, value: Any, param: str) -> StructuredOutput:
     """A StructuredOutput of `kind` from a field's value (a JSON schema may come as an object or
     as its text)."""
-    from common.api.requests import RequestError
-
     if kind == "json":
         if isinstance(value, str):
             try:

@@ -22,7 +22,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from common.api.requests import RequestError
+from common.api.fields import RequestError
 from common.sampling_params import SamplingParams, StructuredOutput
 
 MAX_TOOLS = 128  # OpenAI's limit
