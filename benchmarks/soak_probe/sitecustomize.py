@@ -76,15 +76,15 @@ def _loop(out_dir: str, period_s: float, trace: bool) -> None:
                 mark_snapshot = tracemalloc.take_snapshot() if tracemalloc.is_tracing() else None
                 mark_counts = _type_counts()
             elif cmd == "diff":
-                result: dict = {}
+                grown = _type_counts()  # before the diff below makes objects of its own
+                grown.subtract(mark_counts)
+                result: dict = {"objects": [[k, v] for k, v in grown.most_common(12) if v > 0]}
                 if mark_snapshot is not None:
                     stats = tracemalloc.take_snapshot().compare_to(mark_snapshot, "lineno")
                     result["tracemalloc"] = [
                         [str(s.traceback[0]), s.size_diff, s.count_diff] for s in stats[:12]
                     ]
-                grown = _type_counts()
-                grown.subtract(mark_counts)
-                result["objects"] = [[k, v] for k, v in grown.most_common(12) if v > 0]
+                    del stats
                 with open(base + ".diff.json.tmp", "w") as f:
                     json.dump(result, f)
                 os.replace(base + ".diff.json.tmp", base + ".diff.json")
