@@ -128,9 +128,10 @@ class Heartbeat(msgspec.Struct, tag="heartbeat", forbid_unknown_fields=True):
     kv_events_seq: int = -1  # the last KVEvents seq sent (-1: none yet), to notice a lost tail
     # cumulative histograms for /metrics
     histograms: Annotated[dict[Name, HistogramSnapshot], Meta(max_length=64)] = {}
-    # Turns of the worker's main loop so far (-1: not counted). It turns every few milliseconds
-    # even when idle, so a count that stands still while the worker has work means a stuck loop
-    # (the heartbeat comes from a thread of its own and goes on regardless).
+    # The worker's progress so far (-1: not counted): turns of its main loop plus decoder layers
+    # run. The loop turns every few milliseconds even when idle and the layers count inside a long
+    # step, so a count that stands still while the worker has work means a stuck loop (the
+    # heartbeat comes from a thread of its own and goes on regardless).
     loop_count: int = -1
 
 

@@ -143,6 +143,7 @@ class CausalLM(nn.Module):
 
     def __init__(self, config, max_positions: int) -> None:
         super().__init__()
+        self.layers_run = 0  # decoder layers run so far, all steps together
         if config.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
                 f"model type {config.model_type!r} is not supported "
@@ -174,6 +175,7 @@ class CausalLM(nn.Module):
         residual = None
         for layer in layers:
             x, residual = layer(x, residual, meta)
+            self.layers_run += 1  # progress inside a long step (the workers' liveness reads it)
         return self.norm(x) if residual is None else self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

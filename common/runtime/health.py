@@ -2,9 +2,10 @@
 
 Owns a tiny stdlib HTTP server in a daemon thread (`--health-port`, off by default) that reads the
 state of a `WorkerBase` and never touches its engine:
-- `/healthz` (liveness, and the startup probe): 200 while the worker's main loop keeps turning;
-  503 once its loop count has not moved for `stall_timeout_s` (a stuck step or a deadlock; the
-  heartbeat thread would go on beating, so heartbeats alone cannot tell).
+- `/healthz` (liveness, and the startup probe): 200 while the worker makes progress (main-loop
+  turns, and decoder layers inside a long step: `WorkerBase.progress`); 503 once it has not moved
+  for `stall_timeout_s` (a stuck step or a deadlock; the heartbeat thread would go on beating, so
+  heartbeats alone cannot tell).
 - `/readyz` (readiness): 200 once the router accepted the worker's registration, 503 before that,
   while it drains (after SIGTERM: it takes no new work) and while it re-registers with a router
   that forgot it.
@@ -42,7 +43,7 @@ class _Heartbeater(Protocol):
 class ProbedWorker(Protocol):
     """What the probes read of a worker (`common.runtime.worker.WorkerBase` has all of it)."""
 
-    loop_count: int
+    progress: int  # turns of the main loop plus decoder layers run
     draining: bool
     registered: bool
     heartbeat: _Heartbeater
@@ -61,12 +62,12 @@ class WorkerHealth:
         self.stall_timeout_s = stall_timeout_s
         self.clock = clock
         self._lock = threading.Lock()  # the server answers from several threads
-        self._seen_count = worker.loop_count
+        self._seen_count = worker.progress
         self._seen_s = clock()  # when the loop count last moved (or the probes started)
 
     def liveness(self) -> tuple[bool, str]:
         with self._lock:
-            now, count = self.clock(), self.worker.loop_count
+            now, count = self.clock(), self.worker.progress
             if count != self._seen_count:
                 self._seen_count, self._seen_s = count, now
             stalled_s = now - self._seen_s

@@ -200,11 +200,18 @@ class WorkerBase:
 
     def _heartbeat(self) -> Heartbeat:
         beat = engine_heartbeat(self.worker_id, self.engine, self.counters)
-        beat.loop_count = self.loop_count
+        beat.loop_count = self.progress
         beat.draining = self.draining
         beat.kv_events_seq = self.kv_events_seq
         beat.histograms = self.histograms()
         return beat
+
+    @property
+    def progress(self) -> int:
+        """Turns of the main loop plus decoder layers run: it moves inside a long step too (a
+        2k-token prefill on a slow, busy CPU can take over 30 s), so only a loop that is really
+        stuck stands still. The router's stall check and the liveness probe read it."""
+        return self.loop_count + self.engine.runner.model.layers_run
 
     def histograms(self) -> dict[str, protocol.HistogramSnapshot]:
         """Cumulative histograms for the router's /metrics (none by default)."""

@@ -26,6 +26,7 @@ from common.protocol import (
     ReserveReply,
     TokenOutput,
 )
+from common.sampling_params import SamplingParams
 from decode.worker import DecodeWorker
 from kvtransfer import KVSender, kv_layout
 from tests.common.engine.test_engine import GREEDY, make_engine, prompts
@@ -338,4 +339,64 @@ def test_a_worker_whose_loop_is_stuck_with_work_is_declared_dead(tiny_llama) -> 
             release.set()
             worker.running = False
             thread.join(10)
+            ctx.term()
+
+
+def test_a_worker_in_a_long_step_is_not_declared_dead(tiny_llama) -> None:
+    """A step longer than the stall timeout whose layers keep running (a long prefill on a slow,
+    busy CPU) is progress: the heartbeat's count includes the decoder layers run.
+
+    Timings: beats come every HEARTBEAT_INTERVAL_S (1 s), a layer every 2.5 s, so the router sees
+    progress at least every 3.5 s (< the 3.75 s stall timeout), while the one 5 s step is longer
+    than timeout + interval: a count of loop turns alone would have stood still long enough."""
+    from tests.router.fake_worker import RouterThread
+
+    hf_model, _ = tiny_llama
+    stall_s, layer_s = 3.75, 2.5
+    config = dict(
+        model="tiny", colocated=True, heartbeat_timeout_s=30, worker_stall_timeout_s=stall_s
+    )
+    with RouterThread(**config) as router:
+        ctx = zmq.Context()
+        worker = DecodeWorker(
+            make_engine(hf_model), router.control, "decode-l", "tcp://127.0.0.1:*", context=ctx
+        )
+        for layer in worker.engine.runner.model.layers:  # the tiny model's 2 layers
+            real_forward = layer.forward
+
+            def forward(*args, _real=real_forward, **kwargs):
+                time.sleep(layer_s)
+                return _real(*args, **kwargs)
+
+            layer.forward = forward
+        steps: list[float] = []
+        real_step = worker.step
+
+        def step() -> None:
+            start = time.monotonic()
+            real_step()
+            if time.monotonic() - start > 1.0:
+                steps.append(time.monotonic() - start)
+
+        worker.step = step
+        params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        worker.engine.add_request("long", prompts(1)[0], params)  # stepped once registered
+        thread = threading.Thread(target=worker.run, daemon=True)
+        thread.start()
+        registry = router.server.registry
+        try:
+            start = time.monotonic()
+            while registry.get("decode-l") is None:
+                assert time.monotonic() - start < 10
+                time.sleep(0.05)
+            while not steps:  # the one long step
+                assert registry.get("decode-l") is not None, "a slow step was taken for a stall"
+                assert time.monotonic() - start < 30
+                time.sleep(0.1)
+            assert steps[0] > stall_s + protocol.HEARTBEAT_INTERVAL_S
+            assert registry.get("decode-l") is not None
+        finally:
+            worker.running = False
+            thread.join(10)
+            worker.close()
             ctx.term()

@@ -24,7 +24,7 @@ class FakeHeartbeater:
 
 class FakeWorker:
     def __init__(self) -> None:
-        self.loop_count = 0
+        self.progress = 0
         self.draining = False
         self.registered = False
         self.heartbeat = FakeHeartbeater()
@@ -56,7 +56,7 @@ def test_liveness_fails_only_when_the_loop_stops_turning() -> None:
     health = WorkerHealth(worker, stall_timeout_s=60, clock=clock)
     clock.now += 59  # still registering, loop not started: within the window
     assert health.liveness() == (True, "ok")
-    worker.loop_count = 5
+    worker.progress = 5
     clock.now += 30  # moved since the last probe: the window starts again
     assert health.liveness() == (True, "ok")
     clock.now += 60
@@ -64,7 +64,7 @@ def test_liveness_fails_only_when_the_loop_stops_turning() -> None:
     clock.now += 1
     ok, reason = health.liveness()
     assert not ok and reason.startswith("stalled")
-    worker.loop_count = 6  # it recovered
+    worker.progress = 6  # it recovered
     assert health.liveness() == (True, "ok")
     worker.draining = True  # a draining worker is alive
     assert health.liveness() == (True, "ok")
@@ -94,13 +94,17 @@ def test_off_by_default() -> None:
 
 
 def test_worker_base_has_what_the_probes_read() -> None:
-    # WorkerBase.__init__ touches only the engine's block pool: a stand-in will do.
-    engine = SimpleNamespace(pool=SimpleNamespace(track_events=False))
+    # WorkerBase touches only the engine's block pool and model counter: a stand-in will do.
+    model = SimpleNamespace(layers_run=0)
+    runner = SimpleNamespace(model=model)
+    engine = SimpleNamespace(pool=SimpleNamespace(track_events=False), runner=runner)
     worker = WorkerBase(engine, "tcp://127.0.0.1:1", "w", zmq.Context())  # connects lazily
     try:
         health = WorkerHealth(worker)
         assert health.readiness() == (False, "registering")
         assert health.liveness() == (True, "ok")
+        model.layers_run = 30  # a long step's layers move the progress the probes read
+        assert worker.progress == 30
         worker.registered = True  # what WorkerBase.run sets once the router accepted it
         assert health.readiness() == (True, "ok")
     finally:
