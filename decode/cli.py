@@ -38,7 +38,7 @@ def cmd_decode(args: argparse.Namespace) -> int:
     """Load the engine, bind the KV receiver, register, decode until SIGTERM (drains first)."""
     from common.runtime.auth import check_bind, load_keys
     from common.runtime.worker import default_worker_id
-    from common.runtime.worker_cli import build_engine, start_health
+    from common.runtime.worker_cli import build_engine, serve
     from decode.worker import DecodeWorker
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s decode %(message)s")
@@ -53,11 +53,4 @@ def cmd_decode(args: argparse.Namespace) -> int:
         kv_advertise_host=args.kv_advertise_host or None,
         keys=keys,
     )
-    worker.stop_on_signals()
-    health = start_health(worker, args)  # probes see registration, then the loop turning
-    try:
-        worker.run()
-    finally:
-        if health is not None:
-            health.stop()
-    return 0
+    return serve(worker, args)

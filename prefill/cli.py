@@ -26,7 +26,7 @@ def cmd_prefill(args: argparse.Namespace) -> int:
     """Load the engine, register with the router, serve prefills until SIGTERM (drains first)."""
     from common.runtime.auth import load_keys
     from common.runtime.worker import default_worker_id
-    from common.runtime.worker_cli import build_engine, start_health
+    from common.runtime.worker_cli import build_engine, serve
     from prefill.worker import PrefillWorker
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s prefill %(message)s")
@@ -38,11 +38,4 @@ def cmd_prefill(args: argparse.Namespace) -> int:
         kv_transport=args.kv_transport,
         keys=load_keys(args.cluster_secret_file),
     )
-    worker.stop_on_signals()
-    health = start_health(worker, args)  # probes see registration, then the loop turning
-    try:
-        worker.run()
-    finally:
-        if health is not None:
-            health.stop()
-    return 0
+    return serve(worker, args)

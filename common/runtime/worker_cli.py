@@ -3,9 +3,9 @@
 Owns `--router`, `--worker-id`, `--cluster-secret-file` and the health endpoint's flags
 (`--health-port`, `--health-host`, `--health-stall-timeout-s`; each also read from a PDSERVE_*
 variable; the engine flags come from `common.config.add_engine_args`), turning the parsed flags
-into a loaded `Engine`, and seeding the process's random generators from `--seed`. Called by
-`prefill.cli` and `decode.cli`; heavy imports happen inside the functions so that `pdserve --help`
-stays fast.
+into a loaded `Engine`, seeding the process's random generators from `--seed`, and running the
+worker beside its health endpoint (`serve`). Called by `prefill.cli` and `decode.cli`; heavy
+imports happen inside the functions so that `pdserve --help` stays fast.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from common.config import EngineConfig
     from common.engine.engine import Engine
-    from common.runtime.health import HealthServer, ProbedWorker
+    from common.runtime.worker import WorkerBase
 
 DEFAULT_ROUTER = "tcp://127.0.0.1:8001"
 
@@ -58,8 +58,9 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--health-host",
-        default=env("HEALTH_HOST", "0.0.0.0"),
-        help="interface of the health endpoint (env PDSERVE_HEALTH_HOST)",
+        default=env("HEALTH_HOST", "127.0.0.1"),
+        help="interface of the health endpoint; loopback by default, the Kubernetes manifests "
+        "set 0.0.0.0 so the kubelet reaches it (env PDSERVE_HEALTH_HOST)",
     )
     parser.add_argument(
         "--health-stall-timeout-s",
@@ -71,13 +72,21 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
     add_engine_args(parser)
 
 
-def start_health(worker: ProbedWorker, args: argparse.Namespace) -> HealthServer | None:
-    """The worker's health endpoint as the flags ask (None with --health-port 0)."""
+def serve(worker: WorkerBase, args: argparse.Namespace) -> int:
+    """Run a worker until it stops (SIGTERM drains first), its health endpoint beside it when
+    --health-port asks for one; the exit status of `pdserve prefill` / `pdserve decode`."""
     from common.runtime.health import start_health_server
 
-    return start_health_server(
+    worker.stop_on_signals()
+    health = start_health_server(  # probes see registration, then the loop turning
         worker, args.health_host, args.health_port, args.health_stall_timeout_s
     )
+    try:
+        worker.run()
+    finally:
+        if health is not None:
+            health.stop()
+    return 0
 
 
 def seed_generators(seed: int) -> None:
