@@ -104,15 +104,20 @@ def choose(layer: QuantLinear, x: torch.Tensor) -> str:
     return "dequant"
 
 
-def quant_matmul(x: torch.Tensor, layer: QuantLinear) -> torch.Tensor:
-    """x [M, K] @ W.T on the CPU through the path `choose` picks; the result has x's dtype."""
-    # The choice is made once per (batch size, dtype) and kept on the layer (so the environment
-    # variable counts when a layer first meets a batch size): this runs ~120 times a decode
-    # step, where Python overhead is a visible share of the step.
+def path_for(layer: QuantLinear, x: torch.Tensor) -> str:
+    """The path `choose` picks for x's batch size and dtype, kept on the layer (so the
+    environment variable counts when a layer first meets a batch size): this runs ~120 times a
+    decode step, where Python overhead is a visible share of the step."""
     key = (x.shape[0], x.dtype)
     path = layer.cpu_paths.get(key)
     if path is None:
         path = layer.cpu_paths[key] = choose(layer, x)
+    return path
+
+
+def quant_matmul(x: torch.Tensor, layer: QuantLinear) -> torch.Tensor:
+    """x [M, K] @ W.T on the CPU through the path `choose` picks; the result has x's dtype."""
+    path = path_for(layer, x)
     if path == "c":
         return _c_matmul(x, layer)
     if path == "int4pack":
@@ -151,18 +156,7 @@ def _c_matmul(x: torch.Tensor, layer: QuantLinear) -> torch.Tensor:
     m, k = x.shape
     if x.stride(1) != 1 or x.dtype not in (torch.float32, torch.bfloat16):
         x = x.to(torch.float32).contiguous()
-    weights = layer.cpu_cache.get("c")
-    if weights is None:  # the weight's pointers and format, read once (cleared by layer.to())
-        zero = layer.zero
-        weights = layer.cpu_cache["c"] = (
-            layer.bits,
-            layer.group_size,
-            layer.qweight.data_ptr(),
-            layer.scale.data_ptr(),
-            None if zero is None else zero.data_ptr(),
-            0 if layer.scale.dtype == torch.float32 else 1,
-        )
-    bits, group, qweight, scale, zero, sdtype = weights
+    bits, group, qweight, scale, zero, sdtype = c_weights(layer)
     n = layer.out_features
     out = torch.empty(m, n, dtype=x.dtype)
     rc = _LIB.get().quant_matmul(
@@ -172,3 +166,20 @@ def _c_matmul(x: torch.Tensor, layer: QuantLinear) -> torch.Tensor:
     if rc != 0:
         raise ValueError(f"shape not supported by the CPU quantized kernel: {layer} (rc {rc})")
     return out
+
+
+def c_weights(layer: QuantLinear) -> tuple[int, int, int, int, int | None, int]:
+    """(bits, group size, codes, scale, zero or None, scale dtype 0 float32 / 1 bfloat16): the
+    C kernel's view of the layer's weight, read once (cleared by layer.to())."""
+    weights = layer.cpu_cache.get("c")
+    if weights is None:
+        zero = layer.zero
+        weights = layer.cpu_cache["c"] = (
+            layer.bits,
+            layer.group_size,
+            layer.qweight.data_ptr(),
+            layer.scale.data_ptr(),
+            None if zero is None else zero.data_ptr(),
+            0 if layer.scale.dtype == torch.float32 else 1,
+        )
+    return weights

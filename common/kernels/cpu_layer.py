@@ -1,0 +1,184 @@
+"""A decode step's decoder layer in one C call on the CPU (`csrc/decode_layer.c`).
+
+At batch 1 a quantized model's decode step spends as long in Python and torch dispatch between
+the per-layer ops (RMSNorm, projections, rotary, attention, SiLU, about 12 calls a layer) as in
+streaming its weights. `run` hands the whole layer to C instead: the same C functions the per-op
+path calls (`fused_ops.c`, `quant_matmul.c`, `paged_decode.c`, linked into one library), in the
+same order with the same rounding, so outputs equal the per-op path's.
+
+It applies to pure decode steps (one new token per sequence) on the CPU with float32 or
+bfloat16 activations, the torch attention backend, and every projection quantized and served by
+the C kernel at this batch size (`cpu_quant.path_for`); anything else returns None and the
+caller runs the per-op path. A layer's weight pointers are read once per (batch size, dtype) and
+dropped by `DecoderLayer._apply`; the step's positions, slots and block tables once per step.
+`PDSERVE_CPU_LAYER=0` (or `enabled = False`) turns it off. Called by
+`common.model.llama.DecoderLayer`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from common.kernels import cpu_attention, cpu_ops, cpu_quant
+from common.kernels.cbuild import CLibrary
+
+if TYPE_CHECKING:
+    from common.kernels.attention import AttentionMetadata
+    from common.model.llama import DecoderLayer
+
+_SOURCE = Path(__file__).parent / "csrc" / "decode_layer.c"
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+enabled = os.environ.get("PDSERVE_CPU_LAYER", "1") != "0"
+
+_p, _i, _f, _l = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_long
+
+
+class _Proj(ctypes.Structure):
+    _fields_ = [("qweight", _p), ("scale", _p), ("zero", _p), ("bias", _p), ("bits", _i),
+                ("group_size", _i), ("sdtype", _i), ("n", _i), ("k", _i)]  # fmt: skip
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("qkv", _Proj), ("o", _Proj), ("gate_up", _Proj), ("down", _Proj),
+                ("input_norm", _p), ("post_norm", _p), ("q_norm", _p), ("k_norm", _p),
+                ("eps", _f), ("scale", _f), ("hidden", _i), ("heads", _i), ("kv_heads", _i),
+                ("head_dim", _i), ("intermediate", _i), ("block_size", _i), ("k_cache", _p),
+                ("v_cache", _p), ("num_slots", _l)]  # fmt: skip
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [("positions", _p), ("slot_mapping", _p), ("cos", _p), ("sin", _p),
+                ("block_tables", _p), ("seq_lens", _p), ("max_pos", _l), ("tokens", _i),
+                ("max_blocks", _i), ("dtype", _i), ("threads", _i)]  # fmt: skip
+
+
+_LIB = CLibrary(
+    _SOURCE,
+    ["-O3", "-march=native"],
+    {"decode_layer": [ctypes.POINTER(_Layer), ctypes.POINTER(_Step), _p, _p, _i, _p]},
+    "the CPU decode layer",
+    parts=[cpu_ops._LIB, cpu_attention._LIB, cpu_quant._LIB],
+)
+
+
+def available() -> bool:
+    """True when the library is built (building it on the first call)."""
+    return _LIB.available()
+
+
+def run(
+    layer: DecoderLayer, x: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """DecoderLayer.forward for a decode step in one C call: (MLP output, residual stream), the
+    residual updated in place; None when this step or layer is not one it takes."""
+    if not (enabled and cpu_ops.enabled and cpu_attention.enabled):
+        return None  # switches tests and benchmarks flip: read per call, never cached
+    if x.device.type != "cpu" or x.dtype not in _DTYPES or x.dim() != 2:
+        return None
+    if meta.max_query_len != 1 or not x.is_contiguous():
+        return None
+    if residual is not None and not residual.is_contiguous():
+        return None
+    plan = _plan(layer, x)
+    if plan is None:
+        return None
+    step = _step(meta, layer, x)
+    first = residual is None
+    if first:
+        residual = x  # the first layer's input is the residual stream
+    out = torch.empty_like(x)
+    rc = _LIB.get().decode_layer(
+        plan, step, x.data_ptr(), residual.data_ptr(), int(first), out.data_ptr()
+    )
+    if rc != 0:
+        raise RuntimeError(f"the CPU decode layer failed at stage {rc // 10} (code {rc})")
+    return out, residual
+
+
+def _plan(layer: DecoderLayer, x: torch.Tensor) -> _Layer | None:
+    """The layer's weights and caches for the C call, made once per (batch size, dtype, cache);
+    None when the layer is not one the C layer takes."""
+    attn = layer.self_attn
+    key = (x.shape[0], x.dtype, attn.k_cache.data_ptr())
+    plans = layer.cpu_plans
+    if key not in plans:
+        plans.clear()  # another batch size, dtype or cache: earlier entries may be stale too
+        plans[key] = _make_plan(layer, x)
+    return plans[key]
+
+
+def _make_plan(layer: DecoderLayer, x: torch.Tensor) -> _Layer | None:
+    from common.model.quant import QuantLinear
+
+    attn, mlp = layer.self_attn, layer.mlp
+    projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    norms = [layer.input_layernorm, layer.post_attention_layernorm]
+    if attn.qk_norm:
+        norms += [attn.q_norm, attn.k_norm]
+    k_cache = attn.k_cache
+    if not (
+        cpu_ops.available()
+        and attn.backend == "torch"
+        and k_cache.dim() == 4
+        and k_cache.dtype == x.dtype
+        and k_cache.is_contiguous()
+        and attn.v_cache.is_contiguous()
+        and attn.num_heads % attn.num_kv_heads == 0
+        and attn.num_heads // attn.num_kv_heads <= 64
+        and attn.head_dim % 2 == 0
+        and attn.head_dim <= 1024
+        and x.shape[1] <= cpu_ops.MAX_HIDDEN
+        and all(isinstance(p, QuantLinear) for p in projections)
+        and all(cpu_quant.path_for(p, x) == "c" for p in projections)
+        and all(p.bias is None or _fits(p.bias, x) for p in projections)
+        and all(_fits(n.weight, x) and n.eps == layer.input_layernorm.eps for n in norms)
+        and available()
+    ):
+        return None
+    qkv, o, gate_up, down = (_proj(p) for p in projections)
+    q_norm = attn.q_norm.weight.data_ptr() if attn.qk_norm else None
+    k_norm = attn.k_norm.weight.data_ptr() if attn.qk_norm else None
+    return _Layer(
+        qkv, o, gate_up, down, layer.input_layernorm.weight.data_ptr(),
+        layer.post_attention_layernorm.weight.data_ptr(), q_norm, k_norm,
+        layer.input_layernorm.eps, attn.scale, x.shape[1], attn.num_heads, attn.num_kv_heads,
+        attn.head_dim, mlp.intermediate, k_cache.shape[1], k_cache.data_ptr(),
+        attn.v_cache.data_ptr(), k_cache.numel() // (attn.num_kv_heads * attn.head_dim),
+    )  # fmt: skip
+
+
+def _fits(t: torch.Tensor, x: torch.Tensor) -> bool:
+    return t.dtype == x.dtype and t.is_contiguous()
+
+
+def _proj(layer) -> _Proj:
+    bits, group, qweight, scale, zero, sdtype = cpu_quant.c_weights(layer)
+    bias = None if layer.bias is None else layer.bias.data_ptr()
+    n, k = layer.out_features, layer.in_features
+    return _Proj(qweight, scale, zero, bias, bits, group, sdtype, n, k)
+
+
+def _step(meta: AttentionMetadata, layer: DecoderLayer, x: torch.Tensor) -> _Step:
+    """What every layer of this step shares, made on the step's first layer and kept on `meta`
+    with the tensors it points into."""
+    rotary = layer.self_attn.rotary
+    key = (id(rotary), rotary.positions.data_ptr(), x.dtype, x.shape[0])
+    cached = meta.__dict__.get("_cpu_layer_step")
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    tables = meta.block_tables.to(torch.int32).contiguous()
+    lens = meta.seq_lens.to(torch.int32).contiguous()
+    slots = meta.slot_mapping.to(torch.int64).contiguous()
+    positions = rotary.positions  # int64, contiguous (set_positions)
+    step = _Step(
+        positions.data_ptr(), slots.data_ptr(), rotary.cos.data_ptr(), rotary.sin.data_ptr(),
+        tables.data_ptr(), lens.data_ptr(), rotary.cos.shape[0], x.shape[0], tables.shape[1],
+        _DTYPES[x.dtype], torch.get_num_threads(),
+    )  # fmt: skip
+    meta.__dict__["_cpu_layer_step"] = (key, step, (tables, lens, slots, positions))
+    return step

@@ -1,0 +1,154 @@
+/* One decoder layer of a decode step (one new token per sequence) on the CPU, in a single call:
+ *
+ *   residual += x; h = RMSNorm(residual)            (first layer: residual = x, h = RMSNorm(x))
+ *   qkv = h @ Wqkv.T (+ bias); Qwen3's per-head q/k RMSNorm
+ *   rotate q and k, store k and v in their cache slots
+ *   a = paged attention of q over the cache
+ *   residual += a @ Wo.T (+ bias); h = RMSNorm(residual)
+ *   out = down(silu(gate(h)) * up(h))
+ *
+ * Each step is the same C function the per-op path calls (fused_ops.c, quant_matmul.c,
+ * paged_decode.c, linked into this library with their own flags), with the same rounding, so
+ * the result equals the per-op path's; what goes away is the Python and torch dispatch between
+ * the ops (about 12 calls a layer, which at batch 1 cost as much as the weight streaming of a
+ * 4-bit model). Compiled on first use by common/kernels/cpu_layer.py, which checks the shapes.
+ *
+ * Projections are quantized (common/model/quant.py's format). dtype: 0 = float32, 1 = bfloat16;
+ * every activation tensor is contiguous in that dtype.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+int add_rms_norm(const void *x, long x_stride, void *residual, long res_stride,
+                 const void *weight, void *out, long out_stride, int rows, int dim, float eps,
+                 int dtype);
+int rope_qk(void *qkv, long qkv_stride, const int64_t *positions, const float *cos_table,
+            const float *sin_table, long max_pos, int T, int H, int Hkv, int D, void *k_cache,
+            void *v_cache, const int64_t *slot_mapping, long num_slots, int dtype);
+int silu_mul(const void *gate_up, long in_stride, void *out, long out_stride, int T, int I,
+             int dtype);
+int paged_decode(const void *q, long q_stride, const void *k_cache, const void *v_cache,
+                 const int32_t *block_tables, const int32_t *seq_lens, void *out, int B, int H,
+                 int Hkv, int D, int bs, int max_blocks, float scale, int dtype, int num_threads);
+int quant_matmul(const void *x_in, long x_stride, int xdtype, int M, int K, int N, int bits,
+                 int gs, const void *qweight, const void *scale, const void *zero, int sdtype,
+                 void *out_, int nthreads);
+
+/* A quantized projection [n, k]; zero and bias may be NULL. bias has the activations' dtype. */
+typedef struct {
+    const void *qweight, *scale, *zero, *bias;
+    int bits, group_size, sdtype, n, k;
+} Proj;
+
+typedef struct {
+    Proj qkv, o, gate_up, down;
+    const void *input_norm, *post_norm, *q_norm, *k_norm; /* q_norm, k_norm: NULL but Qwen3 */
+    float eps, scale;
+    int hidden, heads, kv_heads, head_dim, intermediate, block_size;
+    void *k_cache, *v_cache; /* [blocks, block_size, kv_heads, head_dim], contiguous */
+    long num_slots;
+} Layer;
+
+/* What every layer of one step shares. */
+typedef struct {
+    const int64_t *positions, *slot_mapping; /* [tokens] */
+    const float *cos, *sin;                   /* float32 [max_pos, head_dim] */
+    const int32_t *block_tables, *seq_lens;   /* [tokens, max_blocks], [tokens] */
+    long max_pos;
+    int tokens, max_blocks, dtype, threads;
+} Step;
+
+static inline float bf16_value(uint16_t h) {
+    uint32_t u = ((uint32_t)h) << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t bf16_round(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffff) > 0x7f800000) return 0x7fc0; /* NaN, as torch stores it */
+    return (uint16_t)((u + 0x7fff + ((u >> 16) & 1)) >> 16);
+}
+
+/* out [T, n] += bias [n], rounded to dtype as torch's `out + bias` rounds. */
+static void add_bias(void *out, const void *bias, int T, int n, int dtype) {
+    for (int t = 0; t < T; t++) {
+        if (dtype == 0) {
+            float *o = (float *)out + (long)t * n;
+            for (int i = 0; i < n; i++) o[i] += ((const float *)bias)[i];
+        } else {
+            uint16_t *o = (uint16_t *)out + (long)t * n;
+            const uint16_t *b = (const uint16_t *)bias;
+            for (int i = 0; i < n; i++) o[i] = bf16_round(bf16_value(o[i]) + bf16_value(b[i]));
+        }
+    }
+}
+
+static int project(const Proj *p, const Step *s, const void *x, void *out) {
+    int rc = quant_matmul(x, p->k, s->dtype, s->tokens, p->k, p->n, p->bits, p->group_size,
+                          p->qweight, p->scale, p->zero, p->sdtype, out, s->threads);
+    if (rc == 0 && p->bias != NULL) add_bias(out, p->bias, s->tokens, p->n, s->dtype);
+    return rc;
+}
+
+/* x [T, hidden] in, out [T, hidden] the MLP's output; residual [T, hidden] is updated in place.
+ * first != 0 (the first layer): residual is x itself, and the first RMSNorm adds nothing.
+ * Returns 0, or the failing step plus its code (9 for a negative one): 10 first RMSNorm, 20 qkv,
+ * 30 q/k norm, 40 rotary, 50 attention, 60 o, 70 second RMSNorm, 80 gate/up, 90 silu, 100 down;
+ * 1 when out of memory. */
+int decode_layer(const Layer *L, const Step *s, const void *x, void *residual, int first,
+                 void *out) {
+    const int T = s->tokens, H = L->heads, Hkv = L->kv_heads, D = L->head_dim;
+    const int width = (H + 2 * Hkv) * D, hidden = L->hidden, inter = L->intermediate;
+    const size_t elem = s->dtype == 0 ? 4 : 2;
+    /* h | qkv | attention out | gate_up | act, one block */
+    const size_t per_token = (size_t)hidden + width + (size_t)H * D + 3 * (size_t)inter;
+    char *scratch = malloc(per_token * T * elem);
+    if (scratch == NULL) return 1;
+    char *h = scratch, *qkv = h + (size_t)T * hidden * elem;
+    char *attn = qkv + (size_t)T * width * elem, *gate_up = attn + (size_t)T * H * D * elem;
+    char *act = gate_up + (size_t)T * 2 * inter * elem;
+    int rc, stage = 0;
+
+    if (first) {
+        rc = add_rms_norm(x, hidden, NULL, 0, L->input_norm, h, hidden, T, hidden, L->eps,
+                          s->dtype);
+    } else {
+        rc = add_rms_norm(x, hidden, residual, hidden, L->input_norm, h, hidden, T, hidden,
+                          L->eps, s->dtype);
+    }
+    if (rc) { stage = 10; goto done; }
+    if ((rc = project(&L->qkv, s, h, qkv))) { stage = 20; goto done; }
+    if (L->q_norm != NULL) {
+        for (int t = 0; t < T && rc == 0; t++) {
+            char *row = qkv + (size_t)t * width * elem;
+            rc = add_rms_norm(row, D, NULL, 0, L->q_norm, row, D, H, D, L->eps, s->dtype);
+            if (rc == 0) {
+                char *k = row + (size_t)H * D * elem;
+                rc = add_rms_norm(k, D, NULL, 0, L->k_norm, k, D, Hkv, D, L->eps, s->dtype);
+            }
+        }
+        if (rc) { stage = 30; goto done; }
+    }
+    rc = rope_qk(qkv, width, s->positions, s->cos, s->sin, s->max_pos, T, H, Hkv, D, L->k_cache,
+                 L->v_cache, s->slot_mapping, L->num_slots, s->dtype);
+    if (rc) { stage = 40; goto done; }
+    rc = paged_decode(qkv, width, L->k_cache, L->v_cache, s->block_tables, s->seq_lens, attn, T,
+                      H, Hkv, D, L->block_size, s->max_blocks, L->scale, s->dtype, s->threads);
+    if (rc) { stage = 50; goto done; }
+    /* the o projection's output goes to h: h is free again */
+    if ((rc = project(&L->o, s, attn, h))) { stage = 60; goto done; }
+    rc = add_rms_norm(h, hidden, residual, hidden, L->post_norm, h, hidden,
+                      T, hidden, L->eps, s->dtype);
+    if (rc) { stage = 70; goto done; }
+    if ((rc = project(&L->gate_up, s, h, gate_up))) { stage = 80; goto done; }
+    rc = silu_mul(gate_up, 2L * inter, act, inter, T, inter, s->dtype);
+    if (rc) { stage = 90; goto done; }
+    if ((rc = project(&L->down, s, act, out))) { stage = 100; goto done; }
+done:
+    free(scratch);
+    return rc ? stage + (rc > 0 && rc < 10 ? rc : 9) : 0;
+}
