@@ -14,7 +14,9 @@ kernel wrapped in timers, which gives each one's exclusive time per step:
 - other: embedding, the layer loop, the wrappers' own cost (total minus the above);
 
 and, without the timers, the step with every Linear returning zeros at once: the time that is not
-weight streaming.
+weight streaming. A third column, `layer`, is the step with `common.kernels.cpu_layer` on (each
+decoder layer of a quantized model's decode step in one C call; nothing to time inside it, so
+only the step); the first two columns turn it off.
 
 The floor is the weight bytes one step reads (every parameter and buffer except an untied
 embedding, of which a step reads a few rows) over the copy bandwidth of a 256 MiB tensor copy
@@ -23,8 +25,8 @@ machine shared with other jobs, use it with `--threads 1` (time spent waiting fo
 not counted). Run: `python benchmarks/step_profile.py [--model default] [--dtype bfloat16]
 [--quantization auto] [--batches 1,8] [--context 256] [--iters 20] [--repeats 3] [--threads N]
 [--clock wall|cpu]`.
-Result: a line with the floor, then a Markdown table per batch size (ms per step by part, eager
-and fused, and the step over the floor).
+Result: a line with the floor, then a Markdown table per batch size (ms per step by part, eager,
+fused and layer, and the step over the floor).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from collections.abc import Callable
 import torch
 
 from common.config import EngineConfig
-from common.kernels import cpu_ops
+from common.kernels import cpu_layer, cpu_ops
 from common.model import llama
 from common.model.model_files import resolve_model
 from common.model.model_runner import ModelRunner, kv_bytes_per_block
@@ -218,6 +220,7 @@ def main() -> None:
     for batch in batches:
         inputs = decode_inputs(runner, batch, args.context)
         results: dict[str, dict[str, float]] = {}
+        cpu_layer.enabled = False  # the per-part timers need the per-op path
         for mode in ("eager", "fused"):
             cpu_ops.enabled = mode == "fused"
             best = min(step_ms(runner, inputs, args.iters) for _ in range(args.repeats))
@@ -225,13 +228,18 @@ def main() -> None:
             results[mode]["step without linear work"] = min(
                 step_without_linear_ms(runner, inputs, args.iters) for _ in range(args.repeats)
             )
-        cpu_ops.enabled = True
-        print(f"\nbatch {batch} (ms per step)\n\n| part | eager | fused |\n|---|---:|---:|")
+        cpu_ops.enabled = cpu_layer.enabled = True
+        # one C call per layer: no parts to time, only the step
+        best = min(step_ms(runner, inputs, args.iters) for _ in range(args.repeats))
+        results["layer"] = {"step": best}
+        modes = ("eager", "fused", "layer")
+        print(f"\nbatch {batch} (ms per step)\n")
+        print("| part | eager | fused | layer |\n|---|---:|---:|---:|")
         for part in ["step", *PARTS, "step (instrumented)", "step without linear work"]:
-            e, f = results["eager"][part], results["fused"][part]
-            print(f"| {part} | {e:.2f} | {f:.2f} |")
-        print(f"| step / floor | {results['eager']['step'] / floor_ms:.2f} | "
-              f"{results['fused']['step'] / floor_ms:.2f} |")  # fmt: skip
+            cells = [f"{results[m][part]:.2f}" if part in results[m] else "-" for m in modes]
+            print(f"| {part} | {' | '.join(cells)} |")
+        ratios = [f"{results[m]['step'] / floor_ms:.2f}" for m in modes]
+        print(f"| step / floor | {' | '.join(ratios)} |")
 
 
 if __name__ == "__main__":
