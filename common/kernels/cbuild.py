@@ -61,6 +61,8 @@ def build(
     key = [platform.node().encode(), platform.machine().encode()]
     for path, unit_flags in units:
         key += [path.read_bytes(), " ".join(unit_flags).encode()]
+    for header in sorted({h for path, _ in units for h in path.parent.glob("*.h")}):
+        key.append(header.read_bytes())  # the shared headers the sources include
     tag = hashlib.sha256(b"\0".join(key)).hexdigest()[:16]
     target = cache_dir() / f"{source.stem}-{tag}.so"
     if not target.exists():

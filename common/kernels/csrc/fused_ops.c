@@ -15,6 +15,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "vecmath.h"
+
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t u = ((uint32_t)h) << 16;
     float f;
@@ -159,27 +161,6 @@ int rope_qk(void *qkv, long qkv_stride, const int64_t *positions, const float *c
         }
     }
     return 0;
-}
-
-/* exp(x) within about 1 ulp in plain float arithmetic (Cephes' polynomial), so that loops over
- * it vectorise: libm's expf is a call per element. Below -87.3 it returns 2^-126 instead of a
- * subnormal (silu(x) = x / (1 + exp(-x)) is x either way); above 88.72 it gives inf. */
-static inline float exp_approx(float x) {
-    x = x < -87.33654f ? -87.33654f : (x > 88.72283f ? 88.72283f : x);
-    const float n = floorf(x * 1.44269504088896341f + 0.5f);
-    float r = x - n * 0.693359375f;
-    r = r - n * -2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * (r * r) + r + 1.0f;
-    const uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, 4);
-    return p * scale;
 }
 
 /* out[t, i] = silu(gate_up[t, i]) * gate_up[t, I + i], silu rounded to dtype before the

@@ -1,6 +1,7 @@
 /* Paged decode attention for the CPU path: one query token per sequence, read straight from the
  * block table (no gathered copy of the KV cache), float32 accumulation, OpenMP over
- * (sequence, kv head) pairs. Compiled on first use by common/cpu_attention.py.
+ * (sequence, kv head) pairs, and over token ranges of them when the pairs are too few for the
+ * threads (see paged_decode). Compiled on first use by common/cpu_attention.py.
  *
  * Layouts: q [B, H, D] with row stride q_stride (elements); k_cache, v_cache [N, bs, Hkv, D];
  * block_tables [B, max_blocks] int32; seq_lens [B] int32; out [B, H, D] contiguous.
@@ -10,6 +11,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "vecmath.h"
 
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t u = ((uint32_t)h) << 16;
@@ -45,48 +48,12 @@ static inline void load_row(const void *restrict base, long idx, int D, int dtyp
     }
 }
 
-/* One (sequence, kv head): scores for its G query heads, softmax, weighted sum of V. D is a
- * compile-time constant in the specialised copies below, so the inner loops vectorise fully. */
-static inline void attend_one(const Job *j, int b, int h, const int D, float *restrict scores,
-                              float *restrict qf, float *restrict acc, float *restrict row) {
-    const int G = j->H / j->Hkv, bs = j->bs, Hkv = j->Hkv;
-    const int len = j->seq_lens[b];
-    const int32_t *table = j->block_tables + (long)b * j->max_blocks;
-    for (int g = 0; g < G; g++)
-        load_row(j->q, b * j->q_stride + (long)(h * G + g) * D, D, j->dtype, qf + g * D);
-    for (int t = 0; t < len; t++) {
-        const long slot = (long)table[t / bs] * bs + t % bs;
-        load_row(j->k_cache, (slot * Hkv + h) * D, D, j->dtype, row);
-        for (int g = 0; g < G; g++) {
-            const float *restrict qg = qf + g * D;
-            float s = 0.f;
-            for (int d = 0; d < D; d++) s += qg[d] * row[d];
-            scores[g * len + t] = s * j->scale;
-        }
-    }
-    float total[64];
-    for (int g = 0; g < G; g++) {
-        float *restrict sg = scores + g * len;
-        float mx = -INFINITY;
-        for (int t = 0; t < len; t++) mx = sg[t] > mx ? sg[t] : mx;
-        for (int t = 0; t < len; t++) sg[t] = expf(sg[t] - mx);
-        float sum = 0.f;
-        for (int t = 0; t < len; t++) sum += sg[t];
-        total[g] = sum;
-    }
-    memset(acc, 0, sizeof(float) * G * D);
-    for (int t = 0; t < len; t++) {
-        const long slot = (long)table[t / bs] * bs + t % bs;
-        load_row(j->v_cache, (slot * Hkv + h) * D, D, j->dtype, row);
-        for (int g = 0; g < G; g++) {
-            const float p = scores[g * len + t];
-            float *restrict ag = acc + g * D;
-            for (int d = 0; d < D; d++) ag[d] += p * row[d];
-        }
-    }
+/* out rows of (sequence b, kv head h)'s G query heads: acc / l. */
+static void write_out(const Job *j, int b, int h, const float *acc, const float *l) {
+    const int G = j->H / j->Hkv, D = j->D;
     for (int g = 0; g < G; g++) {
         const long o = ((long)b * j->H + h * G + g) * D;
-        const float inv = total[g] > 0.f ? 1.f / total[g] : 0.f;
+        const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
         if (j->dtype == 0) {
             for (int d = 0; d < D; d++) ((float *)j->out)[o + d] = acc[g * D + d] * inv;
         } else {
@@ -96,14 +63,83 @@ static inline void attend_one(const Job *j, int b, int h, const int D, float *re
     }
 }
 
-/* Returns 0 on success, -1 for a shape this kernel does not take. */
+/* Attention of one (sequence, kv head) over its tokens [t0, t1): for each of its G query heads
+ * the scores' maximum m[g], the sum of exp(score - m[g]) l[g] and the unnormalised weighted sum
+ * of V acc[g*D..]. Tokens are walked block by block (no division per token). D is a
+ * compile-time constant in the specialised copies below, so the inner loops vectorise fully. */
+static inline void attend_part(const Job *j, int b, int h, int t0, int t1, const int D,
+                               float *restrict scores, float *restrict qf, float *restrict acc,
+                               float *restrict m, float *restrict l, float *restrict row) {
+    const int G = j->H / j->Hkv, bs = j->bs, Hkv = j->Hkv, n = t1 - t0;
+    const int32_t *table = j->block_tables + (long)b * j->max_blocks;
+    for (int g = 0; g < G; g++)
+        load_row(j->q, b * j->q_stride + (long)(h * G + g) * D, D, j->dtype, qf + g * D);
+    for (int t = t0; t < t1;) {
+        const int off = t % bs, run = bs - off < t1 - t ? bs - off : t1 - t;
+        const long base = (long)table[t / bs] * bs + off;
+        for (int i = 0; i < run; i++) {
+            load_row(j->k_cache, ((base + i) * Hkv + h) * D, D, j->dtype, row);
+            for (int g = 0; g < G; g++) {
+                const float *restrict qg = qf + g * D;
+                float s = 0.f;
+                for (int d = 0; d < D; d++) s += qg[d] * row[d];
+                scores[g * n + (t - t0) + i] = s * j->scale;
+            }
+        }
+        t += run;
+    }
+    for (int g = 0; g < G; g++) {
+        float *restrict sg = scores + g * n;
+        float mx = -INFINITY;
+        for (int t = 0; t < n; t++) mx = sg[t] > mx ? sg[t] : mx;
+        float sum = 0.f;
+        for (int t = 0; t < n; t++) {
+            sg[t] = exp_approx(sg[t] - mx);
+            sum += sg[t];
+        }
+        m[g] = mx;
+        l[g] = sum;
+    }
+    memset(acc, 0, sizeof(float) * G * D);
+    for (int t = t0; t < t1;) {
+        const int off = t % bs, run = bs - off < t1 - t ? bs - off : t1 - t;
+        const long base = (long)table[t / bs] * bs + off;
+        for (int i = 0; i < run; i++) {
+            load_row(j->v_cache, ((base + i) * Hkv + h) * D, D, j->dtype, row);
+            for (int g = 0; g < G; g++) {
+                const float p = scores[g * n + (t - t0) + i];
+                float *restrict ag = acc + g * D;
+                for (int d = 0; d < D; d++) ag[d] += p * row[d];
+            }
+        }
+        t += run;
+    }
+}
+
+static void attend_dispatch(const Job *j, int b, int h, int t0, int t1, float *scores,
+                            float *qf, float *acc, float *m, float *l, float *row) {
+    switch (j->D) {
+    case 64: attend_part(j, b, h, t0, t1, 64, scores, qf, acc, m, l, row); break;
+    case 128: attend_part(j, b, h, t0, t1, 128, scores, qf, acc, m, l, row); break;
+    default: attend_part(j, b, h, t0, t1, j->D, scores, qf, acc, m, l, row); break;
+    }
+}
+
+#define MIN_PART 32 /* fewest tokens worth a part of their own */
+
+/* Returns 0 on success, -1 for a shape this kernel does not take, -2 when out of memory.
+ *
+ * Work is split into parts of (sequence, kv head, token range): one part per pair when there
+ * are enough pairs for the threads; otherwise (a single long sequence, the latency case) each
+ * sequence's tokens are split too, flash-decoding style, and the parts' softmax statistics are
+ * merged at the end, so both cores work on batch 1. */
 int paged_decode(const void *q, long q_stride, const void *k_cache, const void *v_cache,
                  const int32_t *block_tables, const int32_t *seq_lens, void *out, int B, int H,
                  int Hkv, int D, int bs, int max_blocks, float scale, int dtype, int num_threads) {
-    if (H % Hkv != 0 || H / Hkv > 64) return -1;
+    if (H % Hkv != 0 || H / Hkv > 64 || bs < 1 || B < 1) return -1;
     Job job = {q, k_cache, v_cache, block_tables, seq_lens, out, B, H, Hkv, D, bs, max_blocks,
                dtype, q_stride, scale};
-    const int G = H / Hkv, items = B * Hkv;
+    const int G = H / Hkv, pairs = B * Hkv;
     int max_len = 1;
     long work = 0;
     for (int b = 0; b < B; b++) {
@@ -112,26 +148,88 @@ int paged_decode(const void *q, long q_stride, const void *k_cache, const void *
     }
     /* Waking threads costs more than a small batch's whole attention. This OpenMP runtime is the
      * one torch loaded (same soname), so the threads are torch's own pool, not a competing one. */
-    if (work < 32768 || num_threads < 1) num_threads = 1;
+    if (work < 1024 || num_threads < 1) num_threads = 1;
+    int splits = 1;
+    if (num_threads > 1 && pairs < 2 * num_threads) {
+        splits = (2 * num_threads + pairs - 1) / pairs;
+        const int most = (max_len + MIN_PART - 1) / MIN_PART;
+        if (splits > most) splits = most;
+    }
+    const int chunk = (max_len + splits - 1) / splits, parts = pairs * splits;
+    const size_t stride = (size_t)G * (D + 2); /* one part's acc, m, l */
+    float *partial = splits > 1 ? malloc(sizeof(float) * stride * parts) : NULL;
+    if (splits > 1 && partial == NULL) return -2;
+    int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
-        float *scores = malloc(sizeof(float) * (size_t)G * max_len);
+        const int most = chunk < max_len ? chunk : max_len;
+        float *scores = malloc(sizeof(float) * (size_t)G * most);
         float *qf = malloc(sizeof(float) * G * D);
         float *acc = malloc(sizeof(float) * G * D);
         float *row = malloc(sizeof(float) * D);
+        float ml[128];
+        if (!scores || !qf || !acc || !row) {
+#pragma omp atomic write
+            failed = 1;
+        }
 #pragma omp for schedule(static)
-        for (int item = 0; item < items; item++) {
-            const int b = item / Hkv, h = item % Hkv;
-            switch (D) {
-            case 64: attend_one(&job, b, h, 64, scores, qf, acc, row); break;
-            case 128: attend_one(&job, b, h, 128, scores, qf, acc, row); break;
-            default: attend_one(&job, b, h, D, scores, qf, acc, row); break;
+        for (int part = 0; part < parts; part++) {
+            if (failed) continue;
+            const int pair = part / splits, s = part % splits, b = pair / Hkv, h = pair % Hkv;
+            const int len = seq_lens[b], t0 = s * chunk, t1 = t0 + chunk < len ? t0 + chunk : len;
+            float *pa = splits > 1 ? partial + stride * part : acc;
+            float *pm = splits > 1 ? pa + (size_t)G * D : ml, *pl = pm + G;
+            if (t0 >= t1) { /* nothing here: a part that adds nothing to the merge */
+                for (int g = 0; g < G; g++) {
+                    pm[g] = -INFINITY;
+                    pl[g] = 0.f;
+                }
+                memset(pa, 0, sizeof(float) * G * D);
+            } else {
+                attend_dispatch(&job, b, h, t0, t1, scores, qf, pa, pm, pl, row);
             }
+            if (splits == 1) write_out(&job, b, h, pa, pl);
         }
         free(scores);
         free(qf);
         free(acc);
         free(row);
+    }
+    if (failed) {
+        free(partial);
+        return -2;
+    }
+    if (splits > 1) {
+        float *acc = malloc(sizeof(float) * (G * D + G));
+        if (acc == NULL) {
+            free(partial);
+            return -2;
+        }
+        float *l = acc + G * D;
+        for (int pair = 0; pair < pairs; pair++) {
+            const float *first = partial + stride * (size_t)pair * splits;
+            for (int g = 0; g < G; g++) {
+                float mx = -INFINITY;
+                for (int s = 0; s < splits; s++) {
+                    const float ms = first[stride * s + (size_t)G * D + g];
+                    mx = ms > mx ? ms : mx;
+                }
+                float sum = 0.f, *ag = acc + g * D;
+                memset(ag, 0, sizeof(float) * D);
+                for (int s = 0; s < splits; s++) {
+                    const float *ps = first + stride * s;
+                    const float ms = ps[(size_t)G * D + g];
+                    if (ms == -INFINITY) continue;
+                    const float w = exp_approx(ms - mx);
+                    sum += w * ps[(size_t)G * D + G + g];
+                    for (int d = 0; d < D; d++) ag[d] += w * ps[g * D + d];
+                }
+                l[g] = sum;
+            }
+            write_out(&job, pair / Hkv, pair % Hkv, acc, l);
+        }
+        free(acc);
+        free(partial);
     }
     return 0;
 }

@@ -79,3 +79,37 @@ def test_loading_the_kernels_leaves_float_mode_alone(tmp_path):
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["5e-324", "1e-323"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("seq_lens", [[700], [33, 700], [1, 65]])
+def test_token_split_for_few_sequences_matches_torch(dtype, seq_lens):
+    """Few (sequence, kv head) pairs for the threads: each sequence's tokens are split into parts
+    whose softmax statistics are merged (also parts past a short sequence's end, which are empty);
+    the result must not depend on it."""
+    heads, kv_heads, head_dim, block_size = 6, 1, 64, 16
+    g = torch.Generator().manual_seed(len(seq_lens) + seq_lens[-1])
+    max_blocks = max(-(-n // block_size) for n in seq_lens)
+    num_blocks = len(seq_lens) * max_blocks
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
+    tables = torch.randperm(num_blocks, generator=g).view(len(seq_lens), max_blocks).int()
+    q = torch.randn(len(seq_lens), heads, head_dim, generator=g).to(dtype) * 3
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(len(seq_lens), dtype=torch.long),
+        query_start_loc=torch.arange(len(seq_lens) + 1, dtype=torch.int32),
+        seq_lens=lens,
+        block_tables=tables,
+        query_lens_cpu=[1] * len(seq_lens),
+        seq_lens_cpu=seq_lens,
+    )
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # the split needs more than one thread
+    try:
+        got = cpu_attention.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    ref = torch_reference(q, k_cache, v_cache, meta, 0.125)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert (got.float() - ref.float()).abs().max() <= tol
