@@ -162,6 +162,158 @@ static float column1_avx2(const float *x, const float *xsum, int G, int gs, int 
     }
     return hsum(_mm256_add_ps(a0, a1)) + zterm;
 }
+
+/* ---- M = 1, int4, group 32 or a multiple of 64: several output columns per pass ----
+ * The packed row is read 32 bytes (64 weights, a "chunk") at a time as 8 dwords; dword i holds
+ * columns 64c + 8i + k, k = 0..7, as nibble k. Nibble k is isolated in place with one AND
+ * (v & 0xF << 4k, converted to float: q * 2^4k exactly; k = 7 is shifted down instead, as its
+ * top bit would make the int32 negative), and x is pre-scaled by 2^-4k to match, so the product
+ * is x*q rounded once as before. Lane i then holds the partial dot of 8 columns of one group
+ * (group 32: lanes 0-3 the chunk's first group, 4-7 its second), started at -8 * (those 8
+ * columns' sum of x) so it is sum x (q - 8); the lane's scale is applied with one vector FMA per
+ * chunk. The zero point's share, sum_g z_g * sum_{j in g} x_j, is a vector dot over groups.
+ * R columns run together (independent chains hide FMA latency; x and the masks are loaded once
+ * for all R).
+ * xp per chunk: 8 vectors x[64c + 8i + k] * 2^-4k (k = 0..7), then -8 * lane sums: 72 floats. */
+#define XP_CHUNK 72
+
+static inline __m256 scale_vec(const void *scale, long base, int c, int gs, int sdtype) {
+    if (gs == 32) {
+        /* lanes 0-3: group 2c, lanes 4-7: group 2c + 1 */
+        if (sdtype == 0) {
+            __m256 p = _mm256_castpd_ps(
+                _mm256_broadcast_sd((const double *)((const float *)scale + base + 2 * c)));
+            return _mm256_permutevar_ps(p, _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
+        }
+        int32_t u;
+        memcpy(&u, (const uint16_t *)scale + base + 2 * c, 4);
+        __m256i p = _mm256_set1_epi32(u);
+        return _mm256_castsi256_ps(_mm256_shuffle_epi8(
+            p, _mm256_setr_epi8(-1, -1, 0, 1, -1, -1, 0, 1, -1, -1, 0, 1, -1, -1, 0, 1, -1, -1, 2,
+                                3, -1, -1, 2, 3, -1, -1, 2, 3, -1, -1, 2, 3)));
+    }
+    return _mm256_set1_ps(load_s(scale, base + (long)c * 64 / gs, sdtype));
+}
+
+/* the last half chunk (group 32 with an odd group count): lanes 4-7 are zero */
+static inline __m256 scale_vec_half(const void *scale, long base, int c, int sdtype) {
+    __m128 s = _mm_set1_ps(load_s(scale, base + 2 * c, sdtype));
+    return _mm256_zextps128_ps256(s);
+}
+
+/* sum_g z_g * xsum_g over one row's G groups */
+static inline float zdot(const void *zero, long base, const float *xsum, int G, int sdtype) {
+    __m256 a = _mm256_setzero_ps();
+    int g = 0;
+    if (sdtype == 0) {
+        for (; g + 8 <= G; g += 8)
+            a = _mm256_fmadd_ps(_mm256_loadu_ps((const float *)zero + base + g),
+                                _mm256_loadu_ps(xsum + g), a);
+    } else {
+        for (; g + 8 <= G; g += 8) {
+            __m256i h = _mm256_cvtepu16_epi32(
+                _mm_loadu_si128((const __m128i *)((const uint16_t *)zero + base + g)));
+            a = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(h, 16)),
+                                _mm256_loadu_ps(xsum + g), a);
+        }
+    }
+    float r = hsum(a);
+    for (; g < G; g++) r += load_s(zero, base + g, sdtype) * xsum[g];
+    return r;
+}
+
+static inline __attribute__((always_inline)) void gemv4_rows(
+    const float *xp, const float *xsum, int K, int G, int gs, const uint8_t *q0, long row_bytes,
+    const void *scale, const void *zero, int sdtype, long n, int R, float *out) {
+    const int C = K / 64, tail = (K % 64) != 0;
+    __m256 acc[4];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    const __m256i m0 = _mm256_set1_epi32(0xF), m1 = _mm256_set1_epi32(0xF0),
+                  m2 = _mm256_set1_epi32(0xF00), m3 = _mm256_set1_epi32(0xF000),
+                  m4 = _mm256_set1_epi32(0xF0000), m5 = _mm256_set1_epi32(0xF00000),
+                  m6 = _mm256_set1_epi32(0xF000000);
+    for (int c = 0; c < C + tail; c++) {
+        const float *xc = xp + (long)c * XP_CHUNK;
+        __m256i v[4];
+        __m256 t0[4], t1[4];
+        const __m256 init = _mm256_loadu_ps(xc + 64);
+        for (int r = 0; r < R; r++) {
+            const uint8_t *p = q0 + r * row_bytes + (long)c * 32;
+            v[r] = c < C ? _mm256_loadu_si256((const __m256i *)p)
+                         : _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)p));
+            t0[r] = init;
+            t1[r] = _mm256_setzero_ps();
+        }
+#define NIB(k, expr, T)                                                                      \
+    {                                                                                        \
+        const __m256 xk = _mm256_loadu_ps(xc + 8 * (k));                                    \
+        for (int r = 0; r < R; r++) {                                                        \
+            const __m256i vv = v[r];                                                         \
+            T[r] = _mm256_fmadd_ps(xk, _mm256_cvtepi32_ps(expr), T[r]);                    \
+        }                                                                                    \
+    }
+        NIB(0, _mm256_and_si256(vv, m0), t0)
+        NIB(1, _mm256_and_si256(vv, m1), t1)
+        NIB(2, _mm256_and_si256(vv, m2), t0)
+        NIB(3, _mm256_and_si256(vv, m3), t1)
+        NIB(4, _mm256_and_si256(vv, m4), t0)
+        NIB(5, _mm256_and_si256(vv, m5), t1)
+        NIB(6, _mm256_and_si256(vv, m6), t0)
+        NIB(7, _mm256_srli_epi32(vv, 28), t1)
+#undef NIB
+        for (int r = 0; r < R; r++) {
+            const long base = (n + r) * G;
+            const __m256 s = c < C ? scale_vec(scale, base, c, gs, sdtype)
+                                   : scale_vec_half(scale, base, c, sdtype);
+            acc[r] = _mm256_fmadd_ps(_mm256_add_ps(t0[r], t1[r]), s, acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        float o = hsum(acc[r]);
+        if (zero) o += zdot(zero, (n + r) * G, xsum, G, sdtype);
+        out[n + r] = o;
+    }
+}
+
+#define GEMV4_ROWS 4
+
+static void gemv4(const float *xp, const float *xsum, int K, int N, int gs, const uint8_t *qweight,
+                  const void *scale, const void *zero, int sdtype, float *out, int nthreads) {
+    const int G = K / gs;
+    const long row_bytes = K / 2;
+    const int NB = N / GEMV4_ROWS;
+#pragma omp parallel num_threads(nthreads)
+    {
+#pragma omp for schedule(static) nowait
+        for (int b = 0; b < NB; b++) {
+            const long n = (long)b * GEMV4_ROWS;
+            gemv4_rows(xp, xsum, K, G, gs, qweight + n * row_bytes, row_bytes, scale, zero,
+                       sdtype, n, GEMV4_ROWS, out);
+        }
+#pragma omp for schedule(static)
+        for (long n = (long)NB * GEMV4_ROWS; n < N; n++)
+            gemv4_rows(xp, xsum, K, G, gs, qweight + n * row_bytes, row_bytes, scale, zero,
+                       sdtype, n, 1, out);
+    }
+}
+
+/* x [K] float32 -> xp as gemv4 reads it (K rounded up to 64 with zeros) */
+static void gemv4_prep_x(const float *x, int K, float *xp) {
+    const int CT = (K + 63) / 64;
+    for (int c = 0; c < CT; c++) {
+        float *xc = xp + (long)c * XP_CHUNK;
+        for (int i = 0; i < 8; i++) {
+            float sum = 0.0f;
+            for (int k = 0; k < 8; k++) {
+                const int col = c * 64 + 8 * i + k;
+                const float v = col < K ? x[col] : 0.0f;
+                sum += v;
+                xc[8 * k + i] = k < 7 ? v * (1.0f / (float)(1 << (4 * k))) : v;
+            }
+            xc[64 + i] = -8.0f * sum;
+        }
+    }
+}
 #endif
 
 static int quant_matmul_f32(const float *x, const float *xsum, int M, int K, int N, int bits, int gs,
@@ -239,6 +391,29 @@ int quant_matmul(const void *x_in, long x_stride, int xdtype, int M, int K, int 
     if (M < 1 || gs <= 0 || K % gs || (bits != 4 && bits != 8) || (gs & 1))
         return 1;
     const int G = K / gs;
+#ifdef __AVX2__
+    if (M == 1 && bits == 4 && (gs == 32 || gs % 64 == 0)) {
+        const int CT = (K + 63) / 64;
+        float *xf = malloc(sizeof(float) * ((size_t)K + (size_t)CT * XP_CHUNK + G + N));
+        if (!xf) return 2;
+        float *xp = xf + K, *xsum = xp + (size_t)CT * XP_CHUNK, *out = xsum + G;
+        for (int j = 0; j < K; j++)
+            xf[j] = xdtype == 0 ? ((const float *)x_in)[j] : load_s(x_in, j, 1);
+        for (int g = 0; g < G; g++) {
+            float sum = 0.0f;
+            for (int j = 0; j < gs; j++) sum += xf[(long)g * gs + j];
+            xsum[g] = sum;
+        }
+        gemv4_prep_x(xf, K, xp);
+        gemv4(xp, xsum, K, N, gs, qweight, scale, zero, sdtype, out, nthreads);
+        if (xdtype == 0)
+            memcpy(out_, out, sizeof(float) * N);
+        else
+            for (int i = 0; i < N; i++) ((uint16_t *)out_)[i] = f32_to_bf16(out[i]);
+        free(xf);
+        return 0;
+    }
+#endif
     float *x = malloc(sizeof(float) * ((size_t)M * K + (size_t)M * G + (size_t)M * N));
     if (!x) return 2;
     float *xsum = x + (size_t)M * K, *out = xsum + (size_t)M * G;
