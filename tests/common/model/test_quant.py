@@ -298,3 +298,29 @@ def test_float32_activations_never_pick_torchs_packed_kernels(bits: int, group: 
     packed = "int4pack" if bits == 4 else "int8pack"
     bf16 = layer.to(torch.bfloat16)
     assert cpu_quant.choose(bf16, torch.randn(64, 128, dtype=torch.bfloat16)) == packed
+
+
+# (N, K, group): the C kernel's single-row int4 path reads 64 weights at a time, several output
+# columns per pass: odd column counts, an odd group count (K % 64 = 32), groups of 64/128, and
+# groups it does not take (96: the older per-group loop) must all agree with the reference
+@pytest.mark.parametrize(
+    "n, k, group", [(97, 96, 32), (5, 576, 32), (33, 192, 64), (34, 256, 128), (7, 96, 96),
+                    (3, 640, 640), (1, 32, 32)]
+)  # fmt: skip
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_zero", [True, False])
+def test_c_kernel_single_row_int4_shapes(monkeypatch, n, k, group, dtype, with_zero) -> None:
+    if not cpu_quant.c_available():
+        pytest.skip("no C compiler")
+    torch.manual_seed(n * k)
+    qt = quantize_rtn(torch.randn(n, k) * 0.1, 4, group)
+    if not with_zero:  # w = (q - 8) * scale
+        qt = QuantizedTensor(4, group, qt.qweight, qt.scale, None, qt.shape)
+    layer = QuantLinear(qt).to(dtype)
+    # activations spanning many magnitudes (the kernel pre-scales x by powers of two)
+    x = (torch.randn(1, k) * torch.logspace(-6, 3, k)[torch.randperm(k)]).to(dtype)
+    monkeypatch.setenv("PDSERVE_CPU_QUANT_KERNEL", "c")
+    got = layer(x)
+    ref = quant_matmul_reference(x.float(), layer.qt)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert (got.float() - ref).abs().max() <= tol * ref.abs().max()
