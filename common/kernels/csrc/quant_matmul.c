@@ -39,6 +39,14 @@ static inline float load_s(const void *p, long i, int sdtype) {
     return f;
 }
 
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffff) > 0x7f800000) return (uint16_t)((u >> 16) | 0x40); /* NaN stays NaN */
+    u += 0x7fff + ((u >> 16) & 1); /* round to nearest even, as torch does */
+    return (uint16_t)(u >> 16);
+}
+
 /* dot of one int4 group (gs/2 bytes) with x laid out [even | odd] */
 static inline float dot4(const uint8_t *restrict q, const float *restrict xe,
                          const float *restrict xo, int half) {
@@ -320,8 +328,12 @@ static inline __attribute__((always_inline)) void gemv4_range(
                        sdtype, n, 1, out);
 }
 
+static void store_bf16(const float *src, uint16_t *dst, long n0, long n1);
+
+/* out (float32 scratch [N]) -> out_ in xdtype, each thread its own columns */
 static void gemv4(const float *xp, const float *xsum, int K, int N, int gs, const uint8_t *qweight,
-                  const void *scale, const void *zero, int sdtype, float *out, int nthreads) {
+                  const void *scale, const void *zero, int sdtype, float *out, void *out_,
+                  int xdtype, int nthreads) {
     const int NB = N / GEMV4_ROWS;
     if (nthreads > NB) nthreads = NB > 0 ? NB : 1;
     /* the OpenMP region is outlined before inlining, so the format is dispatched inside it */
@@ -342,13 +354,46 @@ static void gemv4(const float *xp, const float *xsum, int K, int N, int gs, cons
             gemv4_range(xp, xsum, K, N, gs, qweight, scale, zero, 0, out, b0, b1, last);
         else
             gemv4_range(xp, xsum, K, N, gs, qweight, scale, zero, 1, out, b0, b1, last);
+        const long n0 = (long)b0 * GEMV4_ROWS, n1 = last ? N : (long)b1 * GEMV4_ROWS;
+        if (xdtype == 0)
+            memcpy((float *)out_ + n0, out + n0, sizeof(float) * (n1 - n0));
+        else
+            store_bf16(out, (uint16_t *)out_, n0, n1);
     }
 }
 
 /* x [K] float32 -> xp as gemv4 reads it (K rounded up to 64 with zeros) */
 static void gemv4_prep_x(const float *x, int K, float *xp) {
-    const int CT = (K + 63) / 64;
-    for (int c = 0; c < CT; c++) {
+    const int C = K / 64, CT = (K + 63) / 64;
+    for (int c = 0; c < C; c++) { /* 8x8 transpose: row i = columns 64c + 8i .. + 7 */
+        const float *xs = x + (long)c * 64;
+        float *xc = xp + (long)c * XP_CHUNK;
+        __m256 r0 = _mm256_loadu_ps(xs), r1 = _mm256_loadu_ps(xs + 8),
+               r2 = _mm256_loadu_ps(xs + 16), r3 = _mm256_loadu_ps(xs + 24),
+               r4 = _mm256_loadu_ps(xs + 32), r5 = _mm256_loadu_ps(xs + 40),
+               r6 = _mm256_loadu_ps(xs + 48), r7 = _mm256_loadu_ps(xs + 56);
+        __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1),
+               t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3),
+               t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5),
+               t6 = _mm256_unpacklo_ps(r6, r7), t7 = _mm256_unpackhi_ps(r6, r7);
+        __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE),
+               u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE),
+               u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE),
+               u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+        __m256 col[8] = {
+            _mm256_permute2f128_ps(u0, u4, 0x20), _mm256_permute2f128_ps(u1, u5, 0x20),
+            _mm256_permute2f128_ps(u2, u6, 0x20), _mm256_permute2f128_ps(u3, u7, 0x20),
+            _mm256_permute2f128_ps(u0, u4, 0x31), _mm256_permute2f128_ps(u1, u5, 0x31),
+            _mm256_permute2f128_ps(u2, u6, 0x31), _mm256_permute2f128_ps(u3, u7, 0x31)};
+        __m256 sum = col[0];
+        for (int k = 1; k < 8; k++) sum = _mm256_add_ps(sum, col[k]);
+        for (int k = 0; k < 8; k++)
+            _mm256_storeu_ps(xc + 8 * k,
+                             k < 7 ? _mm256_mul_ps(col[k], _mm256_set1_ps(1.0f / (float)(1 << (4 * k))))
+                                   : col[k]);
+        _mm256_storeu_ps(xc + 64, _mm256_mul_ps(sum, _mm256_set1_ps(-8.0f)));
+    }
+    for (int c = C; c < CT; c++) { /* the zero-padded tail */
         float *xc = xp + (long)c * XP_CHUNK;
         for (int i = 0; i < 8; i++) {
             float sum = 0.0f;
@@ -361,6 +406,24 @@ static void gemv4_prep_x(const float *x, int K, float *xp) {
             xc[64 + i] = -8.0f * sum;
         }
     }
+}
+
+/* float32 -> bfloat16 (round to nearest even, NaN kept) for out[n0, n1) */
+static void store_bf16(const float *src, uint16_t *dst, long n0, long n1) {
+    long i = n0;
+    const __m256i one = _mm256_set1_epi32(1), bias = _mm256_set1_epi32(0x7fff),
+                  absmask = _mm256_set1_epi32(0x7fffffff), inf = _mm256_set1_epi32(0x7f800000),
+                  qnan = _mm256_set1_epi32(0x400000);
+    for (; i + 8 <= n1; i += 8) {
+        __m256i u = _mm256_castps_si256(_mm256_loadu_ps(src + i));
+        __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(bias, _mm256_and_si256(_mm256_srli_epi32(u, 16), one)));
+        __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, absmask), inf);
+        r = _mm256_blendv_epi8(r, _mm256_or_si256(u, qnan), nan);
+        r = _mm256_srli_epi32(r, 16);
+        __m128i p = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+        _mm_storeu_si128((__m128i *)(dst + i), p);
+    }
+    for (; i < n1; i++) dst[i] = f32_to_bf16(src[i]);
 }
 #endif
 
@@ -424,14 +487,6 @@ static int quant_matmul_f32(const float *x, const float *xsum, int M, int K, int
     return 0;
 }
 
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffff) > 0x7f800000) return (uint16_t)((u >> 16) | 0x40); /* NaN stays NaN */
-    u += 0x7fff + ((u >> 16) & 1); /* round to nearest even, as torch does */
-    return (uint16_t)(u >> 16);
-}
-
 /* x_in [M, K] (xdtype 0 float32, 1 bfloat16, row stride x_stride) -> out_ [M, N] in xdtype. */
 int quant_matmul(const void *x_in, long x_stride, int xdtype, int M, int K, int N, int bits, int gs,
                  const void *qweight, const void *scale, const void *zero, int sdtype, void *out_,
@@ -445,19 +500,24 @@ int quant_matmul(const void *x_in, long x_stride, int xdtype, int M, int K, int 
         float *xf = malloc(sizeof(float) * ((size_t)K + (size_t)CT * XP_CHUNK + G + N));
         if (!xf) return 2;
         float *xp = xf + K, *xsum = xp + (size_t)CT * XP_CHUNK, *out = xsum + G;
-        for (int j = 0; j < K; j++)
-            xf[j] = xdtype == 0 ? ((const float *)x_in)[j] : load_s(x_in, j, 1);
+        if (xdtype == 0) {
+            memcpy(xf, x_in, sizeof(float) * K);
+        } else {
+            int j = 0;
+            for (; j + 8 <= K; j += 8) {
+                __m256i h = _mm256_cvtepu16_epi32(
+                    _mm_loadu_si128((const __m128i *)((const uint16_t *)x_in + j)));
+                _mm256_storeu_ps(xf + j, _mm256_castsi256_ps(_mm256_slli_epi32(h, 16)));
+            }
+            for (; j < K; j++) xf[j] = load_s(x_in, j, 1);
+        }
         for (int g = 0; g < G; g++) {
             float sum = 0.0f;
             for (int j = 0; j < gs; j++) sum += xf[(long)g * gs + j];
             xsum[g] = sum;
         }
         gemv4_prep_x(xf, K, xp);
-        gemv4(xp, xsum, K, N, gs, qweight, scale, zero, sdtype, out, nthreads);
-        if (xdtype == 0)
-            memcpy(out_, out, sizeof(float) * N);
-        else
-            for (int i = 0; i < N; i++) ((uint16_t *)out_)[i] = f32_to_bf16(out[i]);
+        gemv4(xp, xsum, K, N, gs, qweight, scale, zero, sdtype, out, out_, xdtype, nthreads);
         free(xf);
         return 0;
     }
