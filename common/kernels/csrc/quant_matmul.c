@@ -362,6 +362,99 @@ static void gemv4(const float *xp, const float *xsum, int K, int N, int gs, cons
     }
 }
 
+/* ---- M = 1, int8 (groups a multiple of 8): GEMV4_ROWS columns per pass, as gemv4 ----
+ * Per group and row: t = sum_j x_j q_j over two FMA chains (8 codes sign-extended and converted
+ * per vector), then acc += s * t as a broadcast FMA; the zero point (if any) through zdot. */
+static inline __attribute__((always_inline)) void gemv8_rows(
+    const float *x, const float *xsum, int K, int G, int gs, const int8_t *q0, const void *scale,
+    const void *zero, int sdtype, long n, int R, float *out) {
+    __m256 acc[GEMV4_ROWS];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    const long ahead = (long)GEMV4_PF * GEMV4_ROWS * K;
+    for (int g = 0; g < G; g++) {
+        const long off = (long)g * gs;
+        __m256 t0[GEMV4_ROWS], t1[GEMV4_ROWS];
+        for (int r = 0; r < R; r++) t0[r] = t1[r] = _mm256_setzero_ps();
+        int j = 0;
+        for (; j + 16 <= gs; j += 16) {
+            if (GEMV4_PF && !((off + j) & 63))
+                for (int r = 0; r < R; r++)
+                    _mm_prefetch((const char *)(q0 + (long)r * K + off + j + ahead), _MM_HINT_T0);
+            const __m256 xa = _mm256_loadu_ps(x + off + j), xb = _mm256_loadu_ps(x + off + j + 8);
+            for (int r = 0; r < R; r++) {
+                const int8_t *q = q0 + (long)r * K + off + j;
+                t0[r] = _mm256_fmadd_ps(
+                    xa, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)q))),
+                    t0[r]);
+                t1[r] = _mm256_fmadd_ps(
+                    xb,
+                    _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8)))),
+                    t1[r]);
+            }
+        }
+        if (j < gs) { /* gs % 16 == 8 */
+            if (GEMV4_PF && !((off + j) & 63))
+                for (int r = 0; r < R; r++)
+                    _mm_prefetch((const char *)(q0 + (long)r * K + off + j + ahead), _MM_HINT_T0);
+            const __m256 xa = _mm256_loadu_ps(x + off + j);
+            for (int r = 0; r < R; r++)
+                t0[r] = _mm256_fmadd_ps(
+                    xa,
+                    _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                        _mm_loadl_epi64((const __m128i *)(q0 + (long)r * K + off + j)))),
+                    t0[r]);
+        }
+        for (int r = 0; r < R; r++)
+            acc[r] = _mm256_fmadd_ps(_mm256_add_ps(t0[r], t1[r]),
+                                     _mm256_set1_ps(load_s(scale, (n + r) * G + g, sdtype)),
+                                     acc[r]);
+    }
+    for (int r = 0; r < R; r++) {
+        float o = hsum(acc[r]);
+        if (zero) o += zdot(zero, (n + r) * G, xsum, G, sdtype);
+        out[n + r] = o;
+    }
+}
+
+static inline __attribute__((always_inline)) void gemv8_range(
+    const float *x, const float *xsum, int K, int N, int gs, const int8_t *qweight,
+    const void *scale, const void *zero, int sdtype, float *out, int b0, int b1, int last) {
+    const int G = K / gs;
+    for (int b = b0; b < b1; b++) {
+        const long n = (long)b * GEMV4_ROWS;
+        gemv8_rows(x, xsum, K, G, gs, qweight + n * K, scale, zero, sdtype, n, GEMV4_ROWS, out);
+    }
+    if (last)
+        for (long n = (long)(N / GEMV4_ROWS) * GEMV4_ROWS; n < N; n++)
+            gemv8_rows(x, xsum, K, G, gs, qweight + n * K, scale, zero, sdtype, n, 1, out);
+}
+
+static void gemv8(const float *x, const float *xsum, int K, int N, int gs, const int8_t *qweight,
+                  const void *scale, const void *zero, int sdtype, float *out, void *out_,
+                  int xdtype, int nthreads) {
+    const int NB = N / GEMV4_ROWS;
+    if (nthreads > NB) nthreads = NB > 0 ? NB : 1;
+#pragma omp parallel num_threads(nthreads)
+    {
+        int nt = 1, id = 0;
+#ifdef _OPENMP
+        nt = omp_get_num_threads();
+        id = omp_get_thread_num();
+#endif
+        const int b0 = (int)((long)NB * id / nt), b1 = (int)((long)NB * (id + 1) / nt);
+        const int last = id == nt - 1;
+        if (sdtype == 0)
+            gemv8_range(x, xsum, K, N, gs, qweight, scale, zero, 0, out, b0, b1, last);
+        else
+            gemv8_range(x, xsum, K, N, gs, qweight, scale, zero, 1, out, b0, b1, last);
+        const long n0 = (long)b0 * GEMV4_ROWS, n1 = last ? N : (long)b1 * GEMV4_ROWS;
+        if (xdtype == 0)
+            memcpy((float *)out_ + n0, out + n0, sizeof(float) * (n1 - n0));
+        else
+            store_bf16(out, (uint16_t *)out_, n0, n1);
+    }
+}
+
 /* x [K] float32 -> xp as gemv4 reads it (K rounded up to 64 with zeros) */
 static void gemv4_prep_x(const float *x, int K, float *xp) {
     const int C = K / 64, CT = (K + 63) / 64;
@@ -495,7 +588,7 @@ int quant_matmul(const void *x_in, long x_stride, int xdtype, int M, int K, int 
         return 1;
     const int G = K / gs;
 #ifdef __AVX2__
-    if (M == 1 && bits == 4 && (gs == 32 || gs % 64 == 0)) {
+    if (M == 1 && (bits == 4 ? gs == 32 || gs % 64 == 0 : gs % 8 == 0)) {
         const int CT = (K + 63) / 64;
         float *xf = malloc(sizeof(float) * ((size_t)K + (size_t)CT * XP_CHUNK + G + N));
         if (!xf) return 2;
@@ -516,8 +609,12 @@ int quant_matmul(const void *x_in, long x_stride, int xdtype, int M, int K, int 
             for (int j = 0; j < gs; j++) sum += xf[(long)g * gs + j];
             xsum[g] = sum;
         }
-        gemv4_prep_x(xf, K, xp);
-        gemv4(xp, xsum, K, N, gs, qweight, scale, zero, sdtype, out, out_, xdtype, nthreads);
+        if (bits == 4) {
+            gemv4_prep_x(xf, K, xp);
+            gemv4(xp, xsum, K, N, gs, qweight, scale, zero, sdtype, out, out_, xdtype, nthreads);
+        } else {
+            gemv8(xf, xsum, K, N, gs, qweight, scale, zero, sdtype, out, out_, xdtype, nthreads);
+        }
         free(xf);
         return 0;
     }
