@@ -7,9 +7,9 @@
  *   int4: sum_j x_j * ((q_j - 8) s + z) = s * sum_j x_j q_j + (z - 8 s) * sum_j x_j
  *   int8: sum_j x_j * (q_j s + z)       = s * sum_j x_j q_j + z * sum_j x_j
  * M = 1 (single-stream decode, the latency case) uses that form: a plain dot per group, the scale
- * applied once per group, the zero point through the group's sum of x; int4 with groups of 32 or
- * a multiple of 64 takes gemv4 (two output columns per pass, 64 weights per load, see there),
- * which prepares its own copy of x. M > 1 dequantizes each
+ * applied once per group, the zero point through the group's sum of x: gemv4 (int4, groups of 32
+ * or a multiple of 64: two output columns per pass, 64 weights per load, see there) and gemv8
+ * (int8), with their own copy of x; other int4 groups take column1_avx2. M > 1 dequantizes each
  * group in registers once (w = q s + zc) and multiplies it into 8 (or 4, 2) rows of x at a time.
  * The entry point first copies x to float32, reordering each int4 group as [even columns | odd
  * columns] to match the packed bytes (low nibble = column 2j, high nibble = column 2j+1), and
@@ -189,8 +189,7 @@ static float column1_avx2(const float *x, const float *xsum, int G, int gs, int 
  * x is loaded once for all rows), prefetching GEMV4_PF blocks ahead (K = 1536 rows streamed at
  * 2/3 the speed without it). 3 vector ops per 8 weights (and, cvt, fma): about 10 cycles per 64
  * weights and row here, ~2x the old loop; rows/chains 2x2, 3x2, 4x1 measured within noise.
- * Pre-scaling x by 2^-24 underflows only for |x| < 2^-102 (such terms are lost, as they would
- * be next to any normal-sized term of the sum).
+ * Pre-scaling x by 2^-24 loses precision only for |x| < 2^-102 (subnormal after scaling).
  * xp per chunk: 8 vectors x[64c + 8i + k] * 2^-4k (k = 0..7), then -8 * lane sums: 72 floats. */
 #define XP_CHUNK 72
 
@@ -198,9 +197,10 @@ static inline __m256 scale_vec(const void *scale, long base, int c, int gs, int 
     if (gs == 32) {
         /* lanes 0-3: group 2c, lanes 4-7: group 2c + 1 */
         if (sdtype == 0) {
-            __m256 p = _mm256_castpd_ps(
-                _mm256_broadcast_sd((const double *)((const float *)scale + base + 2 * c)));
-            return _mm256_permutevar_ps(p, _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
+            int64_t u;
+            memcpy(&u, (const float *)scale + base + 2 * c, 8);
+            return _mm256_permutevar_ps(_mm256_castsi256_ps(_mm256_set1_epi64x(u)),
+                                        _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
         }
         int32_t u;
         memcpy(&u, (const uint16_t *)scale + base + 2 * c, 4);
