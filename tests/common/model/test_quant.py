@@ -298,3 +298,33 @@ def test_float32_activations_never_pick_torchs_packed_kernels(bits: int, group: 
     packed = "int4pack" if bits == 4 else "int8pack"
     bf16 = layer.to(torch.bfloat16)
     assert cpu_quant.choose(bf16, torch.randn(64, 128, dtype=torch.bfloat16)) == packed
+
+
+# (bits, N, K, group): the C kernel's single-row paths run several output columns per pass, int4
+# 64 weights per load: odd column counts, an odd group count (K % 64 = 32), groups of 64/128,
+# groups the int4 path does not take (96: the older per-group loop); int8 groups of 8 and 24
+# (gs % 16 = 8) and per channel; all must agree with the reference, with and without zero points
+@pytest.mark.parametrize(
+    "bits, n, k, group",
+    [(4, 97, 96, 32), (4, 5, 576, 32), (4, 33, 192, 64), (4, 34, 256, 128), (4, 7, 96, 96),
+     (4, 3, 640, 640), (4, 1, 32, 32), (8, 97, 96, 32), (8, 5, 40, 8), (8, 7, 48, 24),
+     (8, 3, 96, 96)],
+)  # fmt: skip
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_zero", [True, False])
+def test_c_kernel_single_row_shapes(monkeypatch, bits, n, k, group, dtype, with_zero) -> None:
+    if not cpu_quant.c_available():
+        pytest.skip("no C compiler")
+    torch.manual_seed(n * k)
+    qt = quantize_rtn(torch.randn(n, k) * 0.1, bits, group)
+    zero = torch.randn_like(qt.scale) * 0.01 if bits == 8 else qt.zero
+    # int4 without zero: w = (q - 8) * scale; int8 with one: w = q * scale + zero
+    qt = QuantizedTensor(bits, group, qt.qweight, qt.scale, zero if with_zero else None, qt.shape)
+    layer = QuantLinear(qt).to(dtype)
+    # activations spanning many magnitudes (the int4 path pre-scales x by powers of two)
+    x = (torch.randn(1, k) * torch.logspace(-6, 3, k)[torch.randperm(k)]).to(dtype)
+    monkeypatch.setenv("PDSERVE_CPU_QUANT_KERNEL", "c")
+    got = layer(x)
+    ref = quant_matmul_reference(x.float(), layer.qt)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert (got.float() - ref).abs().max() <= tol * ref.abs().max()
