@@ -148,7 +148,7 @@ int paged_decode(const void *q, long q_stride, const void *k_cache, const void *
     }
     /* Waking threads costs more than a small batch's whole attention. This OpenMP runtime is the
      * one torch loaded (same soname), so the threads are torch's own pool, not a competing one. */
-    if (work < 1024 || num_threads < 1) num_threads = 1;
+    if (work < 256 || num_threads < 1) num_threads = 1;
     int splits = 1;
     if (num_threads > 1 && pairs < 2 * num_threads) {
         splits = (2 * num_threads + pairs - 1) / pairs;
