@@ -21,7 +21,8 @@ def torch_reference(q, k_cache, v_cache, meta, scale):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
-    "heads,kv_heads,head_dim", [(4, 4, 64), (8, 2, 64), (6, 1, 32), (4, 2, 128)]
+    "heads,kv_heads,head_dim",
+    [(4, 4, 64), (8, 2, 64), (9, 3, 64), (6, 1, 32), (4, 2, 128), (6, 2, 128), (10, 2, 64)],
 )
 @pytest.mark.parametrize("block_size", [4, 16])
 def test_decode_kernel_matches_torch(dtype, heads, kv_heads, head_dim, block_size):
@@ -83,11 +84,12 @@ def test_loading_the_kernels_leaves_float_mode_alone(tmp_path):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("seq_lens", [[700], [33, 700], [1, 65]])
-def test_token_split_for_few_sequences_matches_torch(dtype, seq_lens):
+@pytest.mark.parametrize("heads", [3, 6])  # 3: the AVX2 path (up to 4 per kv head), 6: generic
+def test_token_split_for_few_sequences_matches_torch(dtype, seq_lens, heads):
     """Few (sequence, kv head) pairs for the threads: each sequence's tokens are split into parts
     whose softmax statistics are merged (also parts past a short sequence's end, which are empty);
     the result must not depend on it."""
-    heads, kv_heads, head_dim, block_size = 6, 1, 64, 16
+    kv_heads, head_dim, block_size = 1, 64, 16
     g = torch.Generator().manual_seed(len(seq_lens) + seq_lens[-1])
     max_blocks = max(-(-n // block_size) for n in seq_lens)
     num_blocks = len(seq_lens) * max_blocks
