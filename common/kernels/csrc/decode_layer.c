@@ -20,6 +20,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "vecmath.h"
+
 int add_rms_norm(const void *x, long x_stride, void *residual, long res_stride,
                  const void *weight, void *out, long out_stride, int rows, int dim, float eps,
                  int dtype);
@@ -59,20 +61,6 @@ typedef struct {
     int tokens, max_blocks, dtype, threads;
 } Step;
 
-static inline float bf16_value(uint16_t h) {
-    uint32_t u = ((uint32_t)h) << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t bf16_round(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffff) > 0x7f800000) return 0x7fc0; /* NaN, as torch stores it */
-    return (uint16_t)((u + 0x7fff + ((u >> 16) & 1)) >> 16);
-}
-
 /* out [T, n] += bias [n], rounded to dtype as torch's `out + bias` rounds. */
 static void add_bias(void *out, const void *bias, int T, int n, int dtype) {
     for (int t = 0; t < T; t++) {
@@ -82,7 +70,7 @@ static void add_bias(void *out, const void *bias, int T, int n, int dtype) {
         } else {
             uint16_t *o = (uint16_t *)out + (long)t * n;
             const uint16_t *b = (const uint16_t *)bias;
-            for (int i = 0; i < n; i++) o[i] = bf16_round(bf16_value(o[i]) + bf16_value(b[i]));
+            for (int i = 0; i < n; i++) o[i] = f32_to_bf16(bf16_to_f32(o[i]) + bf16_to_f32(b[i]));
         }
     }
 }

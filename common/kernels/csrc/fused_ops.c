@@ -17,21 +17,6 @@
 
 #include "vecmath.h"
 
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = ((uint32_t)h) << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    const uint32_t rounded = (u + 0x7fff + ((u >> 16) & 1)) >> 16; /* nearest even, as torch */
-    /* NaN becomes torch's 0x7fc0; a select, not a branch, so the loops vectorise */
-    return (uint16_t)((u & 0x7fffffff) > 0x7f800000 ? 0x7fc0 : rounded);
-}
-
 /* bfloat16 rounding of a float, kept as a float: what a bf16 torch op stores. */
 static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 

@@ -15,21 +15,6 @@
 
 #include "vecmath.h"
 
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = ((uint32_t)h) << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffff) > 0x7f800000) return (uint16_t)((u >> 16) | 0x40); /* NaN stays NaN */
-    u += 0x7fff + ((u >> 16) & 1); /* round to nearest even, as torch does */
-    return (uint16_t)(u >> 16);
-}
-
 typedef struct {
     const void *q, *k_cache, *v_cache;
     const int32_t *block_tables, *seq_lens;

@@ -22,6 +22,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "vecmath.h"
 #ifdef __AVX2__
 #include <immintrin.h>
 #endif
@@ -37,14 +39,6 @@ static inline float load_s(const void *p, long i, int sdtype) {
     float f;
     memcpy(&f, &u, 4);
     return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffff) > 0x7f800000) return (uint16_t)((u >> 16) | 0x40); /* NaN stays NaN */
-    u += 0x7fff + ((u >> 16) & 1); /* round to nearest even, as torch does */
-    return (uint16_t)(u >> 16);
 }
 
 /* dot of one int4 group (gs/2 bytes) with x laid out [even | odd] */
@@ -506,12 +500,12 @@ static void store_bf16(const float *src, uint16_t *dst, long n0, long n1) {
     long i = n0;
     const __m256i one = _mm256_set1_epi32(1), bias = _mm256_set1_epi32(0x7fff),
                   absmask = _mm256_set1_epi32(0x7fffffff), inf = _mm256_set1_epi32(0x7f800000),
-                  qnan = _mm256_set1_epi32(0x400000);
+                  qnan = _mm256_set1_epi32(0x7fc00000);
     for (; i + 8 <= n1; i += 8) {
         __m256i u = _mm256_castps_si256(_mm256_loadu_ps(src + i));
         __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(bias, _mm256_and_si256(_mm256_srli_epi32(u, 16), one)));
         __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, absmask), inf);
-        r = _mm256_blendv_epi8(r, _mm256_or_si256(u, qnan), nan);
+        r = _mm256_blendv_epi8(r, qnan, nan); /* torch's NaN, as f32_to_bf16 */
         r = _mm256_srli_epi32(r, 16);
         __m128i p = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
         _mm_storeu_si128((__m128i *)(dst + i), p);

@@ -1,5 +1,5 @@
-/* Float helpers shared by the C kernels (included, so each file inlines them): an exp that
- * vectorises. Part of every kernel's build key (common/kernels/cbuild.py hashes csrc/*.h).
+/* Float helpers shared by the C kernels (included, so each file inlines them): bfloat16
+ * conversions as torch rounds, and an exp that vectorises. Part of every kernel's build key (common/kernels/cbuild.py hashes csrc/*.h).
  */
 #ifndef PDSERVE_VECMATH_H
 #define PDSERVE_VECMATH_H
@@ -7,6 +7,22 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = ((uint32_t)h) << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* Round to nearest even, as torch does; NaN becomes torch's 0x7fc0. A select, not a branch, so
+ * loops over it vectorise. */
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    const uint32_t rounded = (u + 0x7fff + ((u >> 16) & 1)) >> 16;
+    return (uint16_t)((u & 0x7fffffff) > 0x7f800000 ? 0x7fc0 : rounded);
+}
 
 /* exp(x) within about 1 ulp in plain float arithmetic (Cephes' polynomial), so that loops over
  * it vectorise: libm's expf is a call per element. Below -87.3 it returns 2^-126 instead of a
