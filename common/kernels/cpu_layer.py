@@ -35,6 +35,7 @@ _SOURCE = Path(__file__).parent / "csrc" / "decode_layer.c"
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 enabled = os.environ.get("PDSERVE_CPU_LAYER", "1") != "0"
 
+_MISSING = object()
 _p, _i, _f, _l = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_long
 
 
@@ -103,13 +104,14 @@ def run(
 def _plan(layer: DecoderLayer, x: torch.Tensor) -> _Layer | None:
     """The layer's weights and caches for the C call, made once per (batch size, dtype, cache);
     None when the layer is not one the C layer takes."""
-    attn = layer.self_attn
-    key = (x.shape[0], x.dtype, attn.k_cache.data_ptr())
+    key = (x.shape[0], x.dtype, layer.self_attn.k_cache.data_ptr())
     plans = layer.cpu_plans
-    if key not in plans:
-        plans.clear()  # another batch size, dtype or cache: earlier entries may be stale too
-        plans[key] = _make_plan(layer, x)
-    return plans[key]
+    plan = plans.get(key, _MISSING)
+    if plan is _MISSING:  # kept per batch size: a running batch grows and shrinks every step
+        if len(plans) >= 512:
+            plans.clear()  # bounded: stale caches' keys must not pile up
+        plan = plans[key] = _make_plan(layer, x)
+    return plan
 
 
 def _make_plan(layer: DecoderLayer, x: torch.Tensor) -> _Layer | None:
