@@ -9,8 +9,9 @@ same order with the same rounding, so outputs equal the per-op path's.
 It applies to pure decode steps (one new token per sequence) on the CPU with float32 or
 bfloat16 activations, the torch attention backend, and every projection quantized and served by
 the C kernel at this batch size (`cpu_quant.path_for`); anything else returns None and the
-caller runs the per-op path. A layer's weight pointers are read once per (batch size, dtype) and
-dropped by `DecoderLayer._apply`; the step's positions, slots and block tables once per step.
+caller runs the per-op path. `run_layers` does the same for all the decoder layers of a step in
+one call (what CausalLM.forward uses). A layer's weight pointers are read once per (batch size,
+dtype) and dropped by `_apply`; the step's positions, slots and block tables once per step.
 `PDSERVE_CPU_LAYER=0` (or `enabled = False`) turns it off. Called by
 `common.model.llama.DecoderLayer`.
 """
@@ -28,8 +29,10 @@ from common.kernels import cpu_attention, cpu_ops, cpu_quant
 from common.kernels.cbuild import CLibrary
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from common.kernels.attention import AttentionMetadata
-    from common.model.llama import DecoderLayer
+    from common.model.llama import CausalLM, DecoderLayer
 
 _SOURCE = Path(__file__).parent / "csrc" / "decode_layer.c"
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -61,7 +64,10 @@ class _Step(ctypes.Structure):
 _LIB = CLibrary(
     _SOURCE,
     ["-O3", "-march=native"],
-    {"decode_layer": [ctypes.POINTER(_Layer), ctypes.POINTER(_Step), _p, _p, _i, _p]},
+    {
+        "decode_layer": [ctypes.POINTER(_Layer), ctypes.POINTER(_Step), _p, _p, _i, _p],
+        "decode_layers": [ctypes.POINTER(_Layer), _i, ctypes.POINTER(_Step), _p, _p],
+    },
     "the CPU decode layer",
     parts=[cpu_ops._LIB, cpu_attention._LIB, cpu_quant._LIB],
 )
@@ -99,6 +105,40 @@ def run(
     if rc != 0:
         raise RuntimeError(f"the CPU decode layer failed at stage {rc // 10} (code {rc})")
     return out, residual
+
+
+def run_layers(
+    model: CausalLM, layers: Sequence[DecoderLayer], x: torch.Tensor, meta: AttentionMetadata
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The decoder `layers` of a decode step in one C call, x the embedding output: (last MLP
+    output, residual stream, which is x updated in place); None when `run` would refuse any of
+    them. One call instead of one per layer saves ~25 us of Python a layer at batch 1."""
+    if not (enabled and cpu_ops.enabled and cpu_attention.enabled) or not layers:
+        return None
+    if x.device.type != "cpu" or x.dtype not in _DTYPES or x.dim() != 2:
+        return None
+    if meta.max_query_len != 1 or not x.is_contiguous():
+        return None
+    attn = layers[0].self_attn
+    key = (len(layers), x.shape[0], x.dtype, attn.k_cache.data_ptr())
+    stacks = model.cpu_stacks
+    stack = stacks.get(key, _MISSING)
+    if stack is _MISSING:
+        if len(stacks) >= 512:
+            stacks.clear()
+        plans = [_plan(layer, x) for layer in layers]
+        stack = None
+        if all(p is not None for p in plans):
+            stack = (_Layer * len(plans))(*plans)
+        stacks[key] = stack
+    if stack is None:
+        return None
+    step = _step(meta, layers[0], x)
+    out = torch.empty_like(x)
+    rc = _LIB.get().decode_layers(stack, len(layers), step, x.data_ptr(), out.data_ptr())
+    if rc != 0:
+        raise RuntimeError(f"the CPU decode layers failed at layer {rc // 1000} (code {rc % 1000})")
+    return out, x
 
 
 def _plan(layer: DecoderLayer, x: torch.Tensor) -> _Layer | None:

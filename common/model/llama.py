@@ -169,6 +169,11 @@ class CausalLM(nn.Module):
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        self.cpu_stacks: dict = {}  # common.kernels.cpu_layer's per-step layer arrays
+
+    def _apply(self, fn, recurse=True):
+        self.cpu_stacks.clear()  # .to() may move the weights the arrays point into
+        return super()._apply(fn, recurse)
 
     def forward(
         self,
@@ -181,6 +186,10 @@ class CausalLM(nn.Module):
         x = self.embed_tokens(input_ids)
         self.rotary.set_positions(positions, x.dtype)
         layers = self.layers if num_layers is None else self.layers[:num_layers]
+        fused = cpu_layer.run_layers(self, layers, x, meta)  # a CPU decode step: one C call
+        if fused is not None:
+            self.layers_run += len(layers)
+            return self.norm(*fused)[0]
         residual = None
         for layer in layers:
             x, residual = layer(x, residual, meta)

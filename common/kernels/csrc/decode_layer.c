@@ -140,3 +140,23 @@ done:
     free(scratch);
     return rc ? stage + (rc > 0 && rc < 10 ? rc : 9) : 0;
 }
+
+/* `count` layers in a row (the whole decoder of a decode step): layer 0 takes x and makes it
+ * the residual stream (updated in place, as with first != 0 above), each layer's MLP output
+ * feeds the next, the last one's lands in out. Returns 0, or 1000 * (failing layer) + its
+ * decode_layer code. */
+int decode_layers(const Layer *L, int count, const Step *s, void *x, void *out) {
+    const size_t bytes = (size_t)s->tokens * L[0].hidden * (s->dtype == 0 ? 4 : 2);
+    void *tmp = count > 1 ? malloc(bytes) : NULL;
+    if (count > 1 && tmp == NULL) return 1;
+    const void *in = x;
+    int rc = 0;
+    for (int i = 0; i < count && rc == 0; i++) {
+        void *dst = (count - 1 - i) % 2 == 0 ? out : tmp; /* so the last layer writes out */
+        rc = decode_layer(&L[i], s, in, x, i == 0, dst);
+        if (rc) rc += 1000 * i;
+        in = dst;
+    }
+    free(tmp);
+    return rc;
+}

