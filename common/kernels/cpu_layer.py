@@ -1,19 +1,18 @@
-"""A decode step's decoder layer in one C call on the CPU (`csrc/decode_layer.c`).
+"""A decode step's decoder layers in one C call on the CPU (`csrc/decode_layer.c`).
 
 At batch 1 a quantized model's decode step spends as long in Python and torch dispatch between
 the per-layer ops (RMSNorm, projections, rotary, attention, SiLU, about 12 calls a layer) as in
-streaming its weights. `run` hands the whole layer to C instead: the same C functions the per-op
-path calls (`fused_ops.c`, `quant_matmul.c`, `paged_decode.c`, linked into one library), in the
-same order with the same rounding, so outputs equal the per-op path's.
+streaming its weights. `run_layers` hands all the layers to C instead: the same C functions the
+per-op path calls (`fused_ops.c`, `quant_matmul.c`, `paged_decode.c`, linked into one library),
+in the same order with the same rounding, so outputs equal the per-op path's.
 
 It applies to pure decode steps (one new token per sequence) on the CPU with float32 or
 bfloat16 activations, the torch attention backend, and every projection quantized and served by
 the C kernel at this batch size (`cpu_quant.path_for`); anything else returns None and the
-caller runs the per-op path. `run_layers` does the same for all the decoder layers of a step in
-one call (what CausalLM.forward uses). A layer's weight pointers are read once per (batch size,
-dtype) and dropped by `_apply`; the step's positions, slots and block tables once per step.
+caller runs the per-op path. The layers' weight pointers are read once per (batch size, dtype)
+and dropped by the model's `_apply`; the step's positions, slots and block tables once per step.
 `PDSERVE_CPU_LAYER=0` (or `enabled = False`) turns it off. Called by
-`common.model.llama.DecoderLayer`.
+`common.model.llama.CausalLM.forward`.
 """
 
 from __future__ import annotations
@@ -65,7 +64,6 @@ _LIB = CLibrary(
     _SOURCE,
     ["-O3", "-march=native"],
     {
-        "decode_layer": [ctypes.POINTER(_Layer), ctypes.POINTER(_Step), _p, _p, _i, _p],
         "decode_layers": [ctypes.POINTER(_Layer), _i, ctypes.POINTER(_Step), _p, _p],
     },
     "the CPU decode layer",
@@ -78,35 +76,13 @@ def available() -> bool:
     return _LIB.available()
 
 
-def run(
-    layer: DecoderLayer, x: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """DecoderLayer.forward for a decode step in one C call: (MLP output, residual stream), the
-    residual updated in place; None when this step or layer is not one it takes."""
-    if not _step_applies(x, meta) or (residual is not None and not residual.is_contiguous()):
-        return None
-    plan = _plan(layer, x)
-    if plan is None:
-        return None
-    step = _step(meta, layer, x)
-    first = residual is None
-    if first:
-        residual = x  # the first layer's input is the residual stream
-    out = torch.empty_like(x)
-    rc = _LIB.get().decode_layer(
-        plan, step, x.data_ptr(), residual.data_ptr(), int(first), out.data_ptr()
-    )
-    if rc != 0:
-        raise RuntimeError(f"the CPU decode layer failed at stage {rc // 10} (code {rc})")
-    return out, residual
-
-
 def run_layers(
     model: CausalLM, layers: Sequence[DecoderLayer], x: torch.Tensor, meta: AttentionMetadata
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The decoder `layers` of a decode step in one C call, x the embedding output: (last MLP
-    output, residual stream, which is x updated in place); None when `run` would refuse any of
-    them. One call instead of one per layer saves ~25 us of Python a layer at batch 1."""
+    output, residual stream, which is x updated in place); None when this step or any of the
+    layers is not one the C code takes. One call for all the layers saves ~25 us of Python a
+    layer at batch 1 over one per layer."""
     if not layers or not _step_applies(x, meta):
         return None
     attn = layers[0].self_attn
@@ -116,7 +92,7 @@ def run_layers(
     if stack is _MISSING:
         if len(stacks) >= 512:
             stacks.clear()
-        plans = [_plan(layer, x) for layer in layers]
+        plans = [_make_plan(layer, x) for layer in layers]
         stack = None
         if all(p is not None for p in plans):
             stack = (_Layer * len(plans))(*plans)
@@ -146,20 +122,8 @@ def _step_applies(x: torch.Tensor, meta: AttentionMetadata) -> bool:
     )
 
 
-def _plan(layer: DecoderLayer, x: torch.Tensor) -> _Layer | None:
-    """The layer's weights and caches for the C call, made once per (batch size, dtype, cache);
-    None when the layer is not one the C layer takes."""
-    key = (x.shape[0], x.dtype, layer.self_attn.k_cache.data_ptr())
-    plans = layer.cpu_plans
-    plan = plans.get(key, _MISSING)
-    if plan is _MISSING:  # kept per batch size: a running batch grows and shrinks every step
-        if len(plans) >= 512:
-            plans.clear()  # bounded: stale caches' keys must not pile up
-        plan = plans[key] = _make_plan(layer, x)
-    return plan
-
-
 def _make_plan(layer: DecoderLayer, x: torch.Tensor) -> _Layer | None:
+    """The layer's weights and caches for the C call; None when the C code does not take it."""
     from common.model.quant import QuantLinear
 
     attn, mlp = layer.self_attn, layer.mlp

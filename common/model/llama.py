@@ -124,21 +124,12 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(config, rotary)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
-        self.cpu_plans: dict = {}  # common.kernels.cpu_layer's weight pointers, per batch size
-
-    def _apply(self, fn, recurse=True):
-        self.cpu_plans.clear()  # .to() may move the weights the plans point into
-        return super()._apply(fn, recurse)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(MLP output, residual stream): the residual add happens inside the next RMSNorm
-        (fused on the CPU); `residual` None on the first layer, where x is the stream.
-        A CPU decode step runs the whole layer in one C call where it can (cpu_layer)."""
-        fused = cpu_layer.run(self, x, residual, meta)
-        if fused is not None:
-            return fused
+        (fused on the CPU); `residual` None on the first layer, where x is the stream."""
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:

@@ -11,7 +11,8 @@
  * paged_decode.c, linked into this library with their own flags), with the same rounding, so
  * the result equals the per-op path's; what goes away is the Python and torch dispatch between
  * the ops (about 12 calls a layer, which at batch 1 cost as much as the weight streaming of a
- * 4-bit model). Compiled on first use by common/kernels/cpu_layer.py, which checks the shapes.
+ * 4-bit model). Compiled on first use by common/kernels/cpu_layer.py, which checks the shapes;
+ * its entry point is decode_layers (at the end).
  *
  * Projections are quantized (common/model/quant.py's format). dtype: 0 = float32, 1 = bfloat16;
  * every activation tensor is contiguous in that dtype.
@@ -87,8 +88,8 @@ static int project(const Proj *p, const Step *s, const void *x, void *out) {
  * Returns 0, or the failing step plus its code (9 for a negative one): 10 first RMSNorm, 20 qkv,
  * 30 q/k norm, 40 rotary, 50 attention, 60 o, 70 second RMSNorm, 80 gate/up, 90 silu, 100 down;
  * 1 when out of memory. */
-int decode_layer(const Layer *L, const Step *s, const void *x, void *residual, int first,
-                 void *out) {
+static int decode_layer(const Layer *L, const Step *s, const void *x, void *residual,
+                        int first, void *out) {
     const int T = s->tokens, H = L->heads, Hkv = L->kv_heads, D = L->head_dim;
     const int width = (H + 2 * Hkv) * D, hidden = L->hidden, inter = L->intermediate;
     const size_t elem = s->dtype == 0 ? 4 : 2;

@@ -324,6 +324,26 @@ static inline __attribute__((always_inline)) void gemv4_range(
 
 static void store_bf16(const float *src, uint16_t *dst, long n0, long n1);
 
+/* This thread's share of NB blocks, [b0, b1); last: it also takes the columns past the blocks. */
+static inline void thread_blocks(int NB, int *b0, int *b1, int *last) {
+    int nt = 1, id = 0;
+#ifdef _OPENMP
+    nt = omp_get_num_threads();
+    id = omp_get_thread_num();
+#endif
+    *b0 = (int)((long)NB * id / nt);
+    *b1 = (int)((long)NB * (id + 1) / nt);
+    *last = id == nt - 1;
+}
+
+/* out (float32 scratch) columns [n0, n1) -> out_ in xdtype */
+static inline void write_columns(const float *out, void *out_, int xdtype, long n0, long n1) {
+    if (xdtype == 0)
+        memcpy((float *)out_ + n0, out + n0, sizeof(float) * (n1 - n0));
+    else
+        store_bf16(out, (uint16_t *)out_, n0, n1);
+}
+
 /* out (float32 scratch [N]) -> out_ in xdtype, each thread its own columns */
 static void gemv4(const float *xp, const float *xsum, int K, int N, int gs, const uint8_t *qweight,
                   const void *scale, const void *zero, int sdtype, float *out, void *out_,
@@ -333,13 +353,8 @@ static void gemv4(const float *xp, const float *xsum, int K, int N, int gs, cons
     /* the OpenMP region is outlined before inlining, so the format is dispatched inside it */
 #pragma omp parallel num_threads(nthreads)
     {
-        int nt = 1, id = 0;
-#ifdef _OPENMP
-        nt = omp_get_num_threads();
-        id = omp_get_thread_num();
-#endif
-        const int b0 = (int)((long)NB * id / nt), b1 = (int)((long)NB * (id + 1) / nt);
-        const int last = id == nt - 1;
+        int b0, b1, last;
+        thread_blocks(NB, &b0, &b1, &last);
         if (gs == 32 && sdtype == 0)
             gemv4_range(xp, xsum, K, N, 32, qweight, scale, zero, 0, out, b0, b1, last);
         else if (gs == 32)
@@ -348,11 +363,7 @@ static void gemv4(const float *xp, const float *xsum, int K, int N, int gs, cons
             gemv4_range(xp, xsum, K, N, gs, qweight, scale, zero, 0, out, b0, b1, last);
         else
             gemv4_range(xp, xsum, K, N, gs, qweight, scale, zero, 1, out, b0, b1, last);
-        const long n0 = (long)b0 * GEMV4_ROWS, n1 = last ? N : (long)b1 * GEMV4_ROWS;
-        if (xdtype == 0)
-            memcpy((float *)out_ + n0, out + n0, sizeof(float) * (n1 - n0));
-        else
-            store_bf16(out, (uint16_t *)out_, n0, n1);
+        write_columns(out, out_, xdtype, (long)b0 * GEMV4_ROWS, last ? N : (long)b1 * GEMV4_ROWS);
     }
 }
 
@@ -430,22 +441,13 @@ static void gemv8(const float *x, const float *xsum, int K, int N, int gs, const
     if (nthreads > NB) nthreads = NB > 0 ? NB : 1;
 #pragma omp parallel num_threads(nthreads)
     {
-        int nt = 1, id = 0;
-#ifdef _OPENMP
-        nt = omp_get_num_threads();
-        id = omp_get_thread_num();
-#endif
-        const int b0 = (int)((long)NB * id / nt), b1 = (int)((long)NB * (id + 1) / nt);
-        const int last = id == nt - 1;
+        int b0, b1, last;
+        thread_blocks(NB, &b0, &b1, &last);
         if (sdtype == 0)
             gemv8_range(x, xsum, K, N, gs, qweight, scale, zero, 0, out, b0, b1, last);
         else
             gemv8_range(x, xsum, K, N, gs, qweight, scale, zero, 1, out, b0, b1, last);
-        const long n0 = (long)b0 * GEMV4_ROWS, n1 = last ? N : (long)b1 * GEMV4_ROWS;
-        if (xdtype == 0)
-            memcpy((float *)out_ + n0, out + n0, sizeof(float) * (n1 - n0));
-        else
-            store_bf16(out, (uint16_t *)out_, n0, n1);
+        write_columns(out, out_, xdtype, (long)b0 * GEMV4_ROWS, last ? N : (long)b1 * GEMV4_ROWS);
     }
 }
 
@@ -495,7 +497,7 @@ static void gemv4_prep_x(const float *x, int K, float *xp) {
     }
 }
 
-/* float32 -> bfloat16 (round to nearest even, NaN kept) for out[n0, n1) */
+/* float32 -> bfloat16 (round to nearest even, NaN as torch's 0x7fc0) for out[n0, n1) */
 static void store_bf16(const float *src, uint16_t *dst, long n0, long n1) {
     long i = n0;
     const __m256i one = _mm256_set1_epi32(1), bias = _mm256_set1_epi32(0x7fff),

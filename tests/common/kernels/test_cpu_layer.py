@@ -1,5 +1,4 @@
-"""The CPU decode layers (common.kernels.cpu_layer): a decode step's decoder layers in C, one call
-per layer (`run`) or one for all of them (`run_layers`, what the model's forward uses).
+"""The CPU decode layers (common.kernels.cpu_layer): a decode step's decoder layers in one C call.
 
 It calls the same C functions as the per-op path in the same order, so its hidden states and KV
 cache writes must be bit-identical to the per-op path's, for every family (bias, q/k norm, tied
@@ -54,9 +53,8 @@ def _forward(runner, inputs, fused: bool, monkeypatch) -> torch.Tensor:
         return runner.model(ids, pos, meta)
 
 
-def _plans_in_use(runner) -> bool:
-    layers = runner.model.layers
-    return all(any(p is not None for p in layer.cpu_plans.values()) for layer in layers)
+def _stack_in_use(runner) -> bool:
+    return any(stack is not None for stack in runner.model.cpu_stacks.values())
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -69,12 +67,11 @@ def test_decode_layer_equals_per_op_path(tiny_model, mode, dtype, monkeypatch) -
     runner = _runner(hf_model, mode, dtype)
     inputs = _prefill_then_decode_inputs(runner)
     per_op = _forward(runner, inputs, False, monkeypatch)
-    assert not _plans_in_use(runner)
+    assert not _stack_in_use(runner)
     caches = [(a.k_cache.clone(), a.v_cache.clone()) for a in _attns(runner)]
     layers_run = runner.model.layers_run
     fused = _forward(runner, inputs, True, monkeypatch)
-    assert _plans_in_use(runner), family  # the C layers really ran, all in one call
-    assert any(stack is not None for stack in runner.model.cpu_stacks.values())
+    assert _stack_in_use(runner), family  # the C layers really ran, all in one call
     assert runner.model.layers_run == layers_run + len(runner.model.layers)  # liveness counts
     assert torch.equal(fused, per_op), (family, (fused.float() - per_op.float()).abs().max())
     for attn, (k, v) in zip(_attns(runner), caches):  # the same K/V written to the same slots
@@ -88,14 +85,14 @@ def _attns(runner):
 def test_prefill_steps_and_dense_models_take_the_per_op_path(tiny_llama, monkeypatch) -> None:
     hf_model, _ = tiny_llama
     calls = []
-    real_run = cpu_layer.run
+    real_run = cpu_layer.run_layers
 
-    def counting_run(layer, x, residual, meta):
-        out = real_run(layer, x, residual, meta)
+    def counting_run(model, layers, x, meta):
+        out = real_run(model, layers, x, meta)
         calls.append(out is not None)
         return out
 
-    monkeypatch.setattr(cpu_layer, "run", counting_run)
+    monkeypatch.setattr(cpu_layer, "run_layers", counting_run)
     runner = _runner(hf_model, "int4", "float32")
     _prefill_then_decode_inputs(runner)  # a prefill step: several tokens per sequence
     assert calls and not any(calls)
@@ -111,15 +108,14 @@ def test_switches_are_read_per_call_and_to_drops_plans(tiny_llama, monkeypatch) 
     runner = _runner(hf_model, "int4", "float32")
     inputs = _prefill_then_decode_inputs(runner)
     _forward(runner, inputs, True, monkeypatch)
-    assert _plans_in_use(runner)
-    layer = runner.model.layers[0]
+    assert _stack_in_use(runner)
+    model = runner.model
     ids, pos, meta = inputs
     x = torch.randn(len(CONTEXTS), hf_model.config.hidden_size)
     monkeypatch.setattr(cpu_ops, "enabled", False)  # a plan made earlier must not override it
     runner.model.rotary.set_positions(pos, x.dtype)
-    assert cpu_layer.run(layer, x, None, meta) is None
+    assert cpu_layer.run_layers(model, model.layers, x, meta) is None
     monkeypatch.setattr(cpu_ops, "enabled", True)
-    assert cpu_layer.run(layer, x, None, meta) is not None
-    runner.model.to(torch.float32)  # may move weights: the raw pointers must go
-    assert all(not lay.cpu_plans for lay in runner.model.layers)
-    assert not runner.model.cpu_stacks
+    assert cpu_layer.run_layers(model, model.layers, x, meta) is not None
+    model.to(torch.float32)  # may move weights: the raw pointers must go
+    assert not model.cpu_stacks
