@@ -19,6 +19,7 @@
  * scale, zero [N, G] float32 (sdtype 0) or bfloat16 (sdtype 1), zero may be NULL; out [M, N] in
  * x's dtype.
  */
+#include <float.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -239,6 +240,14 @@ static inline float zdot(const void *zero, long base, const float *xsum, int G, 
 #ifndef GEMV4_PF
 #define GEMV4_PF 2
 #endif
+/* prefetch distances (in blocks of GEMV4_ROWS rows) of gemv4i and gemv8: measured best at 6 on
+ * the default model's shapes (the Q8_0 LM head read 1.2 -> 1.04 ms on two threads) */
+#ifndef GEMV4I_PF
+#define GEMV4I_PF 6
+#endif
+#ifndef GEMV8_PF
+#define GEMV8_PF 6
+#endif
 #ifndef GEMV4_ROWS
 #define GEMV4_ROWS 2
 #endif
@@ -367,6 +376,150 @@ static void gemv4(const float *xp, const float *xsum, int K, int N, int gs, cons
     }
 }
 
+/* ---- M = 1, int4, bfloat16 activations: x as 16-bit fixed point, products summed in int32 ----
+ * The float kernel above is bound by its and/convert/FMA per 8 weights. With bfloat16 x, each
+ * 32 columns of x are written as int16 times a power of two, sx = 2^(e - 15) with 2^e above the
+ * block's largest |x|. A bfloat16 has 8 significant bits, so every x within 2^7 of the block's
+ * largest is exact; smaller ones are rounded to sx (at most 2^-16 of the largest, 128x below
+ * bfloat16's own rounding of it). Products and sums are exact in int32 and converted exactly
+ * (|sum| < 2^24), so for blocks of ordinary range the result is the float kernel's up to the
+ * order of the float additions. A chunk (64 weights) is 4 shift/and, 4 vpmaddwd (int16 pairs
+ * into int32) and 3 adds per row, with one convert and two FMAs: t = sx * isum - 8 * lane sum of
+ * x, acc += scale * t. Lanes map to groups as in gemv4. 15-20% faster than gemv4 at the default
+ * model's shapes; float32 activations keep the float kernel (they have 24 significant bits).
+ * xq per chunk: 4 vectors of 16 int16, X_k[i] = x16[64c + 4i + k] (nibble k of 16-bit lane i);
+ * xs per chunk: sx lanes (block 2c x4, block 2c + 1 x4), then -8 * lane sums of x. */
+#define XQ_CHUNK 64
+#define XS_CHUNK 16
+
+static void gemv4i_prep_x(const float *x, int K, int16_t *xq, float *xs) {
+    const int CT = (K + 63) / 64;
+    for (int c = 0; c < CT; c++) {
+        float v[64];
+        int16_t q[64];
+        for (int j = 0; j < 64; j++) v[j] = 64 * c + j < K ? x[64 * c + j] : 0.0f;
+        for (int b = 0; b < 2; b++) {
+            float m = 0.0f, s = 0.0f;
+            for (int j = 0; j < 32; j++) {
+                const float a = fabsf(v[32 * b + j]);
+                m = a > m ? a : m;
+                s += v[32 * b + j];
+            }
+            /* sx = 2^(e - 15) for max|x| in [2^(e-1), 2^e): |x16| < 2^15; the floor on e keeps
+             * 1/sx finite (only blocks under 2^-113 get it) */
+            int e = 0;
+            if (m > 0.0f && m <= FLT_MAX) frexpf(m, &e);
+            if (e < -112) e = -112;
+            const float inv = m > 0.0f && m <= FLT_MAX ? ldexpf(1.0f, 15 - e) : 0.0f;
+            /* inf or NaN in x (the sum carries a NaN the max skips): sx not finite, nor the out */
+            const float sx = (m <= FLT_MAX ? ldexpf(1.0f, e - 15) : NAN) + 0.0f * s;
+            for (int j = 0; j < 32; j++) {
+                float r = nearbyintf(v[32 * b + j] * inv);
+                r = r > 32767.0f ? 32767.0f : (r < -32767.0f ? -32767.0f : r);
+                q[32 * b + j] = (int16_t)(r == r ? r : 0.0f);
+            }
+            for (int l = 0; l < 4; l++) xs[(long)c * XS_CHUNK + 4 * b + l] = sx;
+        }
+        for (int i = 0; i < 16; i++)
+            for (int k = 0; k < 4; k++) xq[(long)c * XQ_CHUNK + 16 * k + i] = q[4 * i + k];
+        for (int l = 0; l < 8; l++) {
+            float s = 0.0f;
+            for (int j = 0; j < 8; j++) s += v[8 * l + j];
+            xs[(long)c * XS_CHUNK + 8 + l] = -8.0f * s;
+        }
+    }
+}
+
+/* lane i (int32) of the result: sum over the 8 nibbles of dword i of q * x16 */
+static inline __attribute__((always_inline)) __m256i nibble_dot(__m256i v, const int16_t *X) {
+    const __m256i m = _mm256_set1_epi16(0xF);
+    const __m256i *x = (const __m256i *)X;
+    __m256i p = _mm256_madd_epi16(_mm256_and_si256(v, m), _mm256_loadu_si256(x));
+    p = _mm256_add_epi32(p, _mm256_madd_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), m),
+                                              _mm256_loadu_si256(x + 1)));
+    p = _mm256_add_epi32(p, _mm256_madd_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 8), m),
+                                              _mm256_loadu_si256(x + 2)));
+    return _mm256_add_epi32(p, _mm256_madd_epi16(_mm256_srli_epi16(v, 12), _mm256_loadu_si256(x + 3)));
+}
+
+static inline __attribute__((always_inline)) void gemv4i_rows(
+    const int16_t *xq, const float *xs, const float *xsum, int K, int G, int gs,
+    const uint8_t *q0, long row_bytes, const void *scale, const void *zero, int sdtype, long n,
+    int R, float *out) {
+    const int C = K / 64;
+    __m256 acc[GEMV4_ROWS];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    const long ahead = (long)GEMV4I_PF * GEMV4_ROWS * row_bytes;
+    for (int c = 0; c < C; c++) {
+        if (!(c & 1))
+            for (int r = 0; r < R; r++)
+                _mm_prefetch((const char *)(q0 + r * row_bytes + (long)c * 32 + ahead),
+                             _MM_HINT_T0);
+        const float *xc = xs + (long)c * XS_CHUNK;
+        const __m256 sx = _mm256_loadu_ps(xc), m8 = _mm256_loadu_ps(xc + 8);
+        for (int r = 0; r < R; r++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(q0 + r * row_bytes + (long)c * 32));
+            const __m256 t = _mm256_fmadd_ps(
+                _mm256_cvtepi32_ps(nibble_dot(v, xq + (long)c * XQ_CHUNK)), sx, m8);
+            acc[r] = _mm256_fmadd_ps(t, scale_vec(scale, (n + r) * G, c, gs, sdtype), acc[r]);
+        }
+    }
+    if (K % 64) { /* group 32, odd group count: the last group fills lanes 0-3 */
+        const float *xc = xs + (long)C * XS_CHUNK;
+        const __m256 sx = _mm256_loadu_ps(xc), m8 = _mm256_loadu_ps(xc + 8);
+        for (int r = 0; r < R; r++) {
+            const __m256i v = _mm256_zextsi128_si256(
+                _mm_loadu_si128((const __m128i *)(q0 + r * row_bytes + (long)C * 32)));
+            const __m256 t = _mm256_fmadd_ps(
+                _mm256_cvtepi32_ps(nibble_dot(v, xq + (long)C * XQ_CHUNK)), sx, m8);
+            acc[r] = _mm256_fmadd_ps(t, scale_vec_half(scale, (n + r) * G, C, sdtype), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        float o = hsum(acc[r]);
+        if (zero) o += zdot(zero, (n + r) * G, xsum, G, sdtype);
+        out[n + r] = o;
+    }
+}
+
+static inline __attribute__((always_inline)) void gemv4i_range(
+    const int16_t *xq, const float *xs, const float *xsum, int K, int N, int gs,
+    const uint8_t *qweight, const void *scale, const void *zero, int sdtype, float *out, int b0,
+    int b1, int last) {
+    const int G = K / gs;
+    const long row_bytes = K / 2;
+    for (int b = b0; b < b1; b++) {
+        const long n = (long)b * GEMV4_ROWS;
+        gemv4i_rows(xq, xs, xsum, K, G, gs, qweight + n * row_bytes, row_bytes, scale, zero,
+                    sdtype, n, GEMV4_ROWS, out);
+    }
+    if (last)
+        for (long n = (long)(N / GEMV4_ROWS) * GEMV4_ROWS; n < N; n++)
+            gemv4i_rows(xq, xs, xsum, K, G, gs, qweight + n * row_bytes, row_bytes, scale, zero,
+                        sdtype, n, 1, out);
+}
+
+static void gemv4i(const int16_t *xq, const float *xs, const float *xsum, int K, int N, int gs,
+                   const uint8_t *qweight, const void *scale, const void *zero, int sdtype,
+                   float *out, void *out_, int nthreads) {
+    const int NB = N / GEMV4_ROWS;
+    if (nthreads > NB) nthreads = NB > 0 ? NB : 1;
+#pragma omp parallel num_threads(nthreads)
+    {
+        int b0, b1, last;
+        thread_blocks(NB, &b0, &b1, &last);
+        if (gs == 32 && sdtype == 0)
+            gemv4i_range(xq, xs, xsum, K, N, 32, qweight, scale, zero, 0, out, b0, b1, last);
+        else if (gs == 32)
+            gemv4i_range(xq, xs, xsum, K, N, 32, qweight, scale, zero, 1, out, b0, b1, last);
+        else if (sdtype == 0)
+            gemv4i_range(xq, xs, xsum, K, N, gs, qweight, scale, zero, 0, out, b0, b1, last);
+        else
+            gemv4i_range(xq, xs, xsum, K, N, gs, qweight, scale, zero, 1, out, b0, b1, last);
+        write_columns(out, out_, 1, (long)b0 * GEMV4_ROWS, last ? N : (long)b1 * GEMV4_ROWS);
+    }
+}
+
 /* ---- M = 1, int8 (groups a multiple of 8): GEMV4_ROWS columns per pass, as gemv4 ----
  * Per group and row: t = sum_j x_j q_j over two FMA chains (8 codes sign-extended and converted
  * per vector), then acc += s * t as a broadcast FMA; the zero point (if any) through zdot. */
@@ -375,14 +528,14 @@ static inline __attribute__((always_inline)) void gemv8_rows(
     const void *zero, int sdtype, long n, int R, float *out) {
     __m256 acc[GEMV4_ROWS];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
-    const long ahead = (long)GEMV4_PF * GEMV4_ROWS * K;
+    const long ahead = (long)GEMV8_PF * GEMV4_ROWS * K;
     for (int g = 0; g < G; g++) {
         const long off = (long)g * gs;
         __m256 t0[GEMV4_ROWS], t1[GEMV4_ROWS];
         for (int r = 0; r < R; r++) t0[r] = t1[r] = _mm256_setzero_ps();
         int j = 0;
         for (; j + 16 <= gs; j += 16) {
-            if (GEMV4_PF && !((off + j) & 63))
+            if (GEMV8_PF && !((off + j) & 63))
                 for (int r = 0; r < R; r++)
                     _mm_prefetch((const char *)(q0 + (long)r * K + off + j + ahead), _MM_HINT_T0);
             const __m256 xa = _mm256_loadu_ps(x + off + j), xb = _mm256_loadu_ps(x + off + j + 8);
@@ -398,7 +551,7 @@ static inline __attribute__((always_inline)) void gemv8_rows(
             }
         }
         if (j < gs) { /* gs % 16 == 8 */
-            if (GEMV4_PF && !((off + j) & 63))
+            if (GEMV8_PF && !((off + j) & 63))
                 for (int r = 0; r < R; r++)
                     _mm_prefetch((const char *)(q0 + (long)r * K + off + j + ahead), _MM_HINT_T0);
             const __m256 xa = _mm256_loadu_ps(x + off + j);
@@ -605,7 +758,12 @@ int quant_matmul(const void *x_in, long x_stride, int xdtype, int M, int K, int 
             for (int j = 0; j < gs; j++) sum += xf[(long)g * gs + j];
             xsum[g] = sum;
         }
-        if (bits == 4) {
+        if (bits == 4 && xdtype == 1) {
+            int16_t *xq = (int16_t *)xp; /* CT * 32 floats' room, then CT * XS_CHUNK floats */
+            float *xs = xp + (size_t)CT * XQ_CHUNK / 2;
+            gemv4i_prep_x(xf, K, xq, xs);
+            gemv4i(xq, xs, xsum, K, N, gs, qweight, scale, zero, sdtype, out, out_, nthreads);
+        } else if (bits == 4) {
             gemv4_prep_x(xf, K, xp);
             gemv4(xp, xsum, K, N, gs, qweight, scale, zero, sdtype, out, out_, xdtype, nthreads);
         } else {

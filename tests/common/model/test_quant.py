@@ -328,3 +328,45 @@ def test_c_kernel_single_row_shapes(monkeypatch, bits, n, k, group, dtype, with_
     ref = quant_matmul_reference(x.float(), layer.qt)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     assert (got.float() - ref).abs().max() <= tol * ref.abs().max()
+
+
+@pytest.mark.parametrize("n, k, group", [(512, 576, 32), (96, 1536, 64), (33, 96, 32)])
+def test_bf16_int4_single_row_error_is_within_its_bound(monkeypatch, n, k, group) -> None:
+    """With bfloat16 x the int4 single-row kernel sums in int16 fixed point (a power-of-two scale
+    per 32 columns, quant_matmul.c's gemv4i): each x is exact or off by at most 2^-15 of its
+    block's largest |x|, so an output is off the exact product by at most that bound through
+    |W| plus its own bf16 rounding; on ordinary activations nearly all outputs are exactly the
+    correctly rounded product (outputs near 0 after cancellation are where they differ)."""
+    if not cpu_quant.c_available():
+        pytest.skip("no C compiler")
+    monkeypatch.setenv("PDSERVE_CPU_QUANT_KERNEL", "c")
+    torch.manual_seed(k)
+    layer = QuantLinear(quantize_rtn(torch.randn(n, k) * 0.1, 4, group)).to(torch.bfloat16)
+    w_abs = layer.qt.dequantize(torch.float32).double().abs()
+    same = []
+    for _ in range(4):
+        x = torch.randn(1, k).to(torch.bfloat16)
+        got = layer(x).double()
+        ref = quant_matmul_reference(x.double(), layer.qt)
+        same.append((got == ref.to(torch.bfloat16).double()).double().mean().item())
+        block_max = x.double().abs().view(-1, 32).amax(dim=1).repeat_interleave(32)
+        bound = w_abs @ (block_max * 2**-15) + 1e-6 * (w_abs @ x.double().abs()[0])
+        spacing = torch.ldexp(torch.ones_like(ref), torch.frexp(ref.abs() + bound).exponent - 8)
+        assert ((got - ref).abs() <= bound + spacing).all()
+    assert sum(same) / len(same) >= 0.97, same
+
+
+def test_single_row_kernels_carry_nan_and_inf(monkeypatch) -> None:
+    """A NaN or inf in x comes out as a non-finite output (never as a finite wrong number)."""
+    if not cpu_quant.c_available():
+        pytest.skip("no C compiler")
+    monkeypatch.setenv("PDSERVE_CPU_QUANT_KERNEL", "c")
+    torch.manual_seed(0)
+    for bits in (4, 8):
+        for dtype in (torch.bfloat16, torch.float32):
+            layer = QuantLinear(quantize_rtn(torch.randn(64, 128) * 0.1, bits, 32)).to(dtype)
+            for bad in (float("nan"), float("inf")):
+                x = torch.randn(1, 128).to(dtype)
+                x[0, 77] = bad
+                out = layer(x)
+                assert not torch.isfinite(out).any(), (bits, dtype, bad)
