@@ -330,10 +330,13 @@ def test_c_kernel_single_row_shapes(monkeypatch, bits, n, k, group, dtype, with_
     assert (got.float() - ref).abs().max() <= tol * ref.abs().max()
 
 
-@pytest.mark.parametrize("n, k, group", [(512, 576, 32), (96, 1536, 64), (33, 96, 32)])
-def test_bf16_int4_single_row_error_is_within_its_bound(monkeypatch, n, k, group) -> None:
-    """With bfloat16 x the int4 single-row kernel sums in int16 fixed point (a power-of-two scale
-    per 32 columns, quant_matmul.c's gemv4i): each x is exact or off by at most 2^-15 of its
+@pytest.mark.parametrize(
+    "bits, n, k, group",
+    [(4, 512, 576, 32), (4, 96, 1536, 64), (4, 33, 96, 32), (8, 512, 576, 32), (8, 7, 96, 96)],
+)
+def test_bf16_single_row_error_is_within_its_bound(monkeypatch, bits, n, k, group) -> None:
+    """With bfloat16 x the single-row kernels sum in int16 fixed point (a power-of-two scale per
+    32 columns, quant_matmul.c's gemv4i and gemv8i): each x is exact or off by at most 2^-15 of its
     block's largest |x|, so an output is off the exact product by at most that bound through
     |W| plus its own bf16 rounding; on ordinary activations nearly all outputs are exactly the
     correctly rounded product (outputs near 0 after cancellation are where they differ)."""
@@ -341,7 +344,7 @@ def test_bf16_int4_single_row_error_is_within_its_bound(monkeypatch, n, k, group
         pytest.skip("no C compiler")
     monkeypatch.setenv("PDSERVE_CPU_QUANT_KERNEL", "c")
     torch.manual_seed(k)
-    layer = QuantLinear(quantize_rtn(torch.randn(n, k) * 0.1, 4, group)).to(torch.bfloat16)
+    layer = QuantLinear(quantize_rtn(torch.randn(n, k) * 0.1, bits, group)).to(torch.bfloat16)
     w_abs = layer.qt.dequantize(torch.float32).double().abs()
     same = []
     for _ in range(4):
