@@ -3,6 +3,9 @@
 Paths, all computing x [M, K] @ W.T for W = the dequantized weight:
   c          csrc/quant_matmul.c: dequantizes each weight group in registers once per 8 rows of x,
              float32 accumulation, OpenMP over N; built on first use like cpu_attention's kernel.
+             At batch 1 a dot per group instead; with bfloat16 x those dots are summed in int32
+             over x written as int16 times a power of two per 32 columns (exact for x within 2^7
+             of its block's largest, else off by at most 2^-15 of it; float32 x stays float).
   int4pack   torch's _weight_int4pack_mm_for_cpu on a repacked copy (int4, power-of-two groups).
   int8pack   torch's _weight_int8pack_mm (int8 per channel only).
   dequant    dequantize to x's dtype, then F.linear: the reference.
