@@ -240,15 +240,12 @@ static inline float zdot(const void *zero, long base, const float *xsum, int G, 
 #ifndef GEMV4_PF
 #define GEMV4_PF 2
 #endif
-/* prefetch distances (in blocks of GEMV4_ROWS rows) of gemv4i and gemv8: measured best at 6 on
- * the default model's shapes (the Q8_0 LM head read 1.2 -> 1.04 ms on two threads) */
+/* gemv4i's prefetch distance in blocks of GEMV4_ROWS rows: 6 measured 0-10% ahead of 2 at the
+ * default model's shapes, within noise of 4-16; gemv8i's in bytes along its one row */
 #ifndef GEMV4I_PF
 #define GEMV4I_PF 6
 #endif
-#ifndef GEMV8_PF
-#define GEMV8_PF 6
-#endif
-#define GEMV8I_AHEAD 4096 /* bytes: gemv8i's prefetch distance along its one row stream */
+#define GEMV8I_AHEAD 4096
 #ifndef GEMV4_ROWS
 #define GEMV4_ROWS 2
 #endif
@@ -383,11 +380,12 @@ static void gemv4(const float *xp, const float *xsum, int K, int N, int gs, cons
  * block's largest |x|. A bfloat16 has 8 significant bits, so every x within 2^7 of the block's
  * largest is exact; smaller ones are rounded to a multiple of sx (off by at most 2^-15 of the
  * largest, 64x below bfloat16's own rounding of it, 2^-9). Products and sums are exact in int32
- * and converted exactly (|lane sum| < 8 * 15 * 2^15 < 2^24), so for blocks of ordinary range the result is the float kernel's up to the
- * order of the float additions. A chunk (64 weights) is 4 shift/and, 4 vpmaddwd (int16 pairs
- * into int32) and 3 adds per row, with one convert and two FMAs: t = sx * isum - 8 * lane sum of
- * x, acc += scale * t. Lanes map to groups as in gemv4. 15-20% faster than gemv4 at the default
- * model's shapes; float32 activations keep the float kernel (they have 24 significant bits).
+ * and converted exactly (|lane sum| < 8 * 15 * 2^15 < 2^24), so for blocks of ordinary range the
+ * result is the float kernel's up to the order of the float additions. A chunk (64 weights) is
+ * 4 shift/and, 4 vpmaddwd (int16 pairs into int32) and 3 adds per row, with one convert and two
+ * FMAs: t = sx * isum - 8 * lane sum of x, acc += scale * t. Lanes map to groups as in gemv4.
+ * 15-20% faster than gemv4 at the default model's shapes; float32 activations keep the float
+ * kernel (they have 24 significant bits).
  * xq per chunk: 4 vectors of 16 int16, X_k[i] = x16[64c + 4i + k] (nibble k of 16-bit lane i);
  * xs per chunk: sx lanes (block 2c x4, block 2c + 1 x4), then -8 * lane sums of x. */
 #define XQ_CHUNK 64
@@ -444,7 +442,8 @@ static inline __attribute__((always_inline)) __m256i nibble_dot(__m256i v, const
                                               _mm256_loadu_si256(x + 1)));
     p = _mm256_add_epi32(p, _mm256_madd_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 8), m),
                                               _mm256_loadu_si256(x + 2)));
-    return _mm256_add_epi32(p, _mm256_madd_epi16(_mm256_srli_epi16(v, 12), _mm256_loadu_si256(x + 3)));
+    return _mm256_add_epi32(
+        p, _mm256_madd_epi16(_mm256_srli_epi16(v, 12), _mm256_loadu_si256(x + 3)));
 }
 
 static inline __attribute__((always_inline)) void gemv4i_rows(
@@ -463,7 +462,8 @@ static inline __attribute__((always_inline)) void gemv4i_rows(
         const float *xc = xs + (long)c * XS_CHUNK;
         const __m256 sx = _mm256_loadu_ps(xc), m8 = _mm256_loadu_ps(xc + 8);
         for (int r = 0; r < R; r++) {
-            const __m256i v = _mm256_loadu_si256((const __m256i *)(q0 + r * row_bytes + (long)c * 32));
+            const __m256i v =
+                _mm256_loadu_si256((const __m256i *)(q0 + r * row_bytes + (long)c * 32));
             const __m256 t = _mm256_fmadd_ps(
                 _mm256_cvtepi32_ps(nibble_dot(v, xq + (long)c * XQ_CHUNK)), sx, m8);
             acc[r] = _mm256_fmadd_ps(t, scale_vec(scale, (n + r) * G, c, gs, sdtype), acc[r]);
@@ -533,14 +533,14 @@ static inline __attribute__((always_inline)) void gemv8_rows(
     const void *zero, int sdtype, long n, int R, float *out) {
     __m256 acc[GEMV4_ROWS];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
-    const long ahead = (long)GEMV8_PF * GEMV4_ROWS * K;
+    const long ahead = (long)GEMV4_PF * GEMV4_ROWS * K;
     for (int g = 0; g < G; g++) {
         const long off = (long)g * gs;
         __m256 t0[GEMV4_ROWS], t1[GEMV4_ROWS];
         for (int r = 0; r < R; r++) t0[r] = t1[r] = _mm256_setzero_ps();
         int j = 0;
         for (; j + 16 <= gs; j += 16) {
-            if (GEMV8_PF && !((off + j) & 63))
+            if (GEMV4_PF && !((off + j) & 63))
                 for (int r = 0; r < R; r++)
                     _mm_prefetch((const char *)(q0 + (long)r * K + off + j + ahead), _MM_HINT_T0);
             const __m256 xa = _mm256_loadu_ps(x + off + j), xb = _mm256_loadu_ps(x + off + j + 8);
@@ -556,7 +556,7 @@ static inline __attribute__((always_inline)) void gemv8_rows(
             }
         }
         if (j < gs) { /* gs % 16 == 8 */
-            if (GEMV8_PF && !((off + j) & 63))
+            if (GEMV4_PF && !((off + j) & 63))
                 for (int r = 0; r < R; r++)
                     _mm_prefetch((const char *)(q0 + (long)r * K + off + j + ahead), _MM_HINT_T0);
             const __m256 xa = _mm256_loadu_ps(x + off + j);
@@ -612,7 +612,7 @@ static void gemv8(const float *x, const float *xsum, int K, int N, int gs, const
 /* ---- M = 1, int8, bfloat16 activations, groups a multiple of 32: x as int16 (x16_block) ----
  * One row per pass (two rows spill registers): per 32 weights two sign-extensions to int16, two
  * vpmaddwd and an add, then t += sx * float(isum) per block and acc += scale * t per group.
- * Lane sums stay under 4 * 128 * 2^15 <= 2^24: exact in float too. 1.5x the float kernel's speed
+ * Lane sums stay under 4 * 128 * 2^15 = 2^24: exact in float too. 1.5x the float kernel's speed
  * on the Q8_0 LM head (49152 x 576, two threads, weights from DRAM). */
 static inline __attribute__((always_inline)) float gemv8i_row(
     const int16_t *xq, const float *sx, const float *xsum, int K, int G, int gs, const int8_t *q,
