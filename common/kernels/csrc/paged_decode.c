@@ -49,6 +49,24 @@ static void write_out(const Job *j, int b, int h, const float *acc, const float 
     }
 }
 
+/* Each of G rows of n scores in place -> exp(score - the row's max); m[g] = that max, l[g] = the
+ * sum of the row's exps (the part's share of a flash-decoding softmax). */
+static inline void softmax_parts(float *restrict scores, int G, int n, float *restrict m,
+                                 float *restrict l) {
+    for (int g = 0; g < G; g++) {
+        float *restrict sg = scores + g * n;
+        float mx = -INFINITY;
+        for (int t = 0; t < n; t++) mx = sg[t] > mx ? sg[t] : mx;
+        float sum = 0.f;
+        for (int t = 0; t < n; t++) {
+            sg[t] = exp_approx(sg[t] - mx);
+            sum += sg[t];
+        }
+        m[g] = mx;
+        l[g] = sum;
+    }
+}
+
 /* Attention of one (sequence, kv head) over its tokens [t0, t1): for each of its G query heads
  * the scores' maximum m[g], the sum of exp(score - m[g]) l[g] and the unnormalised weighted sum
  * of V acc[g*D..]. Tokens are walked block by block (no division per token). D is a
@@ -74,18 +92,7 @@ static inline void attend_part(const Job *j, int b, int h, int t0, int t1, const
         }
         t += run;
     }
-    for (int g = 0; g < G; g++) {
-        float *restrict sg = scores + g * n;
-        float mx = -INFINITY;
-        for (int t = 0; t < n; t++) mx = sg[t] > mx ? sg[t] : mx;
-        float sum = 0.f;
-        for (int t = 0; t < n; t++) {
-            sg[t] = exp_approx(sg[t] - mx);
-            sum += sg[t];
-        }
-        m[g] = mx;
-        l[g] = sum;
-    }
+    softmax_parts(scores, G, n, m, l);
     memset(acc, 0, sizeof(float) * G * D);
     for (int t = t0; t < t1;) {
         const int off = t % bs, run = bs - off < t1 - t ? bs - off : t1 - t;
@@ -167,18 +174,7 @@ static inline __attribute__((always_inline)) void attend_part_avx2(
         }
         t += count;
     }
-    for (int g = 0; g < G; g++) {
-        float *restrict sg = scores + g * n;
-        float mx = -INFINITY;
-        for (int i = 0; i < n; i++) mx = sg[i] > mx ? sg[i] : mx;
-        float sum = 0.f;
-        for (int i = 0; i < n; i++) {
-            sg[i] = exp_approx(sg[i] - mx);
-            sum += sg[i];
-        }
-        m[g] = mx;
-        l[g] = sum;
-    }
+    softmax_parts(scores, G, n, m, l);
     for (int d0 = 0; d0 < D; d0 += 32) {
         __m256 v_acc[4][4];
         for (int g = 0; g < G; g++)
