@@ -43,11 +43,24 @@ class Job:
             raise
 
     async def next_event(self, timeout_s: float) -> Event:
-        """The next event of any flight; RequestError(504) if none comes within timeout_s."""
+        """The next event of any flight; RequestError(504) if none comes within timeout_s.
+
+        Not `asyncio.wait_for`: up to Python 3.11 it returns the inner result when the caller is
+        cancelled just as an event arrives, so a request whose client left (router.app cancels
+        its collector) kept running to its end while tokens streamed in. Cancelled here, the
+        waiting `get` is cancelled too and CancelledError propagates (an event it had already
+        taken is dropped: the request is being closed).
+        """
+        if not self.events.empty():
+            return self.events.get_nowait()
+        getter = asyncio.ensure_future(self.events.get())
         try:
-            return await asyncio.wait_for(self.events.get(), max(timeout_s, 0.0))
-        except asyncio.TimeoutError:
-            raise RequestError("the request timed out", code=504, type="timeout") from None
+            done, _ = await asyncio.wait({getter}, timeout=max(timeout_s, 0.0))
+        finally:
+            getter.cancel()  # a no-op once it is done
+        if not done:
+            raise RequestError("the request timed out", code=504, type="timeout")
+        return getter.result()
 
     def finish(self, index: int) -> None:
         """Choice `index` needs nothing more (done, or cut by a stop string)."""

@@ -256,9 +256,10 @@ def test_client_disconnect_aborts_on_decode_and_prefill(router: RouterThread) ->
 
 
 def test_client_gone_before_a_whole_response_aborts() -> None:
-    # A long heartbeat timeout: on a loaded CI machine the fake worker (a thread of this process)
-    # once went 2 s without a heartbeat, was reaped, and the Abort could not reach it. This test
-    # is about the abort; worker liveness has its own tests.
+    # The abort once came only after the whole generation: Job.next_event's cancellation was
+    # swallowed when a token arrived at the same moment (tests/router/test_job.py). A long
+    # heartbeat timeout too: on a loaded CI machine the fake worker (a thread of this process)
+    # once went 2 s without a heartbeat and was reaped; liveness has its own tests.
     with RouterThread(local_prefill_max_tokens=8, heartbeat_timeout_s=30.0) as router:
         d0 = router.worker("decode", "d0", token_delay_s=0.02)
         with pytest.raises(httpx.TimeoutException):

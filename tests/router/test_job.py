@@ -1,0 +1,59 @@
+"""router/job.py's `Job.next_event`: events in order, the timeout, and cancellation that is never
+lost to an event arriving at the same moment (router.app cancels a non-streamed request's
+collector when its client leaves; a swallowed cancel let the request run to its end)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from common.api.requests import RequestError
+from router.job import Job
+
+
+def _job() -> Job:
+    return Job(None, "req", [])  # no flights: only the event queue is used here
+
+
+def test_events_come_in_order_then_the_timeout() -> None:
+    async def run() -> None:
+        job = _job()
+        job.events.put_nowait((0, "a"))
+        job.events.put_nowait((1, "b"))
+        assert await job.next_event(1.0) == (0, "a")
+        assert await job.next_event(1.0) == (1, "b")
+        waiter = asyncio.ensure_future(job.next_event(5.0))
+        await asyncio.sleep(0)
+        job.events.put_nowait((0, "c"))  # arrives while it waits
+        assert await waiter == (0, "c")
+        with pytest.raises(RequestError) as e:
+            await job.next_event(0.01)
+        assert e.value.code == 504
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("turns", [0, 1, 2])
+def test_cancel_as_an_event_arrives_is_not_swallowed(turns: int) -> None:
+    """The event lands, the loop runs `turns` times, then the waiter is cancelled before it
+    resumes: it must raise CancelledError (asyncio.wait_for up to 3.11 returned the event)."""
+
+    async def run() -> int:
+        checked = 0
+        for _ in range(20):
+            job = _job()
+            waiter = asyncio.ensure_future(job.next_event(60.0))
+            await asyncio.sleep(0)  # now waiting on the queue
+            job.events.put_nowait((0, "token"))
+            for _ in range(turns):
+                await asyncio.sleep(0)
+            if waiter.done():
+                continue  # it already returned the event: nothing to cancel
+            waiter.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await waiter
+            checked += 1
+        return checked
+
+    assert asyncio.run(run()) > 0
