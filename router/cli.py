@@ -32,12 +32,15 @@ def run_router(args: argparse.Namespace) -> int:
     """`pdserve router`: load the tokenizer, serve until SIGINT / SIGTERM."""
     from common.api.tokenizer import Tokenizer
     from common.model.model_files import resolve_model
+    from router.memory import pin_malloc_thresholds
     from router.server import RouterServer
 
     config = config_from_args(args)
     logging.basicConfig(
         level=config.log_level.upper(), format="%(asctime)s router %(levelname)s %(message)s"
     )
+    if not pin_malloc_thresholds():
+        logging.info("malloc thresholds left as they are (set by the environment, or no glibc)")
     source = resolve_model(config.model)
     tokenizer = Tokenizer.from_source(source)
     model_max_len = int(getattr(source.hf_config, "max_position_embeddings", 0) or 2048)

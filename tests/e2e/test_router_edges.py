@@ -8,7 +8,9 @@ worker in this process (tests/router/fake_worker.py: real ZeroMQ, no model), sha
   refused by size or length, a /detokenize of 300k tokens, and rounds of 8 concurrent /tokenize
   of 262k characters (the most a 8192-token context allows), which left glibc's per-thread arenas
   holding ~115 MiB for good before `router.memory` (measured on a loaded 2-core machine: +116 MiB
-  without the trim, -3 MiB with it; the bound is 48 MiB).
+  without the trim, -3 MiB with it; the bound is 48 MiB). The trim alone left +26..+57 MiB in
+  runs where glibc had raised its trim threshold (a CI failure at +57); with the thresholds pinned
+  at router start, four runs ended -9..+10 MiB.
 """
 
 from __future__ import annotations
