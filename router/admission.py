@@ -17,6 +17,7 @@ import itertools
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from common.aio import wait_for
 from common.api.requests import RequestError
 
 RETRY_AFTER_S = 1  # what a refused client is told to wait: the queue moves in well under that
@@ -92,7 +93,7 @@ class WaitingLine:
         turn = self._turns[place] = asyncio.Event()
         try:
             # Bounded, so that a waiting flight still sees its deadline pass.
-            await asyncio.wait_for(turn.wait(), poll_s * 20)
+            await wait_for(turn.wait(), poll_s * 20)
         except asyncio.TimeoutError:
             pass
         finally:

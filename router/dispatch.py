@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import msgspec
 
+from common.aio import wait_for
 from common.api.requests import RequestError
 from common.protocol import (
     Abort,
@@ -219,7 +220,7 @@ class Dispatcher:
             if not self._send(decode, reserve):
                 reply = ReserveReply(flight.request_id, ok=False, reason="unreachable")
             else:
-                reply = await asyncio.wait_for(reply_future, self.reserve_timeout_s)
+                reply = await wait_for(reply_future, self.reserve_timeout_s)
         except asyncio.TimeoutError:
             # A reservation made after we gave up must not leak; the next try gets a new id so
             # that this one's late reply cannot be taken for it.

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
+from common.aio import wait_for
 from common.api.requests import RequestError
 from common.sampling_params import SamplingParams
 from router.dispatch import Dispatcher, Event, Flight
@@ -45,22 +46,15 @@ class Job:
     async def next_event(self, timeout_s: float) -> Event:
         """The next event of any flight; RequestError(504) if none comes within timeout_s.
 
-        Not `asyncio.wait_for`: up to Python 3.11 it returns the inner result when the caller is
-        cancelled just as an event arrives, so a request whose client left (router.app cancels
-        its collector) kept running to its end while tokens streamed in. Cancelled here, the
-        waiting `get` is cancelled too and CancelledError propagates (an event it had already
-        taken is dropped: the request is being closed).
+        `common.aio.wait_for`, not asyncio's: a request whose client left (router.app cancels its
+        collector) must stop even when an event lands as it is cancelled.
         """
         if not self.events.empty():
             return self.events.get_nowait()
-        getter = asyncio.ensure_future(self.events.get())
         try:
-            done, _ = await asyncio.wait({getter}, timeout=max(timeout_s, 0.0))
-        finally:
-            getter.cancel()  # a no-op once it is done
-        if not done:
-            raise RequestError("the request timed out", code=504, type="timeout")
-        return getter.result()
+            return await wait_for(self.events.get(), timeout_s)
+        except asyncio.TimeoutError:
+            raise RequestError("the request timed out", code=504, type="timeout") from None
 
     def finish(self, index: int) -> None:
         """Choice `index` needs nothing more (done, or cut by a stop string)."""
