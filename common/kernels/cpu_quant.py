@@ -6,6 +6,9 @@ Paths, all computing x [M, K] @ W.T for W = the dequantized weight:
              At batch 1 a dot per group instead; with bfloat16 x those dots are summed in int32
              over x written as int16 times a power of two per 32 columns (exact for x within 2^7
              of its block's largest, else off by at most 2^-15 of it; float32 x stays float).
+  f32tiles   csrc/quant_matmul.c's `dequantize_rows` writes tiles of W's rows in float32, each
+             multiplied by torch's float32 GEMM (common.kernels.cpu_gemm): from MIN_ROWS rows of
+             x on, where that GEMM runs ~2x the kernels' FLOP rate.
   int4pack   torch's _weight_int4pack_mm_for_cpu on a repacked copy (int4, power-of-two groups).
   int8pack   torch's _weight_int8pack_mm (int8 per channel only).
   dequant    dequantize to x's dtype, then F.linear: the reference.
@@ -28,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from common.kernels.cbuild import REDUCTION_FLAGS, CLibrary
+from common.kernels.cpu_gemm import MIN_ROWS, tiled_matmul
 
 if TYPE_CHECKING:
     from common.model.quant import QuantLinear
@@ -40,11 +44,13 @@ _FLAGS = ["-O3", "-march=native", *REDUCTION_FLAGS, "-fopenmp"]  # never -ffast-
 # Candidates per (bits, batch upper bound), fastest first as measured; the first that applies runs.
 PICK: list[tuple[int, int, tuple[str, ...]]] = [
     (4, 1, ("c", "int4pack", "dequant")),
-    (4, 1 << 30, ("int4pack", "c", "dequant")),
+    (4, MIN_ROWS - 1, ("int4pack", "c", "dequant")),
+    (4, 1 << 30, ("f32tiles", "int4pack", "c", "dequant")),
     (8, 8, ("c", "int8pack", "dequant")),
-    (8, 1 << 30, ("int8pack", "c", "dequant")),  # int8pack: per channel only; groups -> c
+    (8, MIN_ROWS - 1, ("int8pack", "c", "dequant")),  # int8pack: per channel only; groups -> c
+    (8, 1 << 30, ("f32tiles", "int8pack", "c", "dequant")),
 ]
-PATHS = ("c", "int4pack", "int8pack", "dequant")
+PATHS = ("c", "f32tiles", "int4pack", "int8pack", "dequant")
 # torch's packed kernels take float32 activations through a slow path: 20-45x slower than the C
 # kernel at batch 8-64 on an AVX2 host (1536x576, int4pack 17 ms vs 0.57 ms at batch 16), so
 # float32 models never pick them unless forced.
@@ -55,7 +61,10 @@ _p, _i = ctypes.c_void_p, ctypes.c_int
 _LIB = CLibrary(
     _SOURCE,
     _FLAGS,
-    {"quant_matmul": [_p, ctypes.c_long, _i, _i, _i, _i, _i, _i, _p, _p, _p, _i, _p, _i]},
+    {
+        "quant_matmul": [_p, ctypes.c_long, _i, _i, _i, _i, _i, _i, _p, _p, _p, _i, _p, _i],
+        "dequantize_rows": [_i, _i, _i, _i, _i, _p, _p, _p, _i, _p, _i],
+    },
     "the CPU quantized matmul",
 )
 
@@ -73,6 +82,8 @@ def applies(path: str, layer: QuantLinear, x: torch.Tensor) -> bool:
             and (layer.zero is None or layer.zero.dtype == layer.scale.dtype)
             and c_available()
         )
+    if path == "f32tiles":
+        return applies("c", layer, x) and x.dtype in (torch.float32, torch.bfloat16)
     if path == "int4pack":
         g = layer.group_size
         return layer.bits == 4 and g in (32, 64, 128, 256) and x.dtype in _TORCH_DTYPES
@@ -123,6 +134,8 @@ def quant_matmul(x: torch.Tensor, layer: QuantLinear) -> torch.Tensor:
     path = path_for(layer, x)
     if path == "c":
         return _c_matmul(x, layer)
+    if path == "f32tiles":
+        return _f32tiles_matmul(x, layer)
     if path == "int4pack":
         packed, scale_zero = _prepared(layer, x.dtype, _prepare_int4pack)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
@@ -169,6 +182,21 @@ def _c_matmul(x: torch.Tensor, layer: QuantLinear) -> torch.Tensor:
     if rc != 0:
         raise ValueError(f"shape not supported by the CPU quantized kernel: {layer} (rc {rc})")
     return out
+
+
+def _f32tiles_matmul(x: torch.Tensor, layer: QuantLinear) -> torch.Tensor:
+    k = layer.in_features
+    bits, group, qweight, scale, zero, sdtype = c_weights(layer)
+    threads = torch.get_num_threads()
+
+    def fill(n0: int, n1: int, tile: torch.Tensor) -> None:
+        rc = _LIB.get().dequantize_rows(
+            n0, n1, k, bits, group, qweight, scale, zero, sdtype, tile.data_ptr(), threads
+        )
+        if rc != 0:
+            raise ValueError(f"shape not supported by the CPU dequantize kernel: {layer} (rc {rc})")
+
+    return tiled_matmul(x, layer.out_features, fill)
 
 
 def c_weights(layer: QuantLinear) -> tuple[int, int, int, int, int | None, int]:

@@ -1,5 +1,6 @@
-"""The Llama family's building blocks: Linear (oneDNN prepacking on CPU), RMSNorm (with the
-residual add fused), rotary embedding (q and k rotated, and K/V stored, in one pass on CPU).
+"""The Llama family's building blocks: Linear (oneDNN prepacking on CPU, float32 GEMM tiles for
+16-bit prefill batches), RMSNorm (with the residual add fused), rotary embedding (q and k rotated,
+and K/V stored, in one pass on CPU).
 
 The fused CPU paths come from `common.kernels.cpu_ops`, with the eager torch ops as the fallback.
 Used by `common.model.llama`.
@@ -13,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common.kernels import cpu_ops
+from common.kernels import cpu_gemm, cpu_ops
 from common.kernels.attention import AttentionMetadata
 
 if TYPE_CHECKING:  # the attention layer whose caches the fused rotary writes
@@ -35,6 +36,8 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
+            if cpu_gemm.applies_dense(x, self.weight):  # a 16-bit prefill: float32 GEMM tiles
+                return cpu_gemm.dense_matmul(x, self.weight, self.bias)
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 

@@ -859,3 +859,35 @@ int quant_matmul(const void *x_in, long x_stride, int xdtype, int M, int K, int 
     free(x);
     return rc;
 }
+
+/* Rows [n0, n1) of the weight dequantized to float32 into out [n1 - n0, K]: w = (q - 8) s + z
+ * (int4) or q s + z (int8), rounded as common/model/quant.py's `dequantize` rounds them (a
+ * multiply then an add, never contracted to an FMA), so a float32 matmul over these rows sees the
+ * very weights of the reference. For batches where a float32 GEMM beats the kernel above
+ * (cpu_quant's "f32tiles" path: prefill, decode at batch >= 32); OpenMP over rows. */
+__attribute__((optimize("fp-contract=off"))) int dequantize_rows(
+    int n0, int n1, int K, int bits, int gs, const void *qweight, const void *scale,
+    const void *zero, int sdtype, float *out, int nthreads) {
+    if (gs <= 0 || K % gs || (bits != 4 && bits != 8) || (gs & 1) || n0 < 0 || n1 < n0) return 1;
+    const int G = K / gs;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int n = n0; n < n1; n++) {
+        for (int g = 0; g < G; g++) {
+            const long sidx = (long)n * G + g, base = (long)n * K + (long)g * gs;
+            const float s = load_s(scale, sidx, sdtype);
+            const float z = zero ? load_s(zero, sidx, sdtype) : 0.0f;
+            float *restrict o = out + (long)(n - n0) * K + (long)g * gs;
+            if (bits == 4) {
+                const uint8_t *restrict q = (const uint8_t *)qweight + base / 2;
+                for (int j = 0; j < gs / 2; j++) {
+                    o[2 * j] = (float)((int)(q[j] & 15) - 8) * s + z;
+                    o[2 * j + 1] = (float)((int)(q[j] >> 4) - 8) * s + z;
+                }
+            } else {
+                const int8_t *restrict q = (const int8_t *)qweight + base;
+                for (int j = 0; j < gs; j++) o[j] = (float)q[j] * s + z;
+            }
+        }
+    }
+    return 0;
+}

@@ -373,3 +373,63 @@ def test_single_row_kernels_carry_nan_and_inf(monkeypatch) -> None:
                 x[0, 77] = bad
                 out = layer(x)
                 assert not torch.isfinite(out).any(), (bits, dtype, bad)
+
+
+@pytest.mark.parametrize("bits, group", [(4, 32), (4, 16), (8, 32), (8, 0)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_zero", [True, False])
+def test_dequantize_rows_is_the_reference_dequantization(bits, group, dtype, with_zero) -> None:
+    """The f32tiles path's C dequantization writes exactly `QuantizedTensor.dequantize`'s floats
+    (a multiply then an add, no FMA), for any run of rows."""
+    if not cpu_quant.c_available():
+        pytest.skip("no C compiler")
+    torch.manual_seed(bits + group)
+    layer = QuantLinear(quantize_rtn(torch.randn(70, 192), bits, group or 192)).to(dtype)
+    if not with_zero:
+        layer.zero = None
+    ref = layer.qt.dequantize(torch.float32)
+    bits_, group_, qweight, scale, zero, sdtype = cpu_quant.c_weights(layer)
+    for n0, n1 in [(0, 70), (13, 14), (5, 61)]:
+        out = torch.full((n1 - n0, 192), float("nan"))
+        rc = cpu_quant._LIB.get().dequantize_rows(
+            n0, n1, 192, bits_, group_, qweight, scale, zero, sdtype, out.data_ptr(), 2
+        )
+        assert rc == 0 and torch.equal(out, ref[n0:n1])
+
+
+@pytest.mark.parametrize("bits, group", [(4, 32), (8, 0)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_f32tiles_over_several_tiles_with_bias(monkeypatch, bits, group, dtype) -> None:
+    """Tiles of 7 rows over 30 (the last one short): the float32 product of the dequantized
+    weights, rounded once to x's dtype, with the bias."""
+    if not cpu_quant.c_available():
+        pytest.skip("no C compiler")
+    from common.kernels import cpu_gemm
+
+    monkeypatch.setattr(cpu_gemm, "TILE_BYTES", 7 * 4 * 64)
+    torch.manual_seed(0)
+    layer = QuantLinear(quantize_rtn(torch.randn(30, 64), bits, group or 64), torch.randn(30))
+    layer = layer.to(dtype)
+    x = torch.randn(cpu_gemm.MIN_ROWS, 64).to(dtype)
+    monkeypatch.setenv("PDSERVE_CPU_QUANT_KERNEL", "f32tiles")
+    got = layer(x)
+    ref = (x.float() @ layer.qt.dequantize(torch.float32).t()).to(dtype) + layer.bias
+    assert got.dtype == dtype
+    # float32 GEMMs of a tile or of the whole weight may sum in another order: 1e-5 relative
+    tol = 1e-5 if dtype == torch.float32 else 2**-8
+    assert (got.float() - ref.float()).abs().max() <= tol * ref.float().abs().max()
+
+
+@pytest.mark.parametrize("bits, group", [(4, 32), (8, 32), (8, 0)])
+def test_batches_from_min_rows_take_f32tiles(bits: int, group: int) -> None:
+    """Prefill-sized batches take the float32 GEMM over dequantized tiles; decode batches don't."""
+    if not cpu_quant.c_available():
+        pytest.skip("no C compiler")
+    from common.kernels.cpu_gemm import MIN_ROWS
+
+    layer = QuantLinear(quantize_rtn(torch.randn(64, 128), bits, group or 128))
+    for dtype in (torch.float32, torch.bfloat16):
+        lay = layer.to(dtype)
+        for m, want in [(1, False), (8, False), (MIN_ROWS - 1, False), (MIN_ROWS, True)]:
+            path = cpu_quant.choose(lay, torch.randn(m, 128, dtype=dtype))
+            assert (path == "f32tiles") == want, (dtype, m, path)
