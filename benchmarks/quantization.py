@@ -9,7 +9,8 @@ The embedding and the tied LM head are the file's Q8_0 (int8, groups of 32) in i
 dequantized in bf16. For each format: weight memory; weight bytes streamed per decode token
 (projections + LM head) and the floor they set (those bytes / the copy bandwidth measured here,
 bytes copied per second by a 256 MiB `copy_`); single-stream inter-token latency (in-process
-engine, the median decode step after the first token) and its ratio to the floor; output
+engine, the median decode step after the first token) and its ratio to the floor; prefill rate
+(prompt tokens per second for the batch-8 prompts, each generating one token); output
 throughput at batch 8 and 64; perplexity on benchmarks/data/calibration.txt; greedy agreement
 with bf16 (share of output tokens before the first divergence, over the agreement prompts).
 With `--http` each format is also streamed through a colocated pdserve (router + one decode
@@ -110,6 +111,13 @@ def throughput(engine: Engine, prompts: list[list[int]], output_len: int) -> flo
     return sum(s.num_output_tokens for s in seqs) / (time.perf_counter() - t)
 
 
+def prefill_rate(engine: Engine, prompts: list[list[int]]) -> float:
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    t = time.perf_counter()
+    engine.generate(prompts, params)
+    return sum(len(p) for p in prompts) / (time.perf_counter() - t)
+
+
 @torch.inference_mode()
 def perplexity(engine: Engine, ids: list[int], window: int) -> float:
     """exp(mean NLL) of each window's next tokens, one prefill forward per window."""
@@ -165,6 +173,8 @@ def run_format(fmt: str, args, source, prompts: dict, bandwidth: float) -> dict:
         "itl_p90_ms": sorted(itls)[int(0.9 * (len(itls) - 1))],
     }
     row["itl_vs_floor"] = row["itl_ms"] / row["floor_ms"]
+    log(f"{fmt}: prefill")
+    row["prefill_tok_s"] = prefill_rate(engine, prompts["batch"][: args.batches[0]])
     for batch in args.batches:
         log(f"{fmt}: batch {batch}")
         row[f"tok_s_b{batch}"] = throughput(engine, prompts["batch"][:batch], args.batch_output_len)
@@ -259,7 +269,7 @@ def make_prompts(args, tok: Tokenizer) -> dict:
 
 def table(rows: list[dict], batches: list[int]) -> str:
     head = ["format", "weights MB", "MB/token", "floor ms", "ITL ms", "ITL p90", "ITL/floor"]
-    head += ["ITL ms over HTTP"]
+    head += ["ITL ms over HTTP", f"prefill tok/s b{batches[0]}"]
     head += [f"tok/s b{b}" for b in batches] + ["perplexity", "greedy agree vs bf16"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
@@ -276,6 +286,7 @@ def table(rows: list[dict], batches: list[int]) -> str:
             f("itl_p90_ms", "{:.2f}"),
             f("itl_vs_floor", "{:.2f}x"),
             f("http_itl_ms", "{:.2f}"),
+            f("prefill_tok_s", "{:.0f}"),
         ]
         cells += [f(f"tok_s_b{b}") for b in batches]
         cells += [f("perplexity", "{:.3f}"), f("agreement", "{:.1%}")]
