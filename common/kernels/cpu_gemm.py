@@ -37,7 +37,8 @@ def tiled_matmul(
     rows = max(1, min(n, TILE_BYTES // (4 * k)))
     buf = getattr(_tiles, "buf", None)
     if buf is None or buf.numel() < rows * k:
-        buf = _tiles.buf = torch.empty(rows * k, dtype=torch.float32)
+        with torch.inference_mode(False):  # a normal tensor: writable in and out of inference mode
+            buf = _tiles.buf = torch.empty(rows * k, dtype=torch.float32)
     out = torch.empty(m, n, dtype=torch.float32)
     for n0 in range(0, n, rows):
         n1 = min(n, n0 + rows)
@@ -53,9 +54,11 @@ def tiled_matmul(
 
 
 def applies_dense(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether a 16-bit dense linear of this batch runs faster through `dense_matmul`."""
+    """Whether a 16-bit dense linear of this batch runs faster through `dense_matmul` (which
+    autograd cannot see through: never where gradients are wanted)."""
     return (
         x.device.type == "cpu"
+        and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
         and x.dtype in (torch.bfloat16, torch.float16)
         and weight.dtype == x.dtype
         and x.numel() >= MIN_ROWS * x.shape[-1]

@@ -37,6 +37,20 @@ def test_only_16_bit_cpu_batches_from_min_rows_apply() -> None:
     assert not cpu_gemm.applies_dense(torch.randn(small, 16, dtype=torch.bfloat16), w)
     assert not cpu_gemm.applies_dense(torch.randn(big, 16), w.float())  # float32: sgemm already
     assert not cpu_gemm.applies_dense(torch.randn(big, 16), w)  # mixed dtypes: F.linear's error
+    trained = w.clone().requires_grad_()
+    x = torch.randn(big, 16, dtype=torch.bfloat16)
+    assert not cpu_gemm.applies_dense(x, trained)  # autograd needs F.linear
+    with torch.no_grad():
+        assert cpu_gemm.applies_dense(x, trained)
+
+
+def test_the_tile_buffer_serves_in_and_out_of_inference_mode() -> None:
+    w = torch.randn(8, 16, dtype=torch.bfloat16)
+    x = torch.randn(cpu_gemm.MIN_ROWS, 16, dtype=torch.bfloat16)
+    cpu_gemm._tiles.__dict__.clear()
+    with torch.inference_mode():
+        first = cpu_gemm.dense_matmul(x, w)  # the buffer is made here
+    assert torch.equal(cpu_gemm.dense_matmul(x, w), first)
 
 
 def test_linear_takes_the_tiles_for_a_prefill_batch_only() -> None:
