@@ -10,6 +10,7 @@ import pytest
 
 from common.api.requests import RequestError
 from router.job import Job
+from tests.common.test_aio import cancels_checked
 
 
 def _job() -> Job:
@@ -39,21 +40,8 @@ def test_cancel_as_an_event_arrives_is_not_swallowed(turns: int) -> None:
     """The event lands, the loop runs `turns` times, then the waiter is cancelled before it
     resumes: it must raise CancelledError (asyncio.wait_for up to 3.11 returned the event)."""
 
-    async def run() -> int:
-        checked = 0
-        for _ in range(20):
-            job = _job()
-            waiter = asyncio.ensure_future(job.next_event(60.0))
-            await asyncio.sleep(0)  # now waiting on the queue
-            job.events.put_nowait((0, "token"))
-            for _ in range(turns):
-                await asyncio.sleep(0)
-            if waiter.done():
-                continue  # it already returned the event: nothing to cancel
-            waiter.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await waiter
-            checked += 1
-        return checked
+    async def start():
+        job = _job()
+        return asyncio.ensure_future(job.next_event(60.0)), lambda: job.events.put_nowait((0, "t"))
 
-    assert asyncio.run(run()) > 0
+    assert asyncio.run(cancels_checked(start, turns)) > 0
