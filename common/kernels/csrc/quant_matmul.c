@@ -864,7 +864,8 @@ int quant_matmul(const void *x_in, long x_stride, int xdtype, int M, int K, int 
  * (int4) or q s + z (int8), rounded as common/model/quant.py's `dequantize` rounds them (a
  * multiply then an add, never contracted to an FMA), so a float32 matmul over these rows sees the
  * very weights of the reference. For batches where a float32 GEMM beats the kernel above
- * (cpu_quant's "f32tiles" path: prefill, decode at batch >= 32); OpenMP over rows. */
+ * (cpu_quant's "f32tiles" path, from cpu_gemm.MIN_ROWS = 128 rows of x: prefill); OpenMP over
+ * rows. */
 __attribute__((optimize("fp-contract=off"))) int dequantize_rows(
     int n0, int n1, int K, int bits, int gs, const void *qweight, const void *scale,
     const void *zero, int sdtype, float *out, int nthreads) {
