@@ -57,11 +57,11 @@ def applies_dense(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether a 16-bit dense linear of this batch runs faster through `dense_matmul` (which
     autograd cannot see through: never where gradients are wanted)."""
     return (
-        x.device.type == "cpu"
-        and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+        x.numel() >= MIN_ROWS * x.shape[-1]  # first: decode batches (called per layer) stop here
+        and x.device.type == "cpu"
         and x.dtype in (torch.bfloat16, torch.float16)
         and weight.dtype == x.dtype
-        and x.numel() >= MIN_ROWS * x.shape[-1]
+        and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
     )
 
 
