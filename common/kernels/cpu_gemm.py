@@ -6,7 +6,8 @@ the float32 GEMM's rate (oneDNN/MKL sgemm; measured on an AVX2 host, 2 threads, 
 512: sgemm ~100 GFLOP/s, bf16 ~25, the int4 kernels ~50). `tiled_matmul` instead fills a float32
 tile of W's rows (at most `TILE_BYTES`, one buffer per thread, reused: it stays in the L3 cache and
 costs no allocation) and multiplies it in float32; filling a tile (a 16-bit copy or a
-dequantization) costs ~0.1 ms against milliseconds of GEMM once the batch reaches `MIN_ROWS`.
+dequantization) costs ~0.1 ms against milliseconds of GEMM once the batch reaches `MIN_ROWS`
+(`MIN_ROWS_DENSE` for 16-bit weights).
 Results are float32 products of the very weights the 16-bit or dequantized reference uses,
 rounded once to x's dtype. Called by common.kernels.cpu_quant (the "f32tiles" path) and
 common.model.layers.Linear (16-bit dense weights).
@@ -20,7 +21,11 @@ from collections.abc import Callable
 import torch
 
 TILE_BYTES = 4 << 20
-MIN_ROWS = 128  # from this batch (tokens) on the tiles win here; below, the direct kernels do
+MIN_ROWS = 128  # quantized weights: from this batch (tokens) on the tiles win here
+# 16-bit dense weights: torch's bf16 matmul is slower still, so the tiles win sooner (interleaved,
+# 2 threads: 3072x576 at 16 / 64 / 128 rows 1.07 vs 1.66, 4.2 vs 6.7, 5.5 vs 12.6 ms; the 49152-row
+# LM head breaks even at 32 and wins from 64: 66 vs 99 ms)
+MIN_ROWS_DENSE = 64
 _tiles = threading.local()  # each thread's tile buffer
 
 
@@ -57,7 +62,7 @@ def applies_dense(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether a 16-bit dense linear of this batch runs faster through `dense_matmul` (which
     autograd cannot see through: never where gradients are wanted)."""
     return (
-        x.numel() >= MIN_ROWS * x.shape[-1]  # first: decode batches (called per layer) stop here
+        x.numel() >= MIN_ROWS_DENSE * x.shape[-1]  # first: small batches stop here
         and x.device.type == "cpu"
         and x.dtype in (torch.bfloat16, torch.float16)
         and weight.dtype == x.dtype

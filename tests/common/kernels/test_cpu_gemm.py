@@ -17,10 +17,11 @@ def test_dense_matmul_is_the_float32_product_rounded_once(monkeypatch, dtype, ti
     monkeypatch.setattr(cpu_gemm, "TILE_BYTES", tile_rows * 4 * 96)
     torch.manual_seed(tile_rows)
     w, b = torch.randn(50, 96).to(dtype), torch.randn(50).to(dtype)
-    x = torch.randn(3, cpu_gemm.MIN_ROWS, 96).to(dtype)  # [batch, tokens, hidden] keeps its shape
+    rows = cpu_gemm.MIN_ROWS_DENSE
+    x = torch.randn(3, rows, 96).to(dtype)  # [batch, tokens, hidden] keeps its shape
     got = cpu_gemm.dense_matmul(x, w, b)
     ref = (x.float() @ w.float().t() + b.float()).to(dtype)
-    assert got.shape == (3, cpu_gemm.MIN_ROWS, 50) and got.dtype == dtype
+    assert got.shape == (3, rows, 50) and got.dtype == dtype
     # one rounding of a float32 sum: within half a 16-bit step of the exact product, at most
     # 2^-8 (bfloat16) or 2^-11 (float16) of it, plus the float32 sum's own error, far below
     exact = x.double() @ w.double().t() + b.double()
@@ -29,9 +30,10 @@ def test_dense_matmul_is_the_float32_product_rounded_once(monkeypatch, dtype, ti
     assert (err <= half_step * exact.abs() + 1e-5 * exact.abs().max()).all()
     assert torch.allclose(got.float(), ref.float(), rtol=2 * half_step, atol=1e-5)
 
+
 def test_only_16_bit_cpu_batches_from_min_rows_apply() -> None:
     w = torch.randn(8, 16, dtype=torch.bfloat16)
-    big, small = cpu_gemm.MIN_ROWS, cpu_gemm.MIN_ROWS - 1
+    big, small = cpu_gemm.MIN_ROWS_DENSE, cpu_gemm.MIN_ROWS_DENSE - 1
     assert cpu_gemm.applies_dense(torch.randn(big, 16, dtype=torch.bfloat16), w)
     assert cpu_gemm.applies_dense(torch.randn(2, big // 2, 16, dtype=torch.bfloat16), w)
     assert not cpu_gemm.applies_dense(torch.randn(small, 16, dtype=torch.bfloat16), w)
@@ -46,7 +48,7 @@ def test_only_16_bit_cpu_batches_from_min_rows_apply() -> None:
 
 def test_the_tile_buffer_serves_in_and_out_of_inference_mode() -> None:
     w = torch.randn(8, 16, dtype=torch.bfloat16)
-    x = torch.randn(cpu_gemm.MIN_ROWS, 16, dtype=torch.bfloat16)
+    x = torch.randn(cpu_gemm.MIN_ROWS_DENSE, 16, dtype=torch.bfloat16)
     cpu_gemm._tiles.__dict__.clear()
     with torch.inference_mode():
         first = cpu_gemm.dense_matmul(x, w)  # the buffer is made here
@@ -56,8 +58,8 @@ def test_the_tile_buffer_serves_in_and_out_of_inference_mode() -> None:
 def test_linear_takes_the_tiles_for_a_prefill_batch_only() -> None:
     torch.manual_seed(0)
     layer = Linear(96, 40, bias=True).to(torch.bfloat16)
-    x = torch.randn(cpu_gemm.MIN_ROWS, 96).to(torch.bfloat16)
+    x = torch.randn(cpu_gemm.MIN_ROWS_DENSE, 96).to(torch.bfloat16)
     with torch.inference_mode():
         assert torch.equal(layer(x), cpu_gemm.dense_matmul(x, layer.weight, layer.bias))
-        one = x[:1]
-        assert torch.equal(layer(one), F.linear(one, layer.weight, layer.bias))
+        fewer = x[:-1]  # one row short of the threshold: torch's own 16-bit matmul
+        assert torch.equal(layer(fewer), F.linear(fewer, layer.weight, layer.bias))
