@@ -104,18 +104,22 @@ def single_stream_itl(engine: Engine, prompt: list[int], output_len: int) -> lis
     return [(b - a) * 1e3 for a, b in zip(times, times[1:])]
 
 
-def throughput(engine: Engine, prompts: list[list[int]], output_len: int) -> float:
-    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+def _generate_timed(engine: Engine, prompts: list[list[int]], max_tokens: int):
+    """(the finished sequences, seconds) of one greedy `generate` over the prompts."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     t = time.perf_counter()
     seqs = engine.generate(prompts, params)
-    return sum(s.num_output_tokens for s in seqs) / (time.perf_counter() - t)
+    return seqs, time.perf_counter() - t
+
+
+def throughput(engine: Engine, prompts: list[list[int]], output_len: int) -> float:
+    seqs, seconds = _generate_timed(engine, prompts, output_len)
+    return sum(s.num_output_tokens for s in seqs) / seconds
 
 
 def prefill_rate(engine: Engine, prompts: list[list[int]]) -> float:
-    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    t = time.perf_counter()
-    engine.generate(prompts, params)
-    return sum(len(p) for p in prompts) / (time.perf_counter() - t)
+    _, seconds = _generate_timed(engine, prompts, 1)
+    return sum(len(p) for p in prompts) / seconds
 
 
 @torch.inference_mode()

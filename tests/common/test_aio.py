@@ -10,6 +10,7 @@ from collections.abc import Awaitable, Callable
 import pytest
 
 from common.aio import wait_for
+from tests.common.cancellation import cancels_checked
 
 
 def test_the_result_and_the_timeout() -> None:
@@ -69,25 +70,3 @@ def test_a_cancel_as_the_result_arrives_propagates(make, turns: int) -> None:
         return asyncio.ensure_future(wait_for(awaitable, 60.0)), deliver
 
     assert asyncio.run(cancels_checked(start, turns)) > 0
-
-
-async def cancels_checked(
-    start: Callable[[], Awaitable[tuple[asyncio.Future, Callable[[], None]]]], turns: int
-) -> int:
-    """20 times: `start()` a waiter (and how to deliver its result), let it wait, deliver, run
-    the loop `turns` times, cancel it: it must raise CancelledError. How many were cancelled
-    before they returned (the rest had returned already: nothing to check)."""
-    checked = 0
-    for _ in range(20):
-        waiter, deliver = await start()
-        await asyncio.sleep(0)  # now waiting
-        deliver()
-        for _ in range(turns):
-            await asyncio.sleep(0)
-        if waiter.done():
-            continue
-        waiter.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await waiter
-        checked += 1
-    return checked

@@ -10,7 +10,7 @@ import pytest
 
 from common.api.requests import RequestError
 from router.job import Job
-from tests.common.test_aio import cancels_checked
+from tests.common.cancellation import cancels_checked
 
 
 def _job() -> Job:

@@ -55,11 +55,20 @@ def test_the_tile_buffer_serves_in_and_out_of_inference_mode() -> None:
     assert torch.equal(cpu_gemm.dense_matmul(x, w), first)
 
 
-def test_linear_takes_the_tiles_for_a_prefill_batch_only() -> None:
+def test_linear_takes_the_tiles_for_a_prefill_batch_only(monkeypatch) -> None:
     torch.manual_seed(0)
     layer = Linear(96, 40, bias=True).to(torch.bfloat16)
     x = torch.randn(cpu_gemm.MIN_ROWS_DENSE, 96).to(torch.bfloat16)
+    calls: list[int] = []
+    tiles = cpu_gemm.dense_matmul
+
+    def spy(x, weight, bias=None):
+        calls.append(x.shape[0])
+        return tiles(x, weight, bias)
+
+    monkeypatch.setattr(cpu_gemm, "dense_matmul", spy)
     with torch.inference_mode():
-        assert torch.equal(layer(x), cpu_gemm.dense_matmul(x, layer.weight, layer.bias))
+        assert torch.equal(layer(x), tiles(x, layer.weight, layer.bias))
         fewer = x[:-1]  # one row short of the threshold: torch's own 16-bit matmul
         assert torch.equal(layer(fewer), F.linear(fewer, layer.weight, layer.bias))
+    assert calls == [cpu_gemm.MIN_ROWS_DENSE]  # the prefill batch went through the tiles, only it
