@@ -1,0 +1,263 @@
+"""The machine's limits, measured once per process: the only place that measures the machine.
+
+Owns three figures and the arithmetic that turns them into floors (DESIGN.md section 9):
+- read bandwidth: bytes per second a multi-threaded read-only sum (`torch.sum` over float32, on
+  `torch.get_num_threads()` threads) streams from a buffer of at least 8x the last-level cache
+  (default 1 GiB), best of a few passes;
+- copy bandwidth: the first half of that buffer copied into the second half (`copy_`), counted as
+  read + write bytes per second (the STREAM convention), best of a few passes: reported for
+  comparison only, never a floor (a floor over it would be ~2x too lenient);
+- matmul rate (FLOP/s, 2 * M * N * K per call) of each compute dtype the kernels use: float32 and
+  bfloat16 (`F.linear`) and int8 dot products (`torch._int_mm`, int8 x int8 -> int32; reported as
+  unavailable with torch's reason where it does not run), at M = 1, 8, 64, 512 on the model's own
+  linear shapes (fused QKV, O, fused gate/up, down, LM head, read from its config). Weights and
+  inputs are hot in the caches, so this is the compute rate alone; memory is the read floor's
+  part. N is cut so one call is at most `MAX_CALL_FLOP` (the LM head's rows at large M: a slice
+  of rows runs at the whole's rate); each figure is the best of `repeats` calls after one warm-up.
+The read floor of a step is its bytes read / read bandwidth, its compute floor its FLOPs / the
+best rate of the dtype it computes in at its M, its limit the larger; "% of limit" in the
+benchmarks = limit / measured time. Figures are cached in this process only (a session's machine
+is not the next one's): never written to disk. A few seconds on a 2-core host.
+
+Called by the benchmarks (benchmarks/quantization.py, step_profile.py, gpu_quant.py) and by
+`pdserve limits` (common/cli.py).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+DTYPES = ("float32", "bfloat16", "int8")
+BATCH_ROWS = (1, 8, 64, 512)  # the M each rate is measured at
+MAX_CALL_FLOP = 2e9
+_CACHE: dict[tuple, object] = {}  # in-process only, by design
+
+
+def last_level_cache_bytes() -> int:
+    """The largest CPU cache's size (sysfs), or 32 MiB where it cannot be read."""
+    sizes = []
+    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = f.read_text().strip()
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        sizes.append(int(text.rstrip("KMG")) * scale)
+    return max(sizes, default=32 << 20)
+
+
+def default_buffer_bytes() -> int:
+    return max(1 << 30, 8 * last_level_cache_bytes())
+
+
+def _best_s(fn, repeats: int, sync=lambda: None) -> float:
+    fn()  # warm-up: page faults, one-time kernel setup
+    sync()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        sync()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _buffer(nbytes: int | None, device: str = "cpu") -> torch.Tensor:
+    """A float32 buffer of `nbytes` (default >= 8x the LLC), every page touched."""
+    return torch.ones((nbytes or default_buffer_bytes()) // 4, dtype=torch.float32, device=device)
+
+
+def read_bandwidth(
+    nbytes: int | None = None,
+    repeats: int = 5,
+    device: str = "cpu",
+    buf: torch.Tensor | None = None,
+) -> float:
+    """Read-only bytes per second: a float32 sum over `nbytes` (default >= 8x the LLC, 1 GiB).
+    `device="cuda"` measures a GPU the same way (for the CUDA benchmarks)."""
+    key = ("read", nbytes, device, torch.get_num_threads())
+    if key not in _CACHE:
+        buf = _buffer(nbytes, device) if buf is None else buf
+        sync = torch.cuda.synchronize if device != "cpu" else (lambda: None)
+        _CACHE[key] = buf.nbytes / _best_s(buf.sum, repeats, sync)
+    return _CACHE[key]  # type: ignore[return-value]
+
+
+def copy_bandwidth(
+    nbytes: int | None = None, repeats: int = 5, buf: torch.Tensor | None = None
+) -> float:
+    """Read + write bytes per second of a `copy_` between the two halves of an `nbytes` buffer."""
+    key = ("copy", nbytes, torch.get_num_threads())
+    if key not in _CACHE:
+        buf = _buffer(nbytes) if buf is None else buf
+        half = buf.numel() // 2
+        src, dst = buf[:half], buf[half : 2 * half]
+        _CACHE[key] = 2 * src.nbytes / _best_s(lambda: dst.copy_(src), repeats)
+    return _CACHE[key]  # type: ignore[return-value]
+
+
+def int8_unavailable() -> str | None:
+    """Why int8 x int8 -> int32 matmuls cannot be measured here (None: they can)."""
+    try:
+        a = torch.ones(8, 64, dtype=torch.int8)
+        torch._int_mm(a, torch.ones(64, 32, dtype=torch.int8))
+    except (RuntimeError, AttributeError, NotImplementedError) as e:
+        return f"torch._int_mm on CPU: {str(e).splitlines()[0]}"
+    return None
+
+
+def matmul_rate(dtype: str, m: int, k: int, n: int, repeats: int = 3) -> float:
+    """FLOP/s of x [m, k] @ W.T, W [n, k], both in `dtype` (int8: int32 out), caches hot."""
+    n = max(1, min(n, int(MAX_CALL_FLOP // (2 * m * k))))
+    key = ("matmul", dtype, m, k, n, torch.get_num_threads())
+    if key not in _CACHE:
+        g = torch.Generator().manual_seed(0)
+        if dtype == "int8":
+            why = int8_unavailable()
+            if why:
+                raise RuntimeError(why)
+            x = torch.randint(-127, 128, (m, k), dtype=torch.int8, generator=g)
+            w_t = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g).t()
+            call = lambda: torch._int_mm(x, w_t)  # noqa: E731
+        else:
+            x = torch.randn(m, k, generator=g).to(getattr(torch, dtype))
+            w = torch.randn(n, k, generator=g).to(getattr(torch, dtype))
+            call = lambda: F.linear(x, w)  # noqa: E731
+        with torch.inference_mode():
+            _CACHE[key] = 2 * m * k * n / _best_s(call, repeats)
+    return _CACHE[key]  # type: ignore[return-value]
+
+
+def linear_shapes(hf_config) -> list[tuple[str, int, int]]:
+    """(name, N, K) of the model's linears as pdserve builds them: fused QKV, O, fused gate/up,
+    down, LM head."""
+    from common.model.llama import head_dim_of
+
+    hidden, head_dim = hf_config.hidden_size, head_dim_of(hf_config)
+    q = hf_config.num_attention_heads * head_dim
+    kv = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+    inter = hf_config.intermediate_size
+    return [
+        ("qkv", q + 2 * kv * head_dim, hidden),
+        ("o", hidden, q),
+        ("gate_up", 2 * inter, hidden),
+        ("down", hidden, inter),
+        ("lm_head", hf_config.vocab_size, hidden),
+    ]
+
+
+def decode_step_cost(
+    hf_config, weight_bytes: int, batch: int, context: int, kv_elem_bytes: int
+) -> tuple[float, float]:
+    """(bytes read, FLOPs) of one decode step: `batch` sequences of one new token each at
+    `context` cached positions; the weights read once, each sequence's K and V read once."""
+    from common.model.llama import head_dim_of
+
+    layers, head_dim = hf_config.num_hidden_layers, head_dim_of(hf_config)
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+    kv_bytes = 2 * layers * kv_heads * head_dim * kv_elem_bytes * context * batch
+    per_layer = sum(n * k for name, n, k in linear_shapes(hf_config) if name != "lm_head")
+    lm_head = hf_config.vocab_size * hf_config.hidden_size
+    attention = 4 * context * hf_config.num_attention_heads * head_dim * layers  # QK^T and PV
+    flops = batch * (2 * (layers * per_layer + lm_head) + attention)
+    return weight_bytes + kv_bytes, flops
+
+
+@dataclass
+class Limits:
+    """Measured figures: bytes/s and, per (dtype, M), the best FLOP/s over the model's shapes."""
+
+    read_bytes_per_s: float
+    copy_bytes_per_s: float = 0.0
+    rates: dict[tuple[str, int], float] = field(default_factory=dict)
+    shape_rates: dict[tuple[str, int, str], float] = field(default_factory=dict)
+    unavailable: dict[str, str] = field(default_factory=dict)  # dtype -> why not measured
+    threads: int = 0
+
+    def rate(self, dtype: str | torch.dtype, m: int) -> float:
+        """Best FLOP/s of `dtype` at M = m: the best measured at any M up to the first measured
+        M >= m (rates grow with M, so the floor it gives stays a lower bound)."""
+        name = str(dtype).removeprefix("torch.")
+        if name in self.unavailable:
+            raise ValueError(f"no {name} matmul rate: {self.unavailable[name]}")
+        measured = sorted(mm for d, mm in self.rates if d == name)
+        if not measured:
+            raise ValueError(f"no {name} matmul rate measured")
+        upto = next((mm for mm in measured if mm >= m), measured[-1])
+        return max(self.rates[(name, mm)] for mm in measured if mm <= upto)
+
+    def read_floor_s(self, bytes_read: float) -> float:
+        """Seconds to read `bytes_read` (a decode step's bytes per token at batch 1)."""
+        return bytes_read / self.read_bytes_per_s
+
+    def compute_floor_s(self, flops: float, dtype: str | torch.dtype, m: int) -> float:
+        """Seconds for `flops` at the best rate of `dtype`, the dtype actually computed in."""
+        return flops / self.rate(dtype, m)
+
+    def step_floor_s(self, bytes_read: float, flops: float, dtype: str | torch.dtype, m: int):
+        """A step's limit: the larger of its read floor and its compute floor."""
+        return max(self.read_floor_s(bytes_read), self.compute_floor_s(flops, dtype, m))
+
+    def ceiling_tokens_per_s(
+        self, bytes_per_step: float, flops_per_token: float, dtype: str | torch.dtype, batch: int
+    ) -> float:
+        """Tokens/s at best for steps of `batch` tokens that each read `bytes_per_step`."""
+        return batch / self.step_floor_s(bytes_per_step, flops_per_token * batch, dtype, batch)
+
+    def describe(self) -> str:
+        """The figures as a short line and a Markdown table of GFLOP/s by dtype and M."""
+        ms = sorted({m for _, m in self.rates})
+        lines = [
+            f"limits ({self.threads} threads): read {self.read_bytes_per_s / 1e9:.2f} GB/s, "
+            f"copy {self.copy_bytes_per_s / 1e9:.2f} GB/s (read + write); matmul GFLOP/s, "
+            "best over the model's linear shapes:",
+            "",
+            "| dtype | " + " | ".join(f"M={m}" for m in ms) + " |",
+            "|---|" + "---:|" * len(ms),
+        ]
+        for dtype in DTYPES:
+            if dtype in self.unavailable:
+                lines.append(f"| {dtype} | unavailable: {self.unavailable[dtype]} |")
+            elif any(d == dtype for d, _ in self.rates):
+                cells = [f"{self.rates[(dtype, m)] / 1e9:.1f}" for m in ms]
+                lines.append(f"| {dtype} | " + " | ".join(cells) + " |")
+        return "\n".join(lines)
+
+
+def measure(
+    hf_config=None,
+    nbytes: int | None = None,
+    batch_rows: tuple[int, ...] = BATCH_ROWS,
+    dtypes: tuple[str, ...] = DTYPES,
+    repeats: int = 3,
+) -> Limits:
+    """All figures for this machine and model (default: the default model's config), measured
+    once per process and argument set."""
+    if hf_config is None:
+        from common.model.model_files import resolve_model
+
+        hf_config = resolve_model("default").hf_config
+    shapes = linear_shapes(hf_config)
+    key = ("limits", tuple(shapes), nbytes, batch_rows, dtypes, torch.get_num_threads())
+    if key not in _CACHE:
+        buf = _buffer(nbytes)  # one buffer for both, freed before the matmuls
+        limits = Limits(
+            read_bytes_per_s=read_bandwidth(nbytes, buf=buf),
+            copy_bytes_per_s=copy_bandwidth(nbytes, buf=buf),
+            threads=torch.get_num_threads(),
+        )
+        del buf
+        for dtype in dtypes:
+            why = int8_unavailable() if dtype == "int8" else None
+            if why:
+                limits.unavailable[dtype] = why
+                continue
+            for m in batch_rows:
+                for name, n, k in shapes:
+                    rate = matmul_rate(dtype, m, k, n, repeats)
+                    limits.shape_rates[(dtype, m, name)] = rate
+                    limits.rates[(dtype, m)] = max(limits.rates.get((dtype, m), 0.0), rate)
+        _CACHE[key] = limits
+    return _CACHE[key]  # type: ignore[return-value]

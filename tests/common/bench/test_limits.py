@@ -1,0 +1,106 @@
+"""common/bench/limits.py: the floors' arithmetic, the model's shapes, small real measurements."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig
+
+from common.bench import limits
+
+
+@pytest.fixture
+def fresh_cache(monkeypatch):
+    """Each test measures anew: the module keeps its figures for the process otherwise."""
+    monkeypatch.setattr(limits, "_CACHE", {})
+
+
+def tiny_config() -> LlamaConfig:
+    return LlamaConfig(
+        hidden_size=64,
+        intermediate_size=96,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=2,
+        vocab_size=256,
+    )
+
+
+def test_shapes_come_from_the_config():
+    assert limits.linear_shapes(tiny_config()) == [
+        ("qkv", 64 + 2 * 2 * 16, 64),
+        ("o", 64, 64),
+        ("gate_up", 2 * 96, 64),
+        ("down", 64, 96),
+        ("lm_head", 256, 64),
+    ]
+
+
+def test_decode_step_cost():
+    cfg = tiny_config()
+    nbytes, flops = limits.decode_step_cost(cfg, 1000, batch=3, context=10, kv_elem_bytes=2)
+    assert nbytes == 1000 + 2 * 2 * 2 * 16 * 2 * 10 * 3  # weights + K and V of 3 x 10 tokens
+    linear = 2 * (128 * 64 + 64 * 64 + 192 * 64 + 64 * 96) + 256 * 64
+    assert flops == 3 * (2 * linear + 4 * 10 * 4 * 16 * 2)
+
+
+def test_read_bandwidth_and_read_floor(fresh_cache):
+    bandwidth = limits.read_bandwidth(16 << 20, repeats=2)
+    assert 1e8 < bandwidth < 1e13
+    assert limits.read_bandwidth(16 << 20) == bandwidth  # cached in the process
+    assert limits.copy_bandwidth(16 << 20, repeats=2) > 1e8
+    lim = limits.Limits(read_bytes_per_s=bandwidth)
+    assert lim.read_floor_s(3e9) == pytest.approx(3e9 / bandwidth)
+
+
+def test_compute_floor_uses_the_dtype_given():
+    rates = {("float32", 1): 1e9, ("float32", 8): 2e9, ("float32", 64): 3e9}
+    rates |= {("bfloat16", 1): 1e9, ("bfloat16", 8): 8e9, ("bfloat16", 64): 4e9}
+    lim = limits.Limits(read_bytes_per_s=10e9, rates=rates)
+    assert lim.compute_floor_s(8e9, "float32", 8) == pytest.approx(4.0)
+    assert lim.compute_floor_s(8e9, torch.bfloat16, 8) == pytest.approx(1.0)
+    # an M between measured ones takes the best up to the next measured M; past the last, the best
+    assert lim.rate("float32", 5) == 2e9 and lim.rate("float32", 1000) == 3e9
+    assert lim.rate("bfloat16", 64) == 8e9
+    # a step's limit is the larger floor; the ceiling is the batch over it
+    assert lim.step_floor_s(1e9, 8e9, "float32", 8) == pytest.approx(4.0)
+    assert lim.step_floor_s(100e9, 8e9, "float32", 8) == pytest.approx(10.0)
+    assert lim.ceiling_tokens_per_s(1e9, 1e9, "bfloat16", 8) == pytest.approx(8 / 1.0)
+    assert lim.ceiling_tokens_per_s(100e9, 1e9, "bfloat16", 8) == pytest.approx(8 / 10.0)
+    with pytest.raises(ValueError, match="int8"):
+        lim.rate("int8", 8)
+
+
+def test_matmul_rate_caps_a_call(fresh_cache, monkeypatch):
+    monkeypatch.setattr(limits, "MAX_CALL_FLOP", 2 * 8 * 64 * 16)
+    limits.matmul_rate("float32", 8, 64, 4096)
+    assert [k for k in limits._CACHE if k[0] == "matmul"][0][4] == 16  # N cut to 16 rows
+
+
+def test_measure_on_a_tiny_model(fresh_cache):
+    cfg = tiny_config()
+    lim = limits.measure(cfg, nbytes=16 << 20, batch_rows=(1, 8), repeats=2)
+    assert limits.measure(cfg, nbytes=16 << 20, batch_rows=(1, 8), repeats=2) is lim
+    names = [name for name, _, _ in limits.linear_shapes(cfg)]
+    measured = ["float32", "bfloat16"] + (["int8"] if "int8" not in lim.unavailable else [])
+    for dtype in measured:
+        for m in (1, 8):
+            per_shape = [lim.shape_rates[(dtype, m, name)] for name in names]
+            assert min(per_shape) > 0 and lim.rates[(dtype, m)] == max(per_shape)
+    if "int8" in lim.unavailable:
+        assert "_int_mm" in lim.unavailable["int8"]
+    table = lim.describe()
+    assert "read" in table and "| float32 |" in table and "| int8 |" in table
+
+
+def test_int8_reported_unavailable(fresh_cache, monkeypatch):
+    def refuse(a, b):
+        raise RuntimeError("_int_mm: not implemented for 'CPU'")
+
+    monkeypatch.setattr(torch, "_int_mm", refuse)
+    lim = limits.measure(tiny_config(), nbytes=8 << 20, batch_rows=(1,), repeats=1)
+    assert "not implemented" in lim.unavailable["int8"]
+    assert not any(d == "int8" for d, _ in lim.rates)
+    assert "| int8 | unavailable" in lim.describe()
+    with pytest.raises(ValueError, match="not implemented"):
+        lim.rate("int8", 1)
