@@ -14,6 +14,9 @@
 #include <string.h>
 
 #include "vecmath.h"
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 typedef struct {
     const void *q, *k_cache, *v_cache;
@@ -225,6 +228,14 @@ static void attend_dispatch(const Job *j, int b, int h, int t0, int t1, float *s
     }
 }
 
+static inline int thread_num(void) {
+#ifdef _OPENMP
+    return omp_get_thread_num();
+#else
+    return 0;
+#endif
+}
+
 #define MIN_PART 32 /* fewest tokens worth a part of their own */
 
 /* Returns 0 on success, -1 for a shape this kernel does not take, -2 when out of memory.
@@ -259,22 +270,23 @@ int paged_decode(const void *q, long q_stride, const void *k_cache, const void *
     const size_t stride = (size_t)G * (D + 2); /* one part's acc, m, l */
     float *partial = splits > 1 ? malloc(sizeof(float) * stride * parts) : NULL;
     if (splits > 1 && partial == NULL) return -2;
-    int failed = 0;
+    /* Every thread's scratch (scores, q, acc, one K/V row) in one allocation made before the
+     * threads start, so a failure returns here and no thread has a flag to share. Each share is
+     * padded to 64 bytes: no two threads write one cache line. */
+    const int most = chunk < max_len ? chunk : max_len;
+    const size_t share = ((size_t)G * most + 2 * (size_t)G * D + D + 15) & ~(size_t)15;
+    float *scratch = malloc(sizeof(float) * share * num_threads);
+    if (scratch == NULL) {
+        free(partial);
+        return -2;
+    }
 #pragma omp parallel num_threads(num_threads)
     {
-        const int most = chunk < max_len ? chunk : max_len;
-        float *scores = malloc(sizeof(float) * (size_t)G * most);
-        float *qf = malloc(sizeof(float) * G * D);
-        float *acc = malloc(sizeof(float) * G * D);
-        float *row = malloc(sizeof(float) * D);
+        float *scores = scratch + share * thread_num(), *qf = scores + (size_t)G * most;
+        float *acc = qf + (size_t)G * D, *row = acc + (size_t)G * D;
         float ml[128];
-        if (!scores || !qf || !acc || !row) {
-#pragma omp atomic write
-            failed = 1;
-        }
 #pragma omp for schedule(static)
         for (int part = 0; part < parts; part++) {
-            if (failed) continue;
             const int pair = part / splits, s = part % splits, b = pair / Hkv, h = pair % Hkv;
             const int len = seq_lens[b], t0 = s * chunk, t1 = t0 + chunk < len ? t0 + chunk : len;
             float *pa = splits > 1 ? partial + stride * part : acc;
@@ -290,15 +302,8 @@ int paged_decode(const void *q, long q_stride, const void *k_cache, const void *
             }
             if (splits == 1) write_out(&job, b, h, pa, pl);
         }
-        free(scores);
-        free(qf);
-        free(acc);
-        free(row);
     }
-    if (failed) {
-        free(partial);
-        return -2;
-    }
+    free(scratch);
     if (splits > 1) {
         float *acc = malloc(sizeof(float) * (G * D + G));
         if (acc == NULL) {
