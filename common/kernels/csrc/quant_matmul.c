@@ -865,10 +865,19 @@ int quant_matmul(const void *x_in, long x_stride, int xdtype, int M, int K, int 
  * multiply then an add, never contracted to an FMA), so a float32 matmul over these rows sees the
  * very weights of the reference. For batches where a float32 GEMM beats the kernel above
  * (cpu_quant's "f32tiles" path, from cpu_gemm.MIN_ROWS = 128 rows of x: prefill); OpenMP over
- * rows. */
-__attribute__((optimize("fp-contract=off"))) int dequantize_rows(
+ * rows. No FMA contraction here: GCC takes it off per function by attribute, clang by a pragma at
+ * the top of the body (either compiler warns at the other's spelling). */
+#if defined(__GNUC__) && !defined(__clang__)
+#define NO_FP_CONTRACT __attribute__((optimize("fp-contract=off")))
+#else
+#define NO_FP_CONTRACT
+#endif
+NO_FP_CONTRACT int dequantize_rows(
     int n0, int n1, int K, int bits, int gs, const void *qweight, const void *scale,
     const void *zero, int sdtype, float *out, int nthreads) {
+#ifdef __clang__
+#pragma clang fp contract(off)
+#endif
     if (gs <= 0 || K % gs || (bits != 4 && bits != 8) || (gs & 1) || n0 < 0 || n1 < n0) return 1;
     const int G = K / gs;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
