@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).parent / "csrc" / "paged_decode.c"
 # -fopenmp links the libgomp torch already loaded (same soname): one thread pool, not two competing.
-_FLAGS = ["-O3", "-march=native", *REDUCTION_FLAGS, "-fopenmp"]
+_FLAGS = ["-O3", *REDUCTION_FLAGS, "-fopenmp"]
 _c_int, _ptr = ctypes.c_int, ctypes.c_void_p
 _LIB = CLibrary(
     _SOURCE,

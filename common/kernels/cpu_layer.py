@@ -62,7 +62,7 @@ class _Step(ctypes.Structure):
 
 _LIB = CLibrary(
     _SOURCE,
-    ["-O3", "-march=native"],
+    ["-O3"],
     {
         "decode_layers": [ctypes.POINTER(_Layer), _i, ctypes.POINTER(_Step), _p, _p],
     },

@@ -30,7 +30,6 @@ _SOURCE = Path(__file__).parent / "csrc" / "fused_ops.c"
 # float-to-int conversion in exp vectorise) change no result and no process-wide float state.
 _FLAGS = [
     "-O3",
-    "-march=native",
     "-ffp-contract=off",
     "-fno-math-errno",
     "-fno-trapping-math",

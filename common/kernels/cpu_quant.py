@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).parent / "csrc" / "quant_matmul.c"
-_FLAGS = ["-O3", "-march=native", *REDUCTION_FLAGS, "-fopenmp"]  # never -ffast-math: cbuild
+_FLAGS = ["-O3", *REDUCTION_FLAGS, "-fopenmp"]  # never -ffast-math: cbuild
 
 # Candidates per (bits, batch upper bound), fastest first as measured; the first that applies runs.
 PICK: list[tuple[int, int, tuple[str, ...]]] = [
