@@ -11,8 +11,10 @@ Shapes: the fused linear layers of one Llama-3.2-1B decoder layer as pdserve bui
 
 Every timing replays a CUDA graph of `--reps` calls (no launch gaps, as the engine's decode graphs
 run) over enough copies of the weights to exceed the L2 cache, so each call streams its weight from
-HBM; median over `--iters` replays. The floor is the call's bytes (weight + scales + activations)
-over the device-to-device copy bandwidth measured in the same process; "% floor" = floor / time.
+HBM; median over `--iters` replays. The read floor is the bytes the call reads (weight + scales +
+activations) over the device's read-only bandwidth (a float32 sum over 1 GiB, measured in this
+process by common.bench.limits.read_bandwidth, whose floor arithmetic it uses); "% of floor" =
+floor / time.
 Each format's output is first checked against the dequantized bf16 reference.
 
     python benchmarks/gpu_quant.py [--batches 1,8,32,64] [--iters 20] [--reps 50] [--sweep]
@@ -36,6 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from common.bench.limits import Limits, read_bandwidth  # noqa: E402
 from common.kernels.triton_quant import (  # noqa: E402
     QuantMatmulConfig,
     choose_config,
@@ -48,21 +51,6 @@ LAYER_SHAPES = [("qkv", 3072, 2048), ("o", 2048, 2048), ("gate_up", 16384, 2048)
                 ("down", 2048, 8192)]
 LM_HEAD = ("lm_head", 128256, 2048)
 L2_FLUSH_BYTES = 256 << 20  # weight copies per format: several times any current L2
-
-
-def copy_bandwidth() -> float:
-    """Device-to-device copy bandwidth in bytes/s (read + write counted), median of 10."""
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    times = []
-    for _ in range(12):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1000)
-    return 2 * src.numel() / statistics.median(times[2:])
 
 
 def graph_time_us(calls: list[Callable[[], object]], reps: int, iters: int) -> float:
@@ -132,8 +120,9 @@ def sweep_configs(pick: QuantMatmulConfig) -> list[QuantMatmulConfig]:
 def run(args: argparse.Namespace) -> None:
     batches = [int(b) for b in args.batches.split(",")]
     shapes = LAYER_SHAPES + ([LM_HEAD] if args.lm_head else [])
-    bandwidth = copy_bandwidth()
-    print(f"device-to-device copy bandwidth: {bandwidth / 1e9:.0f} GB/s", flush=True)
+    device = Limits(read_bytes_per_s=read_bandwidth(1 << 30, repeats=10, device="cuda"))
+    bandwidth = device.read_bytes_per_s
+    print(f"device read bandwidth: {bandwidth / 1e9:.0f} GB/s", flush=True)
     rows = []
     totals: dict[tuple[int, str], list[float]] = {}
     for name, n, k in shapes:
@@ -153,8 +142,8 @@ def run(args: argparse.Namespace) -> None:
                     raise SystemExit(f"{fmt} {name} M={m}: max error {err:.3g} vs reference")
             for fmt in FORMATS:
                 us = graph_time_us([call(fmt, f, x) for f in copies[fmt]], args.reps, args.iters)
-                nbytes = base[fmt]["bytes"] + x.numel() * 2 + m * n * 2
-                floor_us = nbytes / bandwidth * 1e6
+                nbytes = base[fmt]["bytes"] + x.numel() * 2  # read: weight, scales, x
+                floor_us = device.read_floor_s(nbytes) * 1e6
                 rows.append((name, n, k, m, fmt, us, floor_us))
                 t = totals.setdefault((m, fmt), [0.0, 0.0])
                 t[0] += us
@@ -172,8 +161,8 @@ def run(args: argparse.Namespace) -> None:
         print(f"{name} done", flush=True)
     print(f"\nWeight-only quantized matmul, {torch.cuda.get_device_name(0)}, bf16 activations, "
           f"int4 group {args.group_size} with zero, int8 per channel; "
-          f"floor = bytes / {bandwidth / 1e9:.0f} GB/s:\n")
-    print("| layer | N x K | M | format | us | floor us | % floor | vs bf16 |")
+          f"read floor = bytes read / {bandwidth / 1e9:.0f} GB/s:\n")
+    print("| layer | N x K | M | format | us | floor us | % of floor | vs bf16 |")
     print("|---|---|---:|---|---:|---:|---:|---:|")
     bf16 = {(r[0], r[3]): r[5] for r in rows if r[4] == "bf16"}
     for name, n, k, m, fmt, us, floor_us in rows:
@@ -181,7 +170,7 @@ def run(args: argparse.Namespace) -> None:
               f"{100 * floor_us / us:.0f}% | {bf16[(name, m)] / us:.2f}x |")
     print("\nSum over the layers above (one decoder layer" +
           (" + LM head" if args.lm_head else "") + "):\n")
-    print("| M | format | us | floor us | % floor | vs bf16 |")
+    print("| M | format | us | floor us | % of floor | vs bf16 |")
     print("|---:|---|---:|---:|---:|---:|")
     for (m, fmt), (us, floor_us) in totals.items():
         print(f"| {m} | {fmt} | {us:.1f} | {floor_us:.1f} | {100 * floor_us / us:.0f}% | "

@@ -1,4 +1,4 @@
-"""Where a decode step's time goes, eager torch ops vs the fused CPU ops, next to its memory floor.
+"""Where a decode step's time goes, eager torch ops vs the fused CPU ops, next to its limit.
 
 Loads the model into a ModelRunner in this process, builds one decode step (every sequence one
 token at `--context` cached positions) at each batch size, and for the eager ops
@@ -18,15 +18,17 @@ weight streaming. A third column, `layer`, is the step with `common.kernels.cpu_
 decoder layer of a quantized model's decode step in one C call; nothing to time inside it, so
 only the step); the first two columns turn it off.
 
-The floor is the weight bytes one step reads (every parameter and buffer except an untied
-embedding, of which a step reads a few rows) over the copy bandwidth of a 256 MiB tensor copy
-measured here. `--clock cpu` times with the process's CPU time instead of the wall clock: on a
+The step's limit (common.bench.limits, measured in this process; common.bench.step_cost) is the
+larger of its read floor (the bytes it reads: every linear's weight once, the LM head once, each
+sequence's K/V, over the read-only memory bandwidth) and its compute floor (each linear's FLOPs
+over the best measured rate of the dtype it computes in at that batch); "% of limit" = limit /
+step time. `--clock cpu` times with the process's CPU time instead of the wall clock: on a
 machine shared with other jobs, use it with `--threads 1` (time spent waiting for a core is then
 not counted). Run: `python benchmarks/step_profile.py [--model default] [--dtype bfloat16]
 [--quantization auto] [--batches 1,8] [--context 256] [--iters 20] [--repeats 3] [--threads N]
 [--clock wall|cpu]`.
-Result: a line with the floor, then a Markdown table per batch size (ms per step by part, eager,
-fused and layer, and the step over the floor).
+Result: the limits' table, then per batch size a line with its floors and a Markdown table (ms
+per step by part, eager, fused and layer, and the step's % of its limit).
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ from collections.abc import Callable
 
 import torch
 
+from common.bench import limits as machine_limits
+from common.bench.step_cost import decode_read_bytes, step_floor
 from common.config import EngineConfig
 from common.kernels import cpu_layer, cpu_ops
 from common.model import llama
@@ -156,27 +160,6 @@ def step_without_linear_ms(runner: ModelRunner, inputs, iters: int) -> float:
         llama.Linear.forward, QuantLinear.forward = originals
 
 
-def weight_bytes(model: llama.CausalLM) -> int:
-    tensors = list(model.parameters()) + list(model.buffers())
-    total = sum(t.numel() * t.element_size() for t in tensors)
-    if not model.tie_word_embeddings:  # a step reads a few embedding rows, not the table
-        total -= model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
-    return total
-
-
-def copy_bandwidth() -> float:
-    """Bytes per second of a large tensor copy (source bytes over time), best of five."""
-    src = torch.ones(256 << 20, dtype=torch.uint8)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    best = float("inf")
-    for _ in range(5):
-        start = clock()
-        dst.copy_(src)
-        best = min(best, clock() - start)
-    return src.numel() / best
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="default")
@@ -208,16 +191,20 @@ def main() -> None:
     runner = ModelRunner(config, source.hf_config, iter_weights(source))
     if not cpu_ops.available():
         raise SystemExit("the fused CPU ops could not be built (no C compiler?)")
-    floor_bytes = weight_bytes(runner.model)
-    bandwidth = copy_bandwidth()
-    floor_ms = floor_bytes / bandwidth * 1e3
+    limits = machine_limits.measure(source.hf_config)  # after the runner set the threads
     print(
         f"model {args.model}, {args.dtype}, weights {args.quantization}, "
-        f"{torch.get_num_threads()} threads, {args.clock} clock, context "
-        f"{args.context}; weights {floor_bytes / 1e6:.1f} MB per step, copy bandwidth "
-        f"{bandwidth / 1e9:.2f} GB/s, floor {floor_ms:.2f} ms per step"
+        f"{torch.get_num_threads()} threads, {args.clock} clock, context {args.context}\n\n"
+        f"{limits.describe()}"
     )
     for batch in batches:
+        read = decode_read_bytes(runner.model, source.hf_config, batch, args.context, dtype)
+        floor = step_floor(limits, runner.model, batch, dtype, read)
+        print(
+            f"\nbatch {batch}: reads {read / 1e6:.1f} MB per step, read floor "
+            f"{floor.read_s * 1e3:.2f} ms, compute floor {floor.compute_s * 1e3:.2f} ms "
+            f"(in {'/'.join(floor.dtypes)}), limit {floor.limit_s * 1e3:.2f} ms"
+        )
         inputs = decode_inputs(runner, batch, args.context)
         results: dict[str, dict[str, float]] = {}
         cpu_layer.enabled = False  # the per-part timers need the per-op path
@@ -238,8 +225,8 @@ def main() -> None:
         for part in ["step", *PARTS, "step (instrumented)", "step without linear work"]:
             cells = [f"{results[m][part]:.2f}" if part in results[m] else "-" for m in modes]
             print(f"| {part} | {' | '.join(cells)} |")
-        ratios = [f"{results[m]['step'] / floor_ms:.2f}" for m in modes]
-        print(f"| step / floor | {' | '.join(ratios)} |")
+        pcts = [f"{100 * floor.limit_s * 1e3 / results[m]['step']:.0f}%" for m in modes]
+        print(f"| % of limit | {' | '.join(pcts)} |")
 
 
 if __name__ == "__main__":

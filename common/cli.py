@@ -64,6 +64,18 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     return run_quantize_command(args)
 
 
+def cmd_limits(args: argparse.Namespace) -> int:
+    import torch
+
+    from common.bench.limits import measure
+    from common.model.model_files import resolve_model
+
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    print(measure(resolve_model(args.model).hf_config).describe())
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pdserve", description="Disaggregated prefill/decode LLM serving."
@@ -137,6 +149,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_quantize_args(quantize)
     quantize.set_defaults(func=cmd_quantize)
+
+    limits = commands.add_parser(
+        "limits", help="measure this machine's memory bandwidth and matmul rates (a few seconds)"
+    )
+    limits.add_argument("--model", default="default", help="whose linear shapes to time")
+    limits.add_argument("--num-threads", type=int, default=0, help="torch threads (0: default)")
+    limits.set_defaults(func=cmd_limits)
 
     return parser
 

@@ -148,23 +148,6 @@ def linear_shapes(hf_config) -> list[tuple[str, int, int]]:
     ]
 
 
-def decode_step_cost(
-    hf_config, weight_bytes: int, batch: int, context: int, kv_elem_bytes: int
-) -> tuple[float, float]:
-    """(bytes read, FLOPs) of one decode step: `batch` sequences of one new token each at
-    `context` cached positions; the weights read once, each sequence's K and V read once."""
-    from common.model.llama import head_dim_of
-
-    layers, head_dim = hf_config.num_hidden_layers, head_dim_of(hf_config)
-    kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
-    kv_bytes = 2 * layers * kv_heads * head_dim * kv_elem_bytes * context * batch
-    per_layer = sum(n * k for name, n, k in linear_shapes(hf_config) if name != "lm_head")
-    lm_head = hf_config.vocab_size * hf_config.hidden_size
-    attention = 4 * context * hf_config.num_attention_heads * head_dim * layers  # QK^T and PV
-    flops = batch * (2 * (layers * per_layer + lm_head) + attention)
-    return weight_bytes + kv_bytes, flops
-
-
 @dataclass
 class Limits:
     """Measured figures: bytes/s and, per (dtype, M), the best FLOP/s over the model's shapes."""
@@ -205,6 +188,19 @@ class Limits:
     ) -> float:
         """Tokens/s at best for steps of `batch` tokens that each read `bytes_per_step`."""
         return batch / self.step_floor_s(bytes_per_step, flops_per_token * batch, dtype, batch)
+
+    def as_dict(self) -> dict:
+        """The figures for a benchmark's JSON: GB/s, and GFLOP/s by dtype then M."""
+        gflops: dict[str, dict[int, float]] = {}
+        for (dtype, m), rate in sorted(self.rates.items()):
+            gflops.setdefault(dtype, {})[m] = rate / 1e9
+        return {
+            "threads": self.threads,
+            "read_GB_s": self.read_bytes_per_s / 1e9,
+            "copy_GB_s": self.copy_bytes_per_s / 1e9,
+            "matmul_GFLOP_s": gflops,
+            "unavailable": self.unavailable,
+        }
 
     def describe(self) -> str:
         """The figures as a short line and a Markdown table of GFLOP/s by dtype and M."""

@@ -36,14 +36,6 @@ def test_shapes_come_from_the_config():
     ]
 
 
-def test_decode_step_cost():
-    cfg = tiny_config()
-    nbytes, flops = limits.decode_step_cost(cfg, 1000, batch=3, context=10, kv_elem_bytes=2)
-    assert nbytes == 1000 + 2 * 2 * 2 * 16 * 2 * 10 * 3  # weights + K and V of 3 x 10 tokens
-    linear = 2 * (128 * 64 + 64 * 64 + 192 * 64 + 64 * 96) + 256 * 64
-    assert flops == 3 * (2 * linear + 4 * 10 * 4 * 16 * 2)
-
-
 def test_read_bandwidth_and_read_floor(fresh_cache):
     bandwidth = limits.read_bandwidth(16 << 20, repeats=2)
     assert 1e8 < bandwidth < 1e13

@@ -1,0 +1,104 @@
+"""What a loaded model's step reads and computes: the inputs of the floors in common.bench.limits.
+
+Owns the model arithmetic the benchmarks share: the bytes one decode token reads (every linear's
+weight once, a tied LM head once, plus the K/V of each sequence's context), the dtype each linear
+multiplies in at a batch size (asked of the kernels' own choice: `cpu_quant.path_for`,
+`cpu_gemm.applies_dense`), and a step's compute floor (each linear's 2 * M * N * K FLOPs at the
+best measured rate of the dtype it computes in; attention's FLOPs are left out, its K/V reads are
+in the read floor). Called by benchmarks/quantization.py and benchmarks/step_profile.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from common.bench.limits import Limits
+from common.kernels import cpu_gemm, cpu_quant
+from common.model.layers import Linear
+from common.model.model_runner import kv_bytes_per_block
+from common.model.quant import QuantEmbedding, QuantLinear
+
+# cpu_quant's paths -> the dtype their products are computed in ("act": the activations' dtype)
+PATH_DTYPES = {
+    "c": "float32",  # float32 accumulation (integer dots at batch 1: read-bound there anyway)
+    "f32tiles": "float32",
+    "a8": "int8",  # int8 activations, int32 sums
+    "int4pack": "act",
+    "int8pack": "act",
+    "dequant": "act",
+}
+
+
+def linears(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name, module) of every layer that multiplies by a weight in a step, the LM head last;
+    a quantized embedding only when the head is tied to it."""
+    tied = getattr(model, "tie_word_embeddings", False)
+    out, head = [], []
+    for name, module in model.named_modules():
+        if isinstance(module, QuantEmbedding):
+            head += [(name, module)] if tied else []
+        elif isinstance(module, QuantLinear | Linear):
+            (head if name.endswith("lm_head") else out).append((name, module))
+    return out + head[:1]  # a tied dense head is the embedding's weight: counted once
+
+
+def weight_bytes(module: nn.Module) -> int:
+    return module.qt.nbytes if isinstance(module, QuantLinear) else module.weight.nbytes
+
+
+def decode_read_bytes(model: nn.Module, hf_config, batch: int, context: int, kv_dtype) -> int:
+    """Bytes a decode step reads: the weights once, each sequence's K and V at `context`."""
+    kv = kv_bytes_per_block(hf_config, 1, kv_dtype) * context * batch
+    return sum(weight_bytes(m) for _, m in linears(model)) + kv
+
+
+def compute_dtype(module: nn.Module, m: int, act_dtype: torch.dtype) -> str:
+    """The dtype `module` multiplies an [m, K] input of `act_dtype` in, as the kernels choose."""
+    act = str(act_dtype).removeprefix("torch.")
+    if isinstance(module, QuantLinear):
+        x = torch.zeros(m, module.in_features, dtype=act_dtype)
+        dtype = PATH_DTYPES.get(cpu_quant.path_for(module, x), "act")
+        return act if dtype == "act" else dtype
+    x = torch.zeros(m, module.in_features, dtype=act_dtype)
+    with torch.inference_mode():
+        return "float32" if cpu_gemm.applies_dense(x, module.weight) else act
+
+
+@dataclass
+class StepFloor:
+    """A step's floors in seconds; `limit_s` is the larger."""
+
+    read_s: float
+    compute_s: float
+    dtypes: tuple[str, ...]  # the dtypes its linears compute in
+
+    @property
+    def limit_s(self) -> float:
+        return max(self.read_s, self.compute_s)
+
+
+def step_floor(
+    limits: Limits,
+    model: nn.Module,
+    rows: int,
+    act_dtype: torch.dtype,
+    read_bytes: float,
+    head_rows: int | None = None,
+) -> StepFloor:
+    """Floors of a step that reads `read_bytes` and multiplies `rows` tokens through every
+    linear (the LM head `head_rows` of them: a prefill's last tokens; default `rows`)."""
+    compute_s, dtypes = 0.0, []
+    for name, module in linears(model):
+        m = (
+            rows
+            if head_rows is None or not name.endswith(("lm_head", "embed_tokens"))
+            else head_rows
+        )
+        dtype = compute_dtype(module, m, act_dtype)
+        flops = 2 * m * module.out_features * module.in_features
+        compute_s += limits.compute_floor_s(flops, dtype, m)
+        dtypes += [dtype] if dtype not in dtypes else []
+    return StepFloor(limits.read_floor_s(read_bytes), compute_s, tuple(dtypes))

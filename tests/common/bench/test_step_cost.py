@@ -1,0 +1,85 @@
+"""common/bench/step_cost.py: bytes read per step, the dtype each linear computes in, floors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from transformers import LlamaConfig
+
+from common.bench import step_cost
+from common.bench.limits import Limits
+from common.kernels import cpu_gemm
+from common.model.layers import Linear
+from common.model.quant import QuantEmbedding, QuantLinear, TiedQuantHead, quantize_rtn
+
+CONFIG = LlamaConfig(
+    hidden_size=64,
+    intermediate_size=96,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_hidden_layers=1,
+    vocab_size=256,
+)
+
+
+class TinyModel(nn.Module):
+    """The layout step_cost walks: projections, an embedding, a head tied or not."""
+
+    def __init__(self, quantized: bool, tied: bool) -> None:
+        super().__init__()
+        self.tie_word_embeddings = tied
+        g = torch.Generator().manual_seed(0)
+        table = torch.randn(256, 64, generator=g)
+        if quantized:
+            self.embed_tokens = QuantEmbedding(quantize_rtn(table, 8, 32))
+            self.proj = QuantLinear(quantize_rtn(torch.randn(128, 64, generator=g), 4, 32))
+            self.lm_head = TiedQuantHead(self.embed_tokens) if tied else Linear(64, 256, False)
+        else:
+            self.embed_tokens = nn.Embedding(256, 64)
+            self.proj = Linear(64, 128, bias=False)
+            self.lm_head = Linear(64, 256, bias=False)
+            if tied:
+                self.lm_head.weight = self.embed_tokens.weight
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+@pytest.mark.parametrize("tied", [False, True])
+def test_linears_count_the_head_once(quantized, tied):
+    model = TinyModel(quantized, tied)
+    names = [name for name, _ in step_cost.linears(model)]
+    head = "embed_tokens" if quantized and tied else "lm_head"
+    assert names == ["proj", head]
+
+
+def test_decode_read_bytes():
+    model = TinyModel(quantized=False, tied=True).to(torch.bfloat16)
+    kv_per_token = 2 * 1 * 2 * 16 * 2  # K and V, 1 layer, 2 heads of 16, bf16
+    expected = (128 * 64 + 256 * 64) * 2 + 3 * 10 * kv_per_token
+    assert step_cost.decode_read_bytes(model, CONFIG, 3, 10, torch.bfloat16) == expected
+
+
+def test_dense_16_bit_layers_compute_in_float32_from_the_tile_batch():
+    layer = Linear(64, 128, bias=False).to(torch.bfloat16)
+    assert step_cost.compute_dtype(layer, 1, torch.bfloat16) == "bfloat16"
+    assert step_cost.compute_dtype(layer, cpu_gemm.MIN_ROWS_DENSE, torch.bfloat16) == "float32"
+    assert step_cost.compute_dtype(layer.float(), 512, torch.float32) == "float32"
+
+
+def test_step_floor_takes_each_linears_dtype_rate():
+    model = TinyModel(quantized=False, tied=False).to(torch.bfloat16)
+    rates = {("bfloat16", 8): 1e9, ("float32", 8): 4e9}
+    limits = Limits(read_bytes_per_s=1e9, rates=rates)
+    floor = step_cost.step_floor(limits, model, 8, torch.bfloat16, read_bytes=2e6)
+    flops = 2 * 8 * (128 * 64 + 256 * 64)
+    assert floor.dtypes == ("bfloat16",)
+    assert floor.compute_s == pytest.approx(flops / 1e9)
+    assert floor.read_s == pytest.approx(2e-3)
+    assert floor.limit_s == max(floor.read_s, floor.compute_s)
+    # a prefill's head multiplies only the last tokens
+    rates = {("bfloat16", 1): 1e9, ("float32", 64): 4e9}
+    limits = Limits(read_bytes_per_s=1e9, rates=rates)
+    floor = step_cost.step_floor(limits, model, 64, torch.bfloat16, 0, head_rows=1)
+    expected = 2 * 64 * 128 * 64 / 4e9 + 2 * 1 * 256 * 64 / 1e9
+    assert floor.compute_s == pytest.approx(expected)
+    assert set(floor.dtypes) == {"float32", "bfloat16"}
