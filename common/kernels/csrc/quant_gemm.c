@@ -1,0 +1,391 @@
+/* Batched quantized matmul with int8 activations (W4A8, W8A8) for the CPU: out[M, N] = x[M, K] @ W.T
+ * for M from 2 to a few hundred rows (decode batches, small prefills). Compiled on first use by
+ * common/kernels/cpu_qgemm.py, which also repacks the weight into the panel layout below; entry
+ * points `qgemm_a8` and `qgemm_isa` (at the end).
+ *
+ * Activations: each row of x is quantized per block of 32 columns (as llama.cpp's Q8_0):
+ *   xs = max|x_j| / 127, xq_j = round(x_j / xs) (nearest even), so x_j ~ xs * xq_j, |xq_j| <= 127.
+ * Weights: unsigned codes u with a fixed offset (int4: u = q, off 8; int8: u = q + 128, off 128)
+ * and per group (a multiple of 32 columns) scale s and zero z: w = (u - off) s + z. Per block b of
+ * 32 columns the integer sum  sum_j (u_j - off) xq_j  is exact in int32 (dpbusd sums u8 x s8
+ * products; the offset enters as the accumulator's start, -off * sum_j xq_j); then in float
+ *   out += xs_b * s_g * isum_b  (per block)  +  z_g * sum_{b in g} xs_b sum_j xq_j  (per group).
+ *
+ * Panel layout (16 output columns, lane c = column 16p + c; the pad rows past N have scale 0):
+ *   int4: per 8 columns of K, 64 bytes: byte 4c + i = u[k + i] | u[k + 4 + i] << 4, i = 0..3
+ *   int8: per 4 columns of K, 64 bytes: byte 4c + i = u[k + i]
+ *   scale, zero: float32 [P, G, 16]
+ * so one 512-bit load holds 4 (int4: 8) consecutive codes of 16 columns, and a broadcast of 4
+ * bytes of one x row feeds a dpbusd into that row's 16 column sums: no horizontal sums, and each
+ * unpacked weight vector is used by MR rows of x (register blocking). OpenMP over panels.
+ * ISA sections: AVX-512 VNNI (8 rows x 16 columns), AVX-VNNI / AVX2 (4 rows x 8 columns, half a
+ * panel; AVX2 sums u8 x s8 pairs with maddubs, int8 weights through |w| and sign(x, w) so the
+ * int16 pair sums cannot saturate), portable C.
+ *
+ * Layouts: x [M, K] float32 (xdtype 0) or bfloat16 (1) with row stride; out [M, N] in x's dtype,
+ * contiguous. Non-finite x gives a NaN row.
+ */
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "vecmath.h"
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#define QB 32    /* activation block (columns of K per x scale) */
+#define PANEL 16 /* output columns per panel */
+
+/* activations after quantization: xq [M, K], per block xs [M, KB] and the offset's start
+ * xo = -off * sum xq [M, KB], per weight group xsg = sum_b xs_b sum xq_b [M, G] (zero points) */
+typedef struct {
+    int8_t *xq;
+    float *xs;
+    int32_t *xo;
+    float *xsg;
+    int K, KB, G;
+} acts;
+
+static inline int32_t load4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+static inline float x_at(const void *x, long i, int xdtype) {
+    return xdtype == 0 ? ((const float *)x)[i] : bf16_to_f32(((const uint16_t *)x)[i]);
+}
+
+/* one block of 32 x values (float32) -> xq, returns the scale; amax 0 gives scale 0 and codes 0,
+ * a non-finite amax a NaN scale */
+static inline float quantize_block(const float *v, int8_t *q, int *qsum) {
+    float amax = 0.0f;
+    int finite = 1;
+    for (int j = 0; j < QB; j++) {
+        const float t = fabsf(v[j]);
+        finite &= t <= FLT_MAX; /* false for inf and NaN */
+        amax = t > amax ? t : amax;
+    }
+    *qsum = 0;
+    if (!finite || amax == 0.0f) {
+        memset(q, 0, QB);
+        return finite ? 0.0f : NAN;
+    }
+    const float xs = amax / 127.0f;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    __m512 d = _mm512_set1_ps(xs);
+    __m512i q0 = _mm512_cvtps_epi32(_mm512_div_ps(_mm512_loadu_ps(v), d));
+    __m512i q1 = _mm512_cvtps_epi32(_mm512_div_ps(_mm512_loadu_ps(v + 16), d));
+    _mm_storeu_si128((__m128i *)q, _mm512_cvtepi32_epi8(q0));
+    _mm_storeu_si128((__m128i *)(q + 16), _mm512_cvtepi32_epi8(q1));
+    *qsum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+#else
+    int s = 0;
+    for (int j = 0; j < QB; j++) {
+        int t = (int)rintf(v[j] / xs); /* the current rounding mode: nearest even */
+        q[j] = (int8_t)t;
+        s += t;
+    }
+    *qsum = s;
+#endif
+    return xs;
+}
+
+static void quantize_x(const void *x, long stride, int xdtype, int M, int gs, int off, acts *a,
+                       int nthreads) {
+    const int K = a->K, KB = a->KB, bpg = gs / QB;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int m = 0; m < M; m++) {
+        float v[QB], gsum = 0.0f;
+        for (int b = 0; b < KB; b++) {
+            const long src = (long)m * stride + (long)b * QB;
+            if (xdtype == 0)
+                memcpy(v, (const float *)x + src, sizeof v);
+            else
+                for (int j = 0; j < QB; j++) v[j] = x_at(x, src + j, 1);
+            int qsum;
+            const float xs = quantize_block(v, a->xq + (long)m * K + (long)b * QB, &qsum);
+            a->xs[(long)m * KB + b] = xs;
+            a->xo[(long)m * KB + b] = -off * qsum;
+            gsum += xs * (float)qsum;
+            if ((b + 1) % bpg == 0) {
+                a->xsg[(long)m * a->G + b / bpg] = gsum;
+                gsum = 0.0f;
+            }
+        }
+    }
+}
+
+/* one row's nc results (columns n0..n0+nc) from f, in x's dtype */
+static inline void store_row(const float *f, int nc, void *out, long off, int xdtype) {
+    if (xdtype == 0)
+        memcpy((float *)out + off, f, sizeof(float) * nc);
+    else
+        for (int c = 0; c < nc; c++) ((uint16_t *)out)[off + c] = f32_to_bf16(f[c]);
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define ISA 3
+#define MR 8
+/* rows m0..m0+mr of x times panel p; mr is a constant after inlining, so the 2 * mr
+ * accumulators stay in registers */
+static inline __attribute__((always_inline)) void tile(int mr, const acts *a, int m0, int bits,
+                                                       int bpg, const uint8_t *wp,
+                                                       const float *sp, const float *zp,
+                                                       void *out, long N, long n0, int nc,
+                                                       int xdtype) {
+    const int K = a->K, KB = a->KB;
+    const int8_t *xq = a->xq + (long)m0 * K;
+    const float *xs = a->xs + (long)m0 * KB, *xsg = a->xsg + (long)m0 * a->G;
+    const int32_t *xo = a->xo + (long)m0 * KB;
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    __m512 f[MR];
+    for (int m = 0; m < mr; m++) f[m] = _mm512_setzero_ps();
+    for (int b = 0; b < KB; b++) {
+        __m512i acc[MR];
+        for (int m = 0; m < mr; m++) acc[m] = _mm512_set1_epi32(xo[(long)m * KB + b]);
+        const int8_t *xb = xq + (long)b * QB;
+        if (bits == 4) {
+            const uint8_t *w = wp + (long)b * 256;
+            for (int s = 0; s < 4; s++) {
+                const __m512i v = _mm512_loadu_si512(w + 64 * s);
+                const __m512i lo = _mm512_and_si512(v, low4);
+                const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+                for (int m = 0; m < mr; m++) {
+                    const int8_t *xr = xb + (long)m * K + 8 * s;
+                    acc[m] = _mm512_dpbusd_epi32(acc[m], lo, _mm512_set1_epi32(load4(xr)));
+                    acc[m] = _mm512_dpbusd_epi32(acc[m], hi, _mm512_set1_epi32(load4(xr + 4)));
+                }
+            }
+        } else {
+            const uint8_t *w = wp + (long)b * 512;
+            for (int s = 0; s < 8; s++) {
+                const __m512i v = _mm512_loadu_si512(w + 64 * s);
+                for (int m = 0; m < mr; m++)
+                    acc[m] = _mm512_dpbusd_epi32(
+                        acc[m], v, _mm512_set1_epi32(load4(xb + (long)m * K + 4 * s)));
+            }
+        }
+        const __m512 sv = _mm512_loadu_ps(sp + (long)(b / bpg) * PANEL);
+        for (int m = 0; m < mr; m++)
+            f[m] = _mm512_fmadd_ps(
+                _mm512_mul_ps(_mm512_cvtepi32_ps(acc[m]), _mm512_set1_ps(xs[(long)m * KB + b])),
+                sv, f[m]);
+        if (zp && (b + 1) % bpg == 0) {
+            const int g = b / bpg;
+            const __m512 zv = _mm512_loadu_ps(zp + (long)g * PANEL);
+            for (int m = 0; m < mr; m++)
+                f[m] = _mm512_fmadd_ps(_mm512_set1_ps(xsg[(long)m * a->G + g]), zv, f[m]);
+        }
+    }
+    for (int m = 0; m < mr; m++) {
+        float t[PANEL];
+        _mm512_storeu_ps(t, f[m]);
+        store_row(t, nc, out, (long)(m0 + m) * N + n0, xdtype);
+    }
+}
+
+static void panel(const acts *a, int M, int bits, int bpg, const uint8_t *wp, const float *sp,
+                  const float *zp, void *out, long N, long n0, int nc, int xdtype) {
+    int m0 = 0;
+    for (; m0 + MR <= M; m0 += MR) tile(MR, a, m0, bits, bpg, wp, sp, zp, out, N, n0, nc, xdtype);
+    switch (M - m0) { /* constant row counts for the tail */
+    case 7: tile(7, a, m0, bits, bpg, wp, sp, zp, out, N, n0, nc, xdtype); break;
+    case 6: tile(6, a, m0, bits, bpg, wp, sp, zp, out, N, n0, nc, xdtype); break;
+    case 5: tile(5, a, m0, bits, bpg, wp, sp, zp, out, N, n0, nc, xdtype); break;
+    case 4: tile(4, a, m0, bits, bpg, wp, sp, zp, out, N, n0, nc, xdtype); break;
+    case 3: tile(3, a, m0, bits, bpg, wp, sp, zp, out, N, n0, nc, xdtype); break;
+    case 2: tile(2, a, m0, bits, bpg, wp, sp, zp, out, N, n0, nc, xdtype); break;
+    case 1: tile(1, a, m0, bits, bpg, wp, sp, zp, out, N, n0, nc, xdtype); break;
+    default: break;
+    }
+}
+
+#elif defined(__AVX2__)
+#if defined(__AVXVNNI__)
+#define ISA 2
+#else
+#define ISA 1
+#endif
+#define MR 4
+#define HALF 8 /* columns per pass: half a panel */
+
+/* acc + the 8 lanes' sums of 4 products u8 (w) x s8 (x) */
+static inline __m256i dot4(__m256i acc, __m256i w, __m256i x) {
+#if defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(acc, w, x);
+#else
+    /* int4 codes (<= 15) times |x| <= 127: the int16 pair sums stay far from saturation */
+    const __m256i p = _mm256_maddubs_epi16(w, x);
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+#endif
+}
+
+/* rows m0..m0+mr of x times columns h*8..h*8+8 of panel p (h: which half of each 64 bytes) */
+static inline __attribute__((always_inline)) void tile(int mr, const acts *a, int m0, int bits,
+                                                       int bpg, const uint8_t *wp,
+                                                       const float *sp, const float *zp, int h,
+                                                       void *out, long N, long n0, int nc,
+                                                       int xdtype) {
+    const int K = a->K, KB = a->KB;
+    const int8_t *xq = a->xq + (long)m0 * K;
+    const float *xs = a->xs + (long)m0 * KB, *xsg = a->xsg + (long)m0 * a->G;
+    const int32_t *xo = a->xo + (long)m0 * KB;
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    __m256 f[MR];
+    for (int m = 0; m < mr; m++) f[m] = _mm256_setzero_ps();
+    for (int b = 0; b < KB; b++) {
+        __m256i acc[MR];
+        const int8_t *xb = xq + (long)b * QB;
+        if (bits == 4) {
+            for (int m = 0; m < mr; m++) acc[m] = _mm256_set1_epi32(xo[(long)m * KB + b]);
+            const uint8_t *w = wp + (long)b * 256 + 32 * h;
+            for (int s = 0; s < 4; s++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(w + 64 * s));
+                const __m256i lo = _mm256_and_si256(v, low4);
+                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+                for (int m = 0; m < mr; m++) {
+                    const int8_t *xr = xb + (long)m * K + 8 * s;
+                    acc[m] = dot4(acc[m], lo, _mm256_set1_epi32(load4(xr)));
+                    acc[m] = dot4(acc[m], hi, _mm256_set1_epi32(load4(xr + 4)));
+                }
+            }
+        } else {
+            const uint8_t *w = wp + (long)b * 512 + 32 * h;
+#if defined(__AVXVNNI__)
+            for (int m = 0; m < mr; m++) acc[m] = _mm256_set1_epi32(xo[(long)m * KB + b]);
+            for (int s = 0; s < 8; s++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(w + 64 * s));
+                for (int m = 0; m < mr; m++)
+                    acc[m] = dot4(acc[m], v, _mm256_set1_epi32(load4(xb + (long)m * K + 4 * s)));
+            }
+#else
+            /* signed codes q = u ^ 0x80; |q| x sign(x, q) sums q x directly (no offset), pairs
+             * at most 2 * 128 * 127 < 2^15 */
+            for (int m = 0; m < mr; m++) acc[m] = _mm256_setzero_si256();
+            const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
+            for (int s = 0; s < 8; s++) {
+                const __m256i q =
+                    _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(w + 64 * s)), flip);
+                const __m256i aq = _mm256_abs_epi8(q);
+                for (int m = 0; m < mr; m++) {
+                    const __m256i xv = _mm256_set1_epi32(load4(xb + (long)m * K + 4 * s));
+                    const __m256i p = _mm256_maddubs_epi16(aq, _mm256_sign_epi8(xv, q));
+                    acc[m] = _mm256_add_epi32(acc[m], _mm256_madd_epi16(p, ones));
+                }
+            }
+#endif
+        }
+        const __m256 sv = _mm256_loadu_ps(sp + (long)(b / bpg) * PANEL + HALF * h);
+        for (int m = 0; m < mr; m++)
+            f[m] = _mm256_fmadd_ps(
+                _mm256_mul_ps(_mm256_cvtepi32_ps(acc[m]), _mm256_set1_ps(xs[(long)m * KB + b])),
+                sv, f[m]);
+        if (zp && (b + 1) % bpg == 0) {
+            const int g = b / bpg;
+            const __m256 zv = _mm256_loadu_ps(zp + (long)g * PANEL + HALF * h);
+            for (int m = 0; m < mr; m++)
+                f[m] = _mm256_fmadd_ps(_mm256_set1_ps(xsg[(long)m * a->G + g]), zv, f[m]);
+        }
+    }
+    const int hc = nc - HALF * h; /* valid columns in this half */
+    if (hc <= 0) return;
+    for (int m = 0; m < mr; m++) {
+        float t[HALF];
+        _mm256_storeu_ps(t, f[m]);
+        store_row(t, hc < HALF ? hc : HALF, out, (long)(m0 + m) * N + n0 + HALF * h, xdtype);
+    }
+}
+
+static void panel(const acts *a, int M, int bits, int bpg, const uint8_t *wp, const float *sp,
+                  const float *zp, void *out, long N, long n0, int nc, int xdtype) {
+    for (int h = 0; h < 2 && HALF * h < nc; h++) {
+        int m0 = 0;
+        for (; m0 + MR <= M; m0 += MR)
+            tile(MR, a, m0, bits, bpg, wp, sp, zp, h, out, N, n0, nc, xdtype);
+        switch (M - m0) {
+        case 3: tile(3, a, m0, bits, bpg, wp, sp, zp, h, out, N, n0, nc, xdtype); break;
+        case 2: tile(2, a, m0, bits, bpg, wp, sp, zp, h, out, N, n0, nc, xdtype); break;
+        case 1: tile(1, a, m0, bits, bpg, wp, sp, zp, h, out, N, n0, nc, xdtype); break;
+        default: break;
+        }
+    }
+}
+
+#else
+#define ISA 0
+/* portable: one row and panel at a time, the same integer sums and float steps */
+static void panel(const acts *a, int M, int bits, int bpg, const uint8_t *wp, const float *sp,
+                  const float *zp, void *out, long N, long n0, int nc, int xdtype) {
+    const int K = a->K, KB = a->KB;
+    for (int m = 0; m < M; m++) {
+        float f[PANEL] = {0};
+        for (int b = 0; b < KB; b++) {
+            const int8_t *xb = a->xq + (long)m * K + (long)b * QB;
+            const float xs = a->xs[(long)m * KB + b];
+            const float *s = sp + (long)(b / bpg) * PANEL;
+            for (int c = 0; c < PANEL; c++) {
+                int32_t acc = a->xo[(long)m * KB + b];
+                if (bits == 4) {
+                    const uint8_t *w = wp + (long)b * 256 + 4 * c;
+                    for (int t = 0; t < 4; t++)
+                        for (int i = 0; i < 4; i++) {
+                            const uint8_t u = w[64 * t + i];
+                            acc += (u & 15) * xb[8 * t + i] + (u >> 4) * xb[8 * t + 4 + i];
+                        }
+                } else {
+                    const uint8_t *w = wp + (long)b * 512 + 4 * c;
+                    for (int t = 0; t < 8; t++)
+                        for (int i = 0; i < 4; i++) acc += w[64 * t + i] * xb[4 * t + i];
+                }
+                f[c] += (float)acc * xs * s[c];
+            }
+            if (zp && (b + 1) % bpg == 0) {
+                const int g = b / bpg;
+                for (int c = 0; c < PANEL; c++)
+                    f[c] += a->xsg[(long)m * a->G + g] * zp[(long)g * PANEL + c];
+            }
+        }
+        store_row(f, nc, out, (long)m * N + n0, xdtype);
+    }
+}
+#endif
+
+/* Which section this build compiled: 3 AVX-512 VNNI, 2 AVX-VNNI, 1 AVX2, 0 portable. */
+int qgemm_isa(void) { return ISA; }
+
+/* x_in [M, K] (row stride x_stride) times the packed weight (codes, scale, zero or NULL as in the
+ * header) -> out_ [M, N]. 1: shapes not supported (K or gs not a multiple of 32), 2: no memory. */
+int qgemm_a8(const void *x_in, long x_stride, int xdtype, int M, int K, int N, int bits, int gs,
+             const uint8_t *codes, const float *scale, const float *zero, void *out,
+             int nthreads) {
+    if (M < 0 || K <= 0 || N < 0 || gs <= 0 || K % QB || gs % QB || K % gs ||
+        (bits != 4 && bits != 8))
+        return 1;
+    if (M == 0 || N == 0) return 0;
+    acts a = {.K = K, .KB = K / QB, .G = K / gs};
+    char *buf = malloc((size_t)M * K + sizeof(float) * (size_t)M * (2 * a.KB + a.G));
+    if (!buf) return 2;
+    a.xs = (float *)buf;
+    a.xo = (int32_t *)(a.xs + (size_t)M * a.KB);
+    a.xsg = (float *)(a.xo + (size_t)M * a.KB);
+    a.xq = (int8_t *)(a.xsg + (size_t)M * a.G);
+    quantize_x(x_in, x_stride, xdtype, M, gs, bits == 4 ? 8 : 128, &a, nthreads);
+    const int P = (N + PANEL - 1) / PANEL, G = a.G, bpg = gs / QB;
+    const long panel_bytes = (long)K * PANEL * bits / 8;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int p = 0; p < P; p++) {
+        const long n0 = (long)p * PANEL;
+        const int nc = N - n0 < PANEL ? (int)(N - n0) : PANEL;
+        panel(&a, M, bits, bpg, codes + p * panel_bytes, scale + (long)p * G * PANEL,
+              zero ? zero + (long)p * G * PANEL : NULL, out, N, n0, nc, xdtype);
+    }
+    free(buf);
+    return 0;
+}

@@ -1,0 +1,162 @@
+"""common/kernels/cpu_qgemm.py: the int8-activation GEMM against two references.
+
+1. Exact: x quantized the kernel's way (`quantize_activations`), each block's integer sum in
+   float64 (exact: |sum| < 2^24), then the scales: the kernel's float32 steps differ from it by
+   rounding only: a product of three (scale, scale, sum) per block term and a running sum over
+   the K / 32 blocks, so at most (K / 32 + 4) * 2^-24 of the sum of the terms' magnitudes
+   (measured: 2.7e-7 of it here, the bound 9.5e-7). One activation code rounded the other way
+   would already be ~1e-6: the check also pins the kernel's rounding of x to torch's.
+2. Float: F.linear(x, the dequantized weight). Rounding x to xs * xq moves each x_j by at most
+   xs_b / 2 (xs_b = max_b |x| / 127), so the outputs differ by at most
+   sum_b xs_b / 2 * sum_{j in b} |w_j|, plus float32 rounding (and bfloat16 output rounding).
+Every ISA section the host runs is built (through $PDSERVE_CPU_ISA) and checked the same way.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from common.kernels import cpu_qgemm
+from common.model.quant import QuantizedTensor, quantize_rtn
+
+if not cpu_qgemm.available():
+    pytest.skip("the int8-activation GEMM could not be built", allow_module_level=True)
+
+K, N = 384, 40  # N: two whole panels and a part one
+FORMATS = [(4, 32, True), (4, 64, True), (4, 128, True), (4, 32, False), (4, 128, False),
+           (8, K, False), (8, 32, False), (8, 32, True)]  # fmt: skip
+ROWS = (1, 3, 16, 64, 130)
+
+
+def weight(bits: int, group: int, zero: bool, n: int = N, k: int = K) -> QuantizedTensor:
+    qt = quantize_rtn(
+        torch.randn(n, k, generator=torch.Generator().manual_seed(n + k)), bits, group
+    )
+    if zero and qt.zero is None:
+        qt.zero = 0.01 * torch.randn(qt.scale.shape, generator=torch.Generator().manual_seed(1))
+    if not zero:
+        qt.zero = None
+    return qt
+
+
+def activations(m: int, dtype: torch.dtype, k: int = K) -> torch.Tensor:
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    x[:, 7] *= 20  # an outlier channel, as LLM activations have
+    return x.to(dtype)
+
+
+def exact_reference(x: torch.Tensor, qt: QuantizedTensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, magnitude): out from the kernel's activation rounding in float64, magnitude the sum
+    of its block terms' absolute values (the scale of the kernel's float32 rounding)."""
+    m, k = x.shape
+    n = qt.shape[0]
+    codes, xs = cpu_qgemm.quantize_activations(x)
+    kb = k // cpu_qgemm.BLOCK
+    w = qt.unpack().to(torch.float64) - (8 if qt.bits == 4 else 0)
+    isum = torch.einsum("mbj,nbj->mnb", codes.double().view(m, kb, -1), w.view(n, kb, -1))
+    per_block = qt.group_size // cpu_qgemm.BLOCK
+    scale = qt.scale.double().repeat_interleave(per_block, dim=1)
+    terms = isum * xs.double()[:, None, :] * scale[None]
+    if qt.zero is not None:
+        xsum = codes.double().view(m, kb, -1).sum(-1) * xs.double()
+        zero = qt.zero.double().repeat_interleave(per_block, dim=1)
+        terms = terms + xsum[:, None, :] * zero[None]
+    return terms.sum(-1), terms.abs().sum(-1)
+
+
+def float_bound(x: torch.Tensor, qt: QuantizedTensor) -> torch.Tensor:
+    """max over the rounding of x: sum_b xs_b / 2 * sum_{j in b} |w_j| per output."""
+    _, xs = cpu_qgemm.quantize_activations(x)
+    half_step = (xs / 2).repeat_interleave(cpu_qgemm.BLOCK, dim=1).double()
+    return half_step @ qt.dequantize().abs().double().T
+
+
+def check(out: torch.Tensor, x: torch.Tensor, qt: QuantizedTensor) -> None:
+    assert out.dtype == x.dtype and out.shape == (x.shape[0], qt.shape[0])
+    got = out.double()
+    bf16 = 2.0**-8 if x.dtype == torch.bfloat16 else 0.0  # the output's own rounding
+    ref, magnitude = exact_reference(x, qt)
+    float32 = (x.shape[1] // cpu_qgemm.BLOCK + 4) * 2.0**-24
+    tol = float32 * magnitude + bf16 * ref.abs() + 1e-30
+    assert ((got - ref).abs() <= tol).all(), (got - ref).abs().max()
+    dense = F.linear(x.float(), qt.dequantize()).double()
+    size = x.float().abs().double() @ qt.dequantize().abs().double().T
+    bound = float_bound(x, qt) + 1e-5 * size + bf16 * dense.abs()
+    assert ((got - dense).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", ROWS)
+@pytest.mark.parametrize("bits,group,zero", FORMATS)
+def test_matches_both_references(bits, group, zero, m, dtype):
+    qt = weight(bits, group, zero)
+    x = activations(m, dtype)
+    check(cpu_qgemm.matmul_a8(x, cpu_qgemm.pack(qt)), x, qt)
+
+
+SECTIONS = {"portable": "portable", "avx2": "avx2", "avxvnni": "avxvnni",
+            "avx512vnni": "avx512vnni"}  # fmt: skip
+
+
+@pytest.mark.parametrize("level", SECTIONS)
+@pytest.mark.parametrize("bits,group,zero", [(4, 32, True), (4, 128, False), (8, K, False)])
+def test_each_isa_section(level, bits, group, zero, monkeypatch):
+    monkeypatch.setenv("PDSERVE_CPU_ISA", level)
+    lib = cpu_qgemm.new_library()
+    if not lib.available() or cpu_qgemm.isa(lib) != SECTIONS[level]:
+        pytest.skip(f"no {level} build on this host")
+    qt = weight(bits, group, zero)
+    packed = cpu_qgemm.pack(qt)
+    for m in (1, 5, 9, 130):  # every row tail of the 8- and 4-row tiles
+        for dtype in (torch.float32, torch.bfloat16):
+            x = activations(m, dtype)
+            check(cpu_qgemm.matmul_a8(x, packed, lib), x, qt)
+
+
+def test_strided_and_float16_inputs():
+    qt = weight(4, 32, True)
+    packed = cpu_qgemm.pack(qt)
+    wide = activations(6, torch.float32, 2 * K)
+    x = wide[:, :K]  # a row stride of 2K
+    assert torch.equal(cpu_qgemm.matmul_a8(x, packed), cpu_qgemm.matmul_a8(x.contiguous(), packed))
+    half = cpu_qgemm.matmul_a8(x.half(), packed)
+    assert half.dtype == torch.float16
+    check(cpu_qgemm.matmul_a8(x.half().float(), packed), x.half().float(), qt)
+
+
+def test_zero_and_nonfinite_rows():
+    qt = weight(8, 32, False)
+    packed = cpu_qgemm.pack(qt)
+    x = activations(4, torch.float32)
+    x[1] = 0
+    x[2, 100] = float("nan")
+    x[3, 5] = float("inf")
+    out = cpu_qgemm.matmul_a8(x, packed)
+    assert torch.equal(out[1], torch.zeros(N))
+    assert out[2].isnan().all() and out[3].isnan().all()
+    assert torch.isfinite(out[0]).all()
+
+
+def test_tails_refused_cleanly():
+    # N need not be a multiple of the panel; K and the group must be whole blocks of 32
+    qt = weight(4, 32, True, n=3, k=64)
+    x = activations(5, torch.float32, 64)
+    check(cpu_qgemm.matmul_a8(x, cpu_qgemm.pack(qt)), x, qt)
+    assert not cpu_qgemm.supports(4, 16, 48) and not cpu_qgemm.supports(8, 48, 96)
+    with pytest.raises(ValueError, match="multiples of 32"):
+        cpu_qgemm.pack(quantize_rtn(torch.randn(8, 48), 4, 16))
+    with pytest.raises(ValueError, match="columns"):
+        cpu_qgemm.matmul_a8(torch.randn(2, 96), cpu_qgemm.pack(qt))
+    assert cpu_qgemm.matmul_a8(torch.randn(0, 64), cpu_qgemm.pack(qt)).shape == (0, 3)
+
+
+def test_bfloat16_scales_are_read_exactly():
+    qt = weight(4, 64, True)
+    qt16 = QuantizedTensor(4, 64, qt.qweight, qt.scale.bfloat16(), qt.zero.bfloat16(), qt.shape)
+    x = activations(7, torch.float32)
+    ref = QuantizedTensor(4, 64, qt.qweight, qt16.scale.float(), qt16.zero.float(), qt.shape)
+    assert torch.equal(
+        cpu_qgemm.matmul_a8(x, cpu_qgemm.pack(qt16)), cpu_qgemm.matmul_a8(x, cpu_qgemm.pack(ref))
+    )
