@@ -6,13 +6,18 @@ Formats (all from the default GGUF, so the weights are the same up to their form
          (--quantization int8 on a 16-bit checkpoint)
   int4   --quantization auto: the file's Q4_1 blocks served natively (int4, groups of 32)
 The embedding and the tied LM head are the file's Q8_0 (int8, groups of 32) in int8 and int4,
-dequantized in bf16. For each format: weight memory; weight bytes streamed per decode token
-(projections + LM head) and the floor they set (those bytes / the copy bandwidth measured here,
-bytes copied per second by a 256 MiB `copy_`); single-stream inter-token latency (in-process
-engine, the median decode step after the first token) and its ratio to the floor; prefill rate
-(prompt tokens per second for the batch-8 prompts, each generating one token); output
-throughput at batch 8 and 64; perplexity on benchmarks/data/calibration.txt; greedy agreement
-with bf16 (share of output tokens before the first divergence, over the agreement prompts).
+dequantized in bf16. For each format: weight memory; bytes read per decode token (projections,
+LM head, the K/V of the context) and the read floor they set; single-stream inter-token latency
+(in-process engine, the median decode step after the first token) as a % of its limit; prefill
+rate (prompt tokens per second for the batch-8 prompts, each generating one token); output
+throughput at batch 8 and 64; each rate with its % of the ceiling; perplexity on
+benchmarks/data/calibration.txt; greedy agreement with bf16 (share of output tokens before the
+first divergence, over the agreement prompts).
+Limits (common.bench.limits, measured in this process; floors from common.bench.step_cost): a
+step's limit is the larger of its read floor (bytes read / read-only bandwidth) and its compute
+floor (each linear's FLOPs / the best rate of the dtype it computes in at that batch); "% of
+limit" = limit / measured time, a rate's "% of ceiling" = rate / (tokens / summed step limits of
+the same work: the prefill, then each decode step at its mean context).
 With `--http` each format is also streamed through a colocated pdserve (router + one decode
 worker) and with `--llama-server PATH` also through llama.cpp's server on the same GGUF: same
 prompt, same client (common.bench.client), inter-token latency = gaps between streamed chunks.
@@ -43,11 +48,18 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a plain checkout too
 
 from common.api.tokenizer import Tokenizer  # noqa: E402
+from common.bench import limits as machine_limits  # noqa: E402
+from common.bench.step_cost import (  # noqa: E402
+    decode_floor,
+    decode_read_bytes,
+    generate_floor_s,
+    linears,
+    weight_bytes,
+)
 from common.config import EngineConfig  # noqa: E402
 from common.engine.engine import Engine  # noqa: E402
-from common.model.layers import Linear  # noqa: E402
 from common.model.model_files import resolve_model  # noqa: E402
-from common.model.quant import QuantEmbedding, QuantizedTensor, QuantLinear  # noqa: E402
+from common.model.quant import QuantizedTensor  # noqa: E402
 from common.model.weights import iter_weights  # noqa: E402
 from common.runtime.launcher import LocalCluster, WorkerSpec  # noqa: E402
 from common.sampling_params import SamplingParams  # noqa: E402
@@ -60,18 +72,6 @@ def log(msg: str) -> None:
     print(f"[quantization] {msg}", file=sys.stderr, flush=True)
 
 
-def copy_bandwidth() -> float:
-    """Bytes per second a 256 MiB copy_ into an already touched buffer moves (best of 5)."""
-    src = torch.empty(256 << 20, dtype=torch.uint8).fill_(1)
-    dst = torch.zeros_like(src)  # touched: page faults are not part of the copy
-    best = math.inf
-    for _ in range(5):
-        t = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - t)
-    return src.numel() / best
-
-
 def weights_for(fmt: str, source):
     """int8 starts from the dequantized projections (the file holds int4); others as stored."""
     for name, tensor in iter_weights(source):
@@ -81,17 +81,9 @@ def weights_for(fmt: str, source):
 
 
 def model_bytes(model) -> tuple[int, int]:
-    """(all weight bytes, bytes one decode token streams: projections + LM head)."""
+    """(all weight bytes, weight bytes one decode token reads: projections + LM head)."""
     total = sum(p.nbytes for p in model.parameters()) + sum(b.nbytes for b in model.buffers())
-    streamed = 0
-    for module in model.modules():
-        if isinstance(module, QuantEmbedding):
-            streamed += module.qt.nbytes if model.tie_word_embeddings else 0
-        elif isinstance(module, QuantLinear):
-            streamed += module.qt.nbytes
-        elif isinstance(module, Linear):
-            streamed += module.weight.nbytes
-    return total, streamed
+    return total, sum(weight_bytes(m) for _, m in linears(model))
 
 
 def single_stream_itl(engine: Engine, prompt: list[int], output_len: int) -> list[float]:
@@ -151,7 +143,7 @@ def agreement(ours: list[list[int]], ref: list[list[int]]) -> float:
     return same / max(1, sum(len(b) for b in ref))
 
 
-def run_format(fmt: str, args, source, prompts: dict, bandwidth: float) -> dict:
+def run_format(fmt: str, args, source, prompts: dict, limits) -> dict:
     log(f"{fmt}: loading")
     config = EngineConfig(
         model="default",
@@ -164,6 +156,9 @@ def run_format(fmt: str, args, source, prompts: dict, bandwidth: float) -> dict:
     )
     engine = Engine(config, source.hf_config, weights_for(fmt, source))
     total, streamed = model_bytes(engine.runner.model)
+    model, cfg, dtype = engine.runner.model, source.hf_config, engine.runner.dtype
+    ctx = args.prompt_len + args.output_len // 2  # the single stream's mean context
+    single = decode_floor(limits, model, cfg, 1, ctx, dtype)
     warm = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     engine.generate(prompts["batch"][:2], warm)
     log(f"{fmt}: single stream")
@@ -171,17 +166,33 @@ def run_format(fmt: str, args, source, prompts: dict, bandwidth: float) -> dict:
     row = {
         "format": fmt,
         "weight_MB": total / 1e6,
-        "streamed_MB_per_token": streamed / 1e6,
-        "floor_ms": streamed / bandwidth * 1e3,
+        "weight_MB_per_token": streamed / 1e6,
+        "read_MB_per_token": decode_read_bytes(model, cfg, 1, ctx, dtype) / 1e6,
+        "read_floor_ms": single.read_s * 1e3,
+        "compute_floor_ms": single.compute_s * 1e3,
         "itl_ms": statistics.median(itls),
         "itl_p90_ms": sorted(itls)[int(0.9 * (len(itls) - 1))],
+        "compute_dtypes": {1: single.dtypes},
     }
-    row["itl_vs_floor"] = row["itl_ms"] / row["floor_ms"]
+    row["itl_pct_of_limit"] = 100 * single.limit_s * 1e3 / row["itl_ms"]
     log(f"{fmt}: prefill")
-    row["prefill_tok_s"] = prefill_rate(engine, prompts["batch"][: args.batches[0]])
+    b0 = args.batches[0]
+    row["prefill_tok_s"] = prefill_rate(engine, prompts["batch"][:b0])
+    floor_s = generate_floor_s(limits, model, cfg, dtype, b0, args.batch_prompt_len, 1)
+    row["prefill_pct_of_ceiling"] = (
+        100 * row["prefill_tok_s"] * floor_s / (b0 * args.batch_prompt_len)
+    )
     for batch in args.batches:
         log(f"{fmt}: batch {batch}")
-        row[f"tok_s_b{batch}"] = throughput(engine, prompts["batch"][:batch], args.batch_output_len)
+        rate = throughput(engine, prompts["batch"][:batch], args.batch_output_len)
+        lens = (args.batch_prompt_len, args.batch_output_len)
+        floor_s = generate_floor_s(limits, model, cfg, dtype, batch, *lens)
+        row[f"tok_s_b{batch}"] = rate
+        row[f"pct_of_ceiling_b{batch}"] = 100 * rate * floor_s / (batch * args.batch_output_len)
+        mean_ctx = args.batch_prompt_len + args.batch_output_len // 2
+        row["compute_dtypes"][batch] = decode_floor(
+            limits, model, cfg, batch, mean_ctx, dtype
+        ).dtypes
     log(f"{fmt}: greedy outputs and perplexity")
     params = SamplingParams(max_tokens=args.agree_tokens, temperature=0.0, ignore_eos=True)
     row["greedy"] = [s.output_token_ids for s in engine.generate(prompts["agree"], params)]
@@ -229,7 +240,7 @@ def run_pdserve_http(fmt: str, args, prompt: list[int]) -> float:
     return statistics.median(itls)
 
 
-def run_llama_server(path: str, gguf: Path, args, prompt: list[int], bandwidth: float) -> dict:
+def run_llama_server(path: str, gguf: Path, args, prompt: list[int]) -> dict:
     import httpx
 
     port = free_port()
@@ -272,27 +283,32 @@ def make_prompts(args, tok: Tokenizer) -> dict:
 
 
 def table(rows: list[dict], batches: list[int]) -> str:
-    head = ["format", "weights MB", "MB/token", "floor ms", "ITL ms", "ITL p90", "ITL/floor"]
-    head += ["ITL ms over HTTP", f"prefill tok/s b{batches[0]}"]
-    head += [f"tok/s b{b}" for b in batches] + ["perplexity", "greedy agree vs bf16"]
+    head = ["format", "weights MB", "read MB/token", "read floor ms", "compute floor ms"]
+    head += ["ITL ms", "ITL p90", "ITL % of limit", "ITL ms over HTTP"]
+    head += [f"prefill tok/s b{batches[0]} (% of ceiling)"]
+    head += [f"tok/s b{b} (% of ceiling)" for b in batches] + ["perplexity", "greedy agree vs bf16"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
 
         def f(key: str, fmt: str = "{:.1f}", r: dict = r) -> str:
             return fmt.format(r[key]) if key in r else "-"
 
+        def pct(rate: str, pct: str, fmt: str = "{:.1f}", r: dict = r) -> str:
+            return f"{f(rate, fmt)} ({r[pct]:.0f}%)" if pct in r else f(rate, fmt)
+
         cells = [
             r["format"],
             f("weight_MB"),
-            f("streamed_MB_per_token"),
-            f("floor_ms", "{:.2f}"),
+            f("read_MB_per_token"),
+            f("read_floor_ms", "{:.2f}"),
+            f("compute_floor_ms", "{:.2f}"),
             f("itl_ms", "{:.2f}"),
             f("itl_p90_ms", "{:.2f}"),
-            f("itl_vs_floor", "{:.2f}x"),
+            f("itl_pct_of_limit", "{:.0f}%"),
             f("http_itl_ms", "{:.2f}"),
-            f("prefill_tok_s", "{:.0f}"),
+            pct("prefill_tok_s", "prefill_pct_of_ceiling", "{:.0f}"),
         ]
-        cells += [f(f"tok_s_b{b}") for b in batches]
+        cells += [pct(f"tok_s_b{b}", f"pct_of_ceiling_b{b}") for b in batches]
         cells += [f("perplexity", "{:.3f}"), f("agreement", "{:.1%}")]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -336,9 +352,9 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     source = resolve_model("default")
     prompts = make_prompts(args, Tokenizer.from_source(source))
-    bandwidth = copy_bandwidth()
-    log(f"copy bandwidth {bandwidth / 1e9:.2f} GB/s")
-    rows = [run_format(fmt, args, source, prompts, bandwidth) for fmt in args.formats.split(",")]
+    log("measuring the machine's limits")
+    limits = machine_limits.measure(source.hf_config)
+    rows = [run_format(fmt, args, source, prompts, limits) for fmt in args.formats.split(",")]
     ref = next((r for r in rows if r["format"] == "bf16"), None)
     for r in rows:
         if ref is not None:
@@ -350,16 +366,18 @@ def main(argv: list[str] | None = None) -> int:
             log(f"{r['format']}: pdserve over HTTP")
             r["http_itl_ms"] = run_pdserve_http(r["format"], args, prompts["itl"])
     if args.llama_server:
-        rows.append(run_llama_server(args.llama_server, source.path, args, prompts["itl"],
-                                     bandwidth))  # fmt: skip
+        rows.append(run_llama_server(args.llama_server, source.path, args, prompts["itl"]))
     machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch "
-    machine += (
-        f"{torch.__version__}, {torch.get_num_threads()} threads, copy {bandwidth / 1e9:.2f} GB/s"
-    )
-    print(f"machine: {machine}\n")
+    machine += f"{torch.__version__}, {torch.get_num_threads()} threads"
+    print(f"machine: {machine}\n\n{limits.describe()}\n")
     print(table(rows, args.batches))
+    for r in rows:
+        if "compute_dtypes" in r:
+            by_batch = ", ".join(f"b{b} {'/'.join(d)}" for b, d in r["compute_dtypes"].items())
+            print(f"\n{r['format']} computes in: {by_batch}", end="")
+    print()
     if args.json:
-        out = {"machine": machine, "args": vars(args), "rows": rows}
+        out = {"machine": machine, "limits": limits.as_dict(), "args": vars(args), "rows": rows}
         Path(args.json).write_text(json.dumps(out, indent=2))
     return 0
 

@@ -102,3 +102,31 @@ def step_floor(
         compute_s += limits.compute_floor_s(flops, dtype, m)
         dtypes += [dtype] if dtype not in dtypes else []
     return StepFloor(limits.read_floor_s(read_bytes), compute_s, tuple(dtypes))
+
+
+def decode_floor(
+    limits: Limits, model: nn.Module, hf_config, batch: int, context: int, dtype: torch.dtype
+) -> StepFloor:
+    """Floors of one decode step: `batch` sequences at `context` cached tokens each."""
+    read = decode_read_bytes(model, hf_config, batch, context, dtype)
+    return step_floor(limits, model, batch, dtype, read)
+
+
+def generate_floor_s(
+    limits: Limits,
+    model: nn.Module,
+    hf_config,
+    dtype: torch.dtype,
+    prompts: int,
+    prompt_len: int,
+    output_len: int,
+) -> float:
+    """Least seconds to generate `output_len` tokens for each of `prompts` prompts at once: one
+    prefill (weights read once, every prompt token through every linear, the head on the last
+    tokens), then output_len - 1 decode steps, each taken at the mean context."""
+    weights = decode_read_bytes(model, hf_config, 0, 0, dtype)
+    prefill = step_floor(limits, model, prompts * prompt_len, dtype, weights, head_rows=prompts)
+    if output_len <= 1:
+        return prefill.limit_s
+    decode = decode_floor(limits, model, hf_config, prompts, prompt_len + output_len // 2, dtype)
+    return prefill.limit_s + (output_len - 1) * decode.limit_s

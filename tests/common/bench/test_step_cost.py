@@ -83,3 +83,18 @@ def test_step_floor_takes_each_linears_dtype_rate():
     expected = 2 * 64 * 128 * 64 / 4e9 + 2 * 1 * 256 * 64 / 1e9
     assert floor.compute_s == pytest.approx(expected)
     assert set(floor.dtypes) == {"float32", "bfloat16"}
+
+
+def test_generate_floor_is_the_prefill_then_the_decode_steps():
+    model = TinyModel(quantized=False, tied=False).to(torch.bfloat16)
+    rates = {("bfloat16", 1): 1e9, ("bfloat16", 8): 2e9, ("float32", 64): 4e9}
+    limits = Limits(read_bytes_per_s=1e6, rates=rates)  # slow reads: decode steps read-bound
+    weights = (128 * 64 + 256 * 64) * 2
+    prefill_s = 2 * 32 * 128 * 64 * 2 / 4e9 + 2 * 2 * 256 * 64 / 1e9  # head on the 2 last tokens
+    prefill_s = max(prefill_s, weights / 1e6)
+    kv = 2 * 1 * 2 * 16 * 2 * (32 + 1) * 2  # K/V of 2 sequences at the mean context, 33
+    decode_s = (weights + kv) / 1e6
+    one = step_cost.generate_floor_s(limits, model, CONFIG, torch.bfloat16, 2, 32, 1)
+    three = step_cost.generate_floor_s(limits, model, CONFIG, torch.bfloat16, 2, 32, 3)
+    assert one == pytest.approx(prefill_s)
+    assert three == pytest.approx(prefill_s + 2 * decode_s)
