@@ -15,7 +15,8 @@ Owns three figures and the arithmetic that turns them into floors (DESIGN.md sec
   part. N is cut so one call is at most `MAX_CALL_FLOP` (the LM head's rows at large M: a slice
   of rows runs at the whole's rate); each figure is the best of `repeats` calls after one warm-up.
 The read floor of a step is its bytes read / read bandwidth, its compute floor its FLOPs / the
-best rate of the dtype it computes in at its M, its limit the larger; "% of limit" in the
+best rate of the dtype it computes in measured at M >= its rows (`Limits.rate`), its limit the
+larger; "% of limit" in the
 benchmarks = limit / measured time. Figures are cached in this process only (a session's machine
 is not the next one's): never written to disk. A few seconds on a 2-core host.
 
@@ -35,6 +36,7 @@ import torch.nn.functional as F
 DTYPES = ("float32", "bfloat16", "int8")
 BATCH_ROWS = (1, 8, 64, 512)  # the M each rate is measured at
 MAX_CALL_FLOP = 2e9
+MIN_TIME_S = 0.02  # per (dtype, M, shape): small calls repeat for this long, best call counts
 _CACHE: dict[tuple, object] = {}  # in-process only, by design
 
 
@@ -52,15 +54,17 @@ def default_buffer_bytes() -> int:
     return max(1 << 30, 8 * last_level_cache_bytes())
 
 
-def _best_s(fn, repeats: int, sync=lambda: None) -> float:
+def _best_s(fn, repeats: int, sync=lambda: None, min_time_s: float = 0.0) -> float:
+    """The fastest of at least `repeats` calls (and as many more as fit in `min_time_s`: on a
+    shared machine, more tries at a quiet moment) after one warm-up call."""
     fn()  # warm-up: page faults, one-time kernel setup
     sync()
-    best = float("inf")
-    for _ in range(repeats):
+    best, calls, begin = float("inf"), 0, time.perf_counter()
+    while calls < repeats or time.perf_counter() - begin < min_time_s:
         start = time.perf_counter()
         fn()
         sync()
-        best = min(best, time.perf_counter() - start)
+        best, calls = min(best, time.perf_counter() - start), calls + 1
     return best
 
 
@@ -126,7 +130,7 @@ def matmul_rate(dtype: str, m: int, k: int, n: int, repeats: int = 3) -> float:
             w = torch.randn(n, k, generator=g).to(getattr(torch, dtype))
             call = lambda: F.linear(x, w)  # noqa: E731
         with torch.inference_mode():
-            _CACHE[key] = 2 * m * k * n / _best_s(call, repeats)
+            _CACHE[key] = 2 * m * k * n / _best_s(call, repeats, min_time_s=MIN_TIME_S)
     return _CACHE[key]  # type: ignore[return-value]
 
 
@@ -160,16 +164,17 @@ class Limits:
     threads: int = 0
 
     def rate(self, dtype: str | torch.dtype, m: int) -> float:
-        """Best FLOP/s of `dtype` at M = m: the best measured at any M up to the first measured
-        M >= m (rates grow with M, so the floor it gives stays a lower bound)."""
+        """Best FLOP/s of `dtype` for M = m rows: the best measured at any M >= m (more rows only
+        add reuse, so m rows run no faster than that: the floor it gives stays a lower bound;
+        past the largest M measured, that M's). At M = 1 this is the dtype's peak, not the
+        measured M = 1 figure, which is bound by reading the weight from the caches."""
         name = str(dtype).removeprefix("torch.")
         if name in self.unavailable:
             raise ValueError(f"no {name} matmul rate: {self.unavailable[name]}")
         measured = sorted(mm for d, mm in self.rates if d == name)
         if not measured:
             raise ValueError(f"no {name} matmul rate measured")
-        upto = next((mm for mm in measured if mm >= m), measured[-1])
-        return max(self.rates[(name, mm)] for mm in measured if mm <= upto)
+        return max(self.rates[(name, mm)] for mm in measured if mm >= min(m, measured[-1]))
 
     def read_floor_s(self, bytes_read: float) -> float:
         """Seconds to read `bytes_read` (a decode step's bytes per token at batch 1)."""

@@ -49,14 +49,14 @@ def test_compute_floor_uses_the_dtype_given():
     rates = {("float32", 1): 1e9, ("float32", 8): 2e9, ("float32", 64): 3e9}
     rates |= {("bfloat16", 1): 1e9, ("bfloat16", 8): 8e9, ("bfloat16", 64): 4e9}
     lim = limits.Limits(read_bytes_per_s=10e9, rates=rates)
-    assert lim.compute_floor_s(8e9, "float32", 8) == pytest.approx(4.0)
+    assert lim.compute_floor_s(6e9, "float32", 8) == pytest.approx(2.0)
     assert lim.compute_floor_s(8e9, torch.bfloat16, 8) == pytest.approx(1.0)
-    # an M between measured ones takes the best up to the next measured M; past the last, the best
-    assert lim.rate("float32", 5) == 2e9 and lim.rate("float32", 1000) == 3e9
-    assert lim.rate("bfloat16", 64) == 8e9
+    # m rows take the best rate measured at M >= m; past the largest M, that M's
+    assert lim.rate("float32", 1) == 3e9 and lim.rate("float32", 1000) == 3e9
+    assert lim.rate("bfloat16", 5) == 8e9 and lim.rate("bfloat16", 64) == 4e9
     # a step's limit is the larger floor; the ceiling is the batch over it
-    assert lim.step_floor_s(1e9, 8e9, "float32", 8) == pytest.approx(4.0)
-    assert lim.step_floor_s(100e9, 8e9, "float32", 8) == pytest.approx(10.0)
+    assert lim.step_floor_s(1e9, 6e9, "float32", 8) == pytest.approx(2.0)
+    assert lim.step_floor_s(100e9, 6e9, "float32", 8) == pytest.approx(10.0)
     assert lim.ceiling_tokens_per_s(1e9, 1e9, "bfloat16", 8) == pytest.approx(8 / 1.0)
     assert lim.ceiling_tokens_per_s(100e9, 1e9, "bfloat16", 8) == pytest.approx(8 / 10.0)
     with pytest.raises(ValueError, match="int8"):

@@ -90,7 +90,7 @@ def test_generate_floor_is_the_prefill_then_the_decode_steps():
     rates = {("bfloat16", 1): 1e9, ("bfloat16", 8): 2e9, ("float32", 64): 4e9}
     limits = Limits(read_bytes_per_s=1e6, rates=rates)  # slow reads: decode steps read-bound
     weights = (128 * 64 + 256 * 64) * 2
-    prefill_s = 2 * 32 * 128 * 64 * 2 / 4e9 + 2 * 2 * 256 * 64 / 1e9  # head on the 2 last tokens
+    prefill_s = 2 * 32 * 128 * 64 * 2 / 4e9 + 2 * 2 * 256 * 64 / 2e9  # head on the 2 last tokens
     prefill_s = max(prefill_s, weights / 1e6)
     kv = 2 * 1 * 2 * 16 * 2 * (32 + 1) * 2  # K/V of 2 sequences at the mean context, 33
     decode_s = (weights + kv) / 1e6
