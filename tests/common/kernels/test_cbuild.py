@@ -1,0 +1,231 @@
+"""The C kernels' build: cache key, ISA level choice, PDSERVE_CPU_ISA, and every level the host
+runs against the torch references (common/kernels/cbuild.py, common/kernels/isa.py)."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import platform
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from common.kernels import cbuild, cpu_attention, cpu_layer, cpu_ops, cpu_quant, isa
+
+ROOT = Path(__file__).resolve().parents[3]
+COMPILER = cbuild.find_compiler()
+needs_compiler = pytest.mark.skipif(COMPILER is None, reason="no C compiler")
+
+AVX2_HOST = frozenset("fpu sse2 avx avx2 fma f16c".split())
+AVX512_HOST = AVX2_HOST | {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni"}
+
+# which macros the compile defined: each level's code reports itself
+PROBE = """
+int level(void) {
+#if defined(__AVX512VNNI__)
+    return 4;
+#elif defined(__AVX512F__)
+    return 3;
+#elif defined(__AVX2__)
+    return 2;
+#else
+    return 1;
+#endif
+}
+"""
+
+
+def names(levels: list[isa.Level]) -> list[str]:
+    return [lv.name for lv in levels]
+
+
+@pytest.fixture
+def x86(monkeypatch):
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
+
+
+def test_cpu_flags_come_from_the_first_flags_line(tmp_path):
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nflags\t\t: fpu avx2 fma\nprocessor\t: 1\nflags\t: x\n")
+    assert isa.cpu_flags(str(info)) == {"fpu", "avx2", "fma"}
+    assert isa.cpu_flags(str(tmp_path / "missing")) == frozenset()
+
+
+def test_plain_c_gets_the_vector_levels_the_cpu_runs(x86):
+    plain = lambda lv: isa.used_by(lv, ["int f(void) { return 0; }"])  # noqa: E731
+    assert names(isa.candidates(plain, AVX2_HOST, "")) == ["avx2", "portable"]
+    assert names(isa.candidates(plain, AVX512_HOST, "")) == ["avx512", "avx2", "portable"]
+    assert names(isa.candidates(plain, frozenset(), "")) == ["portable"]
+
+
+def test_vnni_and_bf16_levels_only_for_sources_with_code_for_them(x86):
+    vnni = lambda lv: isa.used_by(lv, ["#ifdef __AVX512VNNI__\n#endif"])  # noqa: E731
+    assert names(isa.candidates(vnni, AVX512_HOST, ""))[0] == "avx512vnni"
+    assert names(isa.candidates(vnni, AVX2_HOST, ""))[0] == "avx2"
+    bf16 = lambda lv: isa.used_by(lv, ["__AVX512BF16__"])  # noqa: E731
+    assert names(isa.candidates(bf16, AVX512_HOST, ""))[0] == "avx512"  # this CPU has no BF16
+    assert names(isa.candidates(bf16, AVX512_HOST | {"avx512_bf16"}, ""))[0] == "avx512bf16"
+
+
+def test_the_override_caps_the_level(x86, monkeypatch, caplog):
+    plain = lambda lv: True  # noqa: E731
+    assert names(isa.candidates(plain, AVX512_HOST, "avx2")) == ["avx2", "portable"]
+    assert names(isa.candidates(plain, AVX512_HOST, "portable")) == ["portable"]
+    # avxvnni sits below avx512: a cap there, on a CPU without AVX-VNNI, gives avx2
+    assert names(isa.candidates(plain, AVX512_HOST, "avxvnni"))[0] == "avx2"
+    # above the CPU: a warning, then the CPU's highest
+    monkeypatch.setenv(isa.ENV, "avx512")
+    with caplog.at_level(logging.WARNING, logger=isa.__name__):
+        assert names(isa.candidates(plain, AVX2_HOST))[0] == "avx2"
+    assert "PDSERVE_CPU_ISA=avx512: this CPU lacks" in caplog.text
+    monkeypatch.setenv(isa.ENV, "avx1024")
+    with pytest.raises(ValueError, match="PDSERVE_CPU_ISA='avx1024': expected one of portable"):
+        isa.candidates(plain, AVX512_HOST)
+
+
+def test_off_x86_only_portable(monkeypatch):
+    monkeypatch.setattr(platform, "machine", lambda: "aarch64")
+    assert names(isa.candidates(lambda lv: True, AVX512_HOST, "")) == ["portable"]
+    assert isa.compile_flags(isa.LEVELS[0]) == []
+
+
+@needs_compiler
+def test_build_key_ignores_the_host_name_and_follows_compiler_flags_and_sources(
+    tmp_path, monkeypatch
+):
+    source, header = tmp_path / "k.c", tmp_path / "k.h"
+    source.write_text(PROBE)
+    header.write_text("/* shared */\n")
+    cmds = [[COMPILER, "-c", "-O3", "-mavx2"]]
+
+    def key(cmds=cmds):
+        return cbuild.build_key(COMPILER, cmds, [source])
+
+    first = key()
+    for host in ("alpha", "beta"):
+        monkeypatch.setattr(platform, "node", lambda host=host: host)
+        monkeypatch.setattr(socket, "gethostname", lambda host=host: host)
+        assert key() == first
+    assert key([[COMPILER, "-c", "-O2", "-mavx2"]]) != first
+    header.write_text("/* changed */\n")
+    assert key() != first
+    header.write_text("/* shared */\n")
+    assert key() == first
+    source.write_text(PROBE + "\n")
+    assert key() != first
+    source.write_text(PROBE)
+    monkeypatch.setattr(cbuild, "compiler_identity", lambda cc: b"gcc (other) 99.0")
+    assert key() != first
+
+
+@needs_compiler
+def test_a_shared_cache_never_hands_a_cpu_a_level_it_lacks(tmp_path, monkeypatch, x86, caplog):
+    """An AVX-512 host and an AVX2 host share one cache: each loads its own level's file, and
+    -march=native in the caller's flags is dropped (here it would have meant AVX-512 code)."""
+    if not isa.runs(isa.BY_NAME["avx512vnni"]):
+        pytest.skip("needs a host with AVX-512 VNNI to build that level")
+    monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv(isa.ENV, raising=False)
+    source = tmp_path / "probe.c"
+    source.write_text(PROBE)
+
+    def load(flags, cpu):
+        monkeypatch.setattr(isa, "cpu_flags", lambda path="/proc/cpuinfo": cpu)
+        lib, level = cbuild.build([(source, flags)], "the probe")
+        lib.level.restype = ctypes.c_int
+        return lib.level(), level, Path(lib._name).name
+
+    big = load(["-O2"], AVX512_HOST)
+    assert big[:2] == (4, "avx512vnni") and big[2].startswith("probe-avx512vnni-")
+    with caplog.at_level(logging.WARNING, logger=cbuild.__name__):
+        small = load(["-O2", "-march=native"], AVX2_HOST)
+    assert small[:2] == (2, "avx2") and small[2].startswith("probe-avx2-")
+    assert "dropping -march/-mtune=native" in caplog.text
+    assert sorted(p.name for p in (tmp_path / "cache" / "kernels").iterdir()) == sorted(
+        [big[2], small[2]]
+    )
+
+
+# The kernels' reference tests, at a forced level in a fresh process. What needs a tiny engine,
+# the default model or a fresh cache (slow, and not per kernel) runs at the default level only;
+# the a8 path's library (cpu_qgemm) checks each of its levels in test_cpu_qgemm.py.
+REFERENCE_TESTS = [
+    "tests/common/kernels/test_cpu_attention.py",
+    "tests/common/kernels/test_cpu_ops.py",
+    "tests/common/kernels/test_cpu_layer.py",
+    "tests/common/model/test_quant.py",
+]
+SELECT = (
+    "not float_mode and not model_forward and not engine and not run_batch and not default_model"
+    " and not handoff and not int4pack] and not int8pack] and not dequant] and not a8]"
+    " and not (per_op_path and (mistral or rope-scaled or qwen2))"
+)
+LIBRARIES = {
+    "paged_decode": cpu_attention._LIB,
+    "fused_ops": cpu_ops._LIB,
+    "quant_matmul": cpu_quant._LIB,
+    "decode_layer": cpu_layer._LIB,
+}
+CHILD = """
+import json, sys
+import pytest
+from common.kernels import cpu_attention, cpu_layer, cpu_ops, cpu_quant
+libs = [cpu_attention._LIB, cpu_ops._LIB, cpu_quant._LIB, cpu_layer._LIB]
+assert all(lib.available() for lib in libs)
+print(json.dumps({lib.source.stem: [lib.level, lib.lib._name] for lib in libs}), flush=True)
+sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", "-x", "-k", sys.argv[1], *sys.argv[2:]]))
+"""
+
+
+def expected_levels(value: str) -> dict[str, str]:
+    """Each library's level under PDSERVE_CPU_ISA=value: the highest of its units' levels."""
+    out = {}
+    for stem, lib in LIBRARIES.items():
+        units = [lib.source, *(path for path, _ in lib.parts)]
+        texts = [p.read_text() for u in units for p in (u, *cbuild.headers(u))]
+        out[stem] = isa.candidates(lambda lv, t=texts: isa.used_by(lv, t), value=value)[0].name
+    return out
+
+
+def forced_levels() -> list[str]:
+    """The levels worth a run here: the host runs them and they load another set of builds
+    than the default level (the rest of the suite) or a lower forced level."""
+    seen = [expected_levels("")]
+    worth = []
+    for level in isa.LEVELS:
+        if isa.runs(level) and (levels := expected_levels(level.name)) not in seen:
+            seen.append(levels)
+            worth.append(level.name)
+    return worth
+
+
+@needs_compiler
+@pytest.mark.skipif(bool(os.environ.get(isa.ENV)), reason="PDSERVE_CPU_ISA set for the suite")
+@pytest.mark.parametrize("level", forced_levels() or [None])
+def test_kernels_at_each_level_the_host_runs_match_torch(level):
+    if level is None:
+        pytest.skip("the host runs no level but the default one")
+    env = {**os.environ, isa.ENV: level}
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD, SELECT, *REFERENCE_TESTS],
+        env=env, cwd=ROOT, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    loaded = json.loads(out.stdout.splitlines()[0])
+    assert {stem: lv for stem, (lv, _) in loaded.items()} == expected_levels(level)
+    assert all(f"-{lv}-" in Path(path).name for lv, path in loaded.values())
+    assert " passed" in out.stdout and " failed" not in out.stdout
+
+
+@needs_compiler
+def test_the_libraries_log_their_level(caplog):
+    with caplog.at_level(logging.INFO, logger=cbuild.__name__):
+        fresh = cbuild.CLibrary(cpu_ops._SOURCE, cpu_ops._FLAGS, {}, "the fused CPU ops")
+        assert fresh.available()
+    assert fresh.level == expected_levels(os.environ.get(isa.ENV, ""))["fused_ops"]
+    assert f"fused_ops.c loaded, ISA level {fresh.level}" in caplog.text
