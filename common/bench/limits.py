@@ -162,6 +162,7 @@ class Limits:
     shape_rates: dict[tuple[str, int, str], float] = field(default_factory=dict)
     unavailable: dict[str, str] = field(default_factory=dict)  # dtype -> why not measured
     threads: int = 0
+    seconds: float = 0.0  # how long measuring took
 
     def rate(self, dtype: str | torch.dtype, m: int) -> float:
         """Best FLOP/s of `dtype` for M = m rows: the best measured at any M >= m (more rows only
@@ -211,9 +212,9 @@ class Limits:
         """The figures as a short line and a Markdown table of GFLOP/s by dtype and M."""
         ms = sorted({m for _, m in self.rates})
         lines = [
-            f"limits ({self.threads} threads): read {self.read_bytes_per_s / 1e9:.2f} GB/s, "
-            f"copy {self.copy_bytes_per_s / 1e9:.2f} GB/s (read + write); matmul GFLOP/s, "
-            "best over the model's linear shapes:",
+            f"limits ({self.threads} threads, measured in {self.seconds:.1f} s): read "
+            f"{self.read_bytes_per_s / 1e9:.2f} GB/s, copy {self.copy_bytes_per_s / 1e9:.2f} GB/s "
+            "(read + write); matmul GFLOP/s, best over the model's linear shapes:",
             "",
             "| dtype | " + " | ".join(f"M={m}" for m in ms) + " |",
             "|---|" + "---:|" * len(ms),
@@ -243,6 +244,7 @@ def measure(
     shapes = linear_shapes(hf_config)
     key = ("limits", tuple(shapes), nbytes, batch_rows, dtypes, torch.get_num_threads())
     if key not in _CACHE:
+        start = time.perf_counter()
         buf = _buffer(nbytes)  # one buffer for both, freed before the matmuls
         limits = Limits(
             read_bytes_per_s=read_bandwidth(nbytes, buf=buf),
@@ -260,5 +262,6 @@ def measure(
                     rate = matmul_rate(dtype, m, k, n, repeats)
                     limits.shape_rates[(dtype, m, name)] = rate
                     limits.rates[(dtype, m)] = max(limits.rates.get((dtype, m), 0.0), rate)
+        limits.seconds = time.perf_counter() - start
         _CACHE[key] = limits
     return _CACHE[key]  # type: ignore[return-value]
