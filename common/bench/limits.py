@@ -11,17 +11,19 @@ Owns three figures and the arithmetic that turns them into floors (DESIGN.md sec
   bfloat16 (`F.linear`) and int8 dot products (`torch._int_mm`, int8 x int8 -> int32; reported as
   unavailable with torch's reason where it does not run), at M = 1, 8, 64, 512 on the model's own
   linear shapes (fused QKV, O, fused gate/up, down, LM head, read from its config). Weights and
-  inputs are hot in the caches, so this is the compute rate alone; memory is the read floor's
-  part. N is cut so one call is at most `MAX_CALL_FLOP` (the LM head's rows at large M: a slice
-  of rows runs at the whole's rate); each figure is the best of `repeats` calls after one warm-up.
+  inputs are hot in the caches (memory is the read floor's part; at small M the figure is still
+  bound by reading the weight from the caches). N is cut so one call is at most `MAX_CALL_FLOP`
+  (the LM head's rows at large M: a slice of rows runs at the whole's rate); each figure is the
+  best call of at least `repeats` (and `MIN_TIME_S`) after one warm-up.
 The read floor of a step is its bytes read / read bandwidth, its compute floor its FLOPs / the
 best rate of the dtype it computes in measured at M >= its rows (`Limits.rate`), its limit the
-larger; "% of limit" in the
-benchmarks = limit / measured time. Figures are cached in this process only (a session's machine
-is not the next one's): never written to disk. A few seconds on a 2-core host.
+larger; "% of limit" in the benchmarks = limit / measured time. Figures are cached in this
+process only (a session's machine is not the next one's): never written to disk. About 6 s on a
+quiet 2-core host, several times that on a loaded one.
 
-Called by the benchmarks (benchmarks/quantization.py, step_profile.py, gpu_quant.py) and by
-`pdserve limits` (common/cli.py).
+Called by the benchmarks (benchmarks/quantization.py, step_profile.py, offline_throughput.py,
+gpu_quant.py: its device's read bandwidth), through common.bench.step_cost, and by `pdserve
+limits` (common/cli.py).
 """
 
 from __future__ import annotations
