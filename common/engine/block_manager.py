@@ -65,7 +65,9 @@ class BlockManager:
         seq.block_table = list(hits)
         seq.block_keys = keys[: len(hits)]
         seq.num_computed_tokens = len(hits) * bs
-        self.pool.record_query(seq.num_tokens, seq.num_computed_tokens)
+        if not seq.prefix_queried:  # once per request, not per retry of a waiting one
+            seq.prefix_queried = True
+            self.pool.record_query(seq.num_tokens, seq.num_computed_tokens)
         return seq.num_computed_tokens
 
     def num_new_blocks(self, seq: SequenceState, num_tokens: int) -> int:

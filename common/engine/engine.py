@@ -52,6 +52,10 @@ class RequestOutput:
     prompt_logprobs: list[scoring.PromptLogprob] | None = None  # with the first token, if asked
 
 
+# A reservation leaves room for each admitted sequence to grow by this many more output tokens
+# (or what it may still produce, if less): a typical reply runs without preemption, while a
+# request with a huge max_tokens does not hold back everyone else (SGLang clips its estimate too).
+OUTPUT_RESERVE_TOKENS = 256
 CPU_SPECULATIVE_MAX_BATCH = 2  # --speculative-disable-by-batch-size's default on a CPU
 
 
@@ -107,6 +111,7 @@ class Engine:
         self.governor = (
             SpeculationGovernor() if self.proposer and config.speculative_adaptive else None
         )
+        self.num_steps = 0  # steps that ran a batch: progress, for the workers' stall checks
         self.num_drafts = 0  # verify rows with at least one draft token
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
@@ -211,17 +216,28 @@ class Engine:
         seq = self._new_sequence(request_id, prompt_token_ids, params)
         manager = self.block_manager
         cached = manager.match_prefix(seq)
-        # room for the prompt and the first token, plus the running sequences' next tokens: a
-        # reservation must not make the scheduler preempt anyone at its next step
-        headroom = sum(manager.num_new_blocks(s, s.num_tokens) for s in self.scheduler.running)
-        needed = manager.num_new_blocks(seq, seq.num_tokens + 1)
-        if needed + headroom > self.pool.num_free:
+        # The blocks every admitted sequence (running, waiting, reserved, and this one) still
+        # needs to grow by its next token and up to OUTPUT_RESERVE_TOKENS more: a preempted one
+        # all of its tokens again, so new reservations cannot starve it. Growth past that is
+        # covered by preemption.
+        sched = self.scheduler
+        admitted = [*sched.running, *sched.waiting, *self.reserved.values(), seq]
+        if sum(self._blocks_to_grow(s) for s in admitted) > self.pool.num_free:
             manager.free(seq)
             return None
         manager.ensure_slots(seq, seq.num_tokens + 1)
         seq.num_cached_tokens = cached
         self.reserved[request_id] = seq
         return cached
+
+    def _blocks_to_grow(self, seq: SequenceState) -> int:
+        """Blocks `seq` must still take to hold its next token and the output it may still
+        produce, up to OUTPUT_RESERVE_TOKENS."""
+        room = min(
+            seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens
+        )
+        grown = seq.num_tokens + max(1, min(room, OUTPUT_RESERVE_TOKENS))
+        return self.block_manager.num_new_blocks(seq, grown)
 
     def reserved_block_ids(self, request_id: str) -> list[int] | None:
         seq = self.reserved.get(request_id)
@@ -266,6 +282,7 @@ class Engine:
         batch = self.scheduler.schedule()
         if not batch:
             return []
+        self.num_steps += 1
         outputs = self._step(batch)
         if governor is not None and all(item.num_new_tokens == 1 for item in batch):
             drafted = any(item.draft_token_ids for item in batch)

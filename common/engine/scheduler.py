@@ -68,11 +68,21 @@ class Scheduler:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
 
+    def _victim(self) -> SequenceState | None:
+        """The newest sequence holding blocks: a waiting one (prefilled elsewhere, not started)
+        before the newest running one."""
+        for seq in reversed(self.waiting):
+            if seq.block_table:
+                return seq
+        return self.running[-1] if self.running else None
+
     def _preempt(self, seq: SequenceState) -> None:
-        self.running.remove(seq)
+        """Free `seq`'s blocks; it waits (first in line if it was running) to recompute them."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+            seq.status = SequenceStatus.WAITING
+            self.waiting.appendleft(seq)
         self.block_manager.free(seq)
-        seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
     def _lookahead(self, seq: SequenceState, n: int, budget: int) -> int:
@@ -135,7 +145,7 @@ class Scheduler:
                 budget -= n + lookahead
                 continue
             while not self.block_manager.ensure_slots(seq, seq.num_computed_tokens + n):
-                victim = self.running[-1]
+                victim = self._victim() or seq  # never None: seq is running
                 self._preempt(victim)
                 preempted = True
                 if victim is seq:
@@ -145,20 +155,44 @@ class Scheduler:
                 budget -= n
         if preempted:
             return scheduled
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            if not seq.block_table:
+        budget = self._admit(scheduled, budget)
+        # Nothing can run: the waiting sequences that hold blocks keep them from the others (all
+        # at once cannot fit). Free the newest until something fits; blocks held for KV still on
+        # its way come back when it arrives or its reservation expires.
+        while not scheduled and not self.running and self.waiting:
+            victim = self._victim()
+            if victim is None:
+                break
+            self._preempt(victim)
+            budget = self._admit(scheduled, budget)
+        return scheduled
+
+    def _admit(self, scheduled: list[ScheduledSeq], budget: int) -> int:
+        """Start waiting sequences, in order, within the budget and the free blocks; returns the
+        budget left. After one without blocks finds none free, later ones without blocks wait
+        (first come, first served), while those already holding theirs still start."""
+        manager = self.block_manager
+        blocked = False
+        for seq in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+                break
+            holds_blocks = bool(seq.block_table)
+            if not holds_blocks:
+                if blocked:
+                    continue
                 # prompt logprobs need every prompt position computed (engine.prompt_logprobs)
-                hit = self.block_manager.match_prefix(seq) if seq.reads_prefix_cache else 0
+                hit = manager.match_prefix(seq) if seq.reads_prefix_cache else 0
                 if seq.num_output_tokens == 0:  # a preempted sequence keeps its first count
                     seq.num_cached_tokens = hit
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not self.block_manager.ensure_slots(seq, seq.num_computed_tokens + n):
-                self.block_manager.free(seq)
-                break
-            self.waiting.popleft()
+            if not manager.ensure_slots(seq, seq.num_computed_tokens + n):
+                if not holds_blocks:
+                    manager.free(seq)
+                    blocked = True
+                continue
+            self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             scheduled.append(ScheduledSeq(seq, n))
             budget -= n
-        return scheduled
+        return budget

@@ -195,7 +195,7 @@ class WorkerBase:
         self.engine.pool.track_events = True
         self.kv_events_seq = -1  # the last KVEvents seq sent
         self.kv_snapshot_due = True  # send every held key next (after registering, or asked)
-        self.loop_count = 0  # turns of `run`'s loop: the heartbeat's proof of progress
+        self.loop_count = 0  # turns of `run`'s loop with no engine work waiting (see `progress`)
         self.registered = False  # the router accepted our Register (read by the readiness probe)
 
     def _heartbeat(self) -> Heartbeat:
@@ -208,10 +208,12 @@ class WorkerBase:
 
     @property
     def progress(self) -> int:
-        """Turns of the main loop plus decoder layers run: it moves inside a long step too (a
-        2k-token prefill on a slow, busy CPU can take over 30 s), so only a loop that is really
-        stuck stands still. The router's stall check and the liveness probe read it."""
-        return self.loop_count + self.engine.runner.model.layers_run
+        """Engine steps that ran a batch, decoder layers run (it moves inside a long step too: a
+        2k-token prefill on a slow, busy CPU can take over 30 s) and loop turns while the engine
+        has no work. A loop that turns while work waits and nothing runs (sequences that can
+        never get blocks) stands still, as a stuck one does. The router's stall check and the
+        liveness probe read it."""
+        return self.loop_count + self.engine.num_steps + self.engine.runner.model.layers_run
 
     def histograms(self) -> dict[str, protocol.HistogramSnapshot]:
         """Cumulative histograms for the router's /metrics (none by default)."""
@@ -283,19 +285,24 @@ class WorkerBase:
         self.heartbeat.start()
         try:
             while self.running and not self._drained():
-                if self.heartbeat.reregister.is_set():  # router restarted or declared us dead
-                    self.heartbeat.reregister.clear()
-                    self.send_registration()
-                # Nothing to compute (maybe KV or acks in flight): wait briefly instead of spinning,
-                # so a worker waiting for a transfer leaves the cores to the others.
-                wait_ms = 0 if self.engine.has_unfinished() else (10 if self.is_idle() else 2)
-                for message in self.control.poll(timeout_ms=wait_ms):
-                    self._dispatch(message)
-                self.step()
-                self.publish_kv_events()
-                self.loop_count += 1
+                self.turn()
         finally:
             self.close()
+
+    def turn(self) -> None:
+        """One turn of the main loop: router messages, one step, KV events."""
+        if self.heartbeat.reregister.is_set():  # router restarted or declared us dead
+            self.heartbeat.reregister.clear()
+            self.send_registration()
+        # Nothing to compute (maybe KV or acks in flight): wait briefly instead of spinning,
+        # so a worker waiting for a transfer leaves the cores to the others.
+        wait_ms = 0 if self.engine.has_unfinished() else (10 if self.is_idle() else 2)
+        for message in self.control.poll(timeout_ms=wait_ms):
+            self._dispatch(message)
+        self.step()
+        self.publish_kv_events()
+        if not self.engine.has_unfinished():
+            self.loop_count += 1
 
     def _drained(self) -> bool:
         # Work sent before the router saw a draining heartbeat may still arrive: wait a grace.

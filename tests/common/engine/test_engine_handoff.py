@@ -109,7 +109,10 @@ def test_first_token_can_finish_the_request(tiny_llama):
     assert_block_pool_full(decode)
 
 
-def test_reserve_leaves_room_for_the_running_sequences_next_tokens(tiny_llama):
+def test_reserve_leaves_room_for_the_running_sequences_next_tokens(tiny_llama, monkeypatch):
+    from common.engine import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "OUTPUT_RESERVE_TOKENS", 0)  # next tokens only
     hf_model, _ = tiny_llama
     decode = make_engine(hf_model, kv_cache_memory=str(8 * 4096), max_model_len=64)
     assert decode.pool.num_blocks == 8
@@ -126,4 +129,18 @@ def test_reserve_leaves_room_for_the_running_sequences_next_tokens(tiny_llama):
     decode.step()  # the running sequence gets its block: no preemption
     assert decode.scheduler.num_preemptions == 0 and len(run.block_table) == 3
     assert decode.abort("fits") and decode.abort("run")
+    assert_block_pool_full(decode)
+
+
+def test_reserve_leaves_room_for_the_admitted_sequences_growth(tiny_llama):
+    # With the growth reserve (OUTPUT_RESERVE_TOKENS, larger than these max_tokens), the same
+    # reservation is refused: run grows to 40 tokens (3 blocks more), "fits" to 63 (8 blocks).
+    hf_model, _ = tiny_llama
+    decode = make_engine(hf_model, kv_cache_memory=str(8 * 4096), max_model_len=64)
+    decode.add_request("run", prompts(1, seed=2, lengths=(16,))[0], GREEDY)
+    decode.step()
+    assert decode.reserve("fits", list(range(2, 41)), GREEDY) is None  # 3 + 8 > 6
+    short = dataclasses.replace(GREEDY, max_tokens=1)
+    assert decode.reserve("one-token", list(range(2, 18)), short) is not None  # 3 + 3
+    assert decode.abort("one-token") and decode.abort("run")
     assert_block_pool_full(decode)

@@ -173,3 +173,75 @@ def test_prefix_hit_at_admission_counts_cached_tokens():
     [item] = sched.schedule()
     assert again.num_cached_tokens == 8 and item.num_new_tokens == 1
     assert books(sched).ok
+
+
+def prefilled(sched: Scheduler, rid: str, num_prompt: int) -> SequenceState:
+    """A sequence whose prompt KV arrived from a prefill worker (engine.admit_prefilled): it holds
+    its blocks, with room for the first token, and waits to start."""
+    s = seq(rid, num_prompt)
+    assert sched.block_manager.ensure_slots(s, num_prompt + 1)
+    s.num_computed_tokens = num_prompt
+    s.token_ids.append(7)  # the first token, sampled by the prefill worker
+    sched.add(s)
+    return s
+
+
+def test_sequences_holding_their_blocks_never_wait_behind_one_that_cannot_get_any():
+    # The PD deadlock: a preempted sequence first in line needs more blocks than are free, the
+    # prefilled ones behind it hold the rest. They must start (needing no new blocks), and the
+    # oldest running one must always advance.
+    sched = make(num_blocks=8)
+    old = seq("old", 12)  # 3 blocks
+    sched.add(old)
+    compute(sched, sched.schedule())
+    prefilled(sched, "a", 7)  # 2 blocks each (7 tokens + the first output)
+    prefilled(sched, "b", 7)
+    stuck = SequenceState("stuck", list(range(100, 116)), 16, PARAMS)  # shares no prefix
+    sched.waiting.appendleft(stuck)  # as a preemption leaves it: first in line, no blocks
+    assert sched.block_manager.pool.num_free == 1
+    batch = sched.schedule()
+    assert [i.seq.request_id for i in batch] == ["old", "a", "b"]
+    assert list(sched.waiting) == [stuck] and stuck.block_table == []
+    assert books(sched).ok
+    # everything finishes: run to the end as the engine would
+    for _ in range(200):
+        if not sched.has_unfinished():
+            break
+        batch = sched.schedule()
+        compute(sched, batch)
+        for item in batch:
+            if item.seq.num_output_tokens >= 6:
+                sched.remove(item.seq)
+                item.seq.status = SequenceStatus.FINISHED
+    assert not sched.has_unfinished()
+    assert sched.block_manager.pool.num_free == 8
+
+
+def test_a_running_sequence_short_of_blocks_preempts_a_waiting_prefilled_one_first():
+    sched = make(num_blocks=5)
+    old = seq("old", 8)  # 2 blocks, full: its next token needs a third
+    sched.add(old)
+    compute(sched, sched.schedule())
+    sched.max_num_seqs = 1  # the prefilled sequence cannot start yet
+    waiting = prefilled(sched, "w", 7)  # the other 2 blocks... and 1 left free
+    assert sched.block_manager.ensure_slots(seq("x", 4), 4)  # someone takes the last free block
+    batch = sched.schedule()
+    # old needs a block: the newest holder (waiting, not started) gives its blocks up, not old
+    assert [i.seq.request_id for i in batch] == ["old"] and old in sched.running
+    assert waiting.block_table == [] and waiting.num_computed_tokens == 0
+    assert list(sched.waiting) == [waiting] and sched.num_preemptions == 1
+
+
+def test_when_nothing_can_run_the_newest_waiting_holder_frees_its_blocks():
+    sched = make(num_blocks=4)
+    a = prefilled(sched, "a", 8)  # 3 blocks: 8 tokens + room for the first output
+    b = prefilled(sched, "b", 3)  # 1 block, full with the first output
+    # neither can start: a needs its next block... make both need one
+    a.num_computed_tokens, b.num_computed_tokens = 8, 3
+    a.token_ids += [7, 7, 7, 7]  # 13 tokens: a needs a 4th block, b a 2nd, none free
+    b.token_ids += [7]
+    batch = sched.schedule()
+    # b (the newest holder) gives its block up; a runs
+    assert [i.seq.request_id for i in batch] == ["a"]
+    assert b.block_table == [] and list(sched.waiting) == [b]
+    assert books(sched).ok

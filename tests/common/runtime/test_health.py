@@ -8,6 +8,7 @@ workers started from the Kubernetes manifests.
 from __future__ import annotations
 
 import threading
+import time
 from types import SimpleNamespace
 
 import httpx
@@ -97,7 +98,7 @@ def test_worker_base_has_what_the_probes_read() -> None:
     # WorkerBase touches only the engine's block pool and model counter: a stand-in will do.
     model = SimpleNamespace(layers_run=0)
     runner = SimpleNamespace(model=model)
-    engine = SimpleNamespace(pool=SimpleNamespace(track_events=False), runner=runner)
+    engine = SimpleNamespace(pool=SimpleNamespace(track_events=False), runner=runner, num_steps=0)
     worker = WorkerBase(engine, "tcp://127.0.0.1:1", "w", zmq.Context())  # connects lazily
     try:
         health = WorkerHealth(worker)
@@ -123,3 +124,43 @@ def test_worker_cli_flags() -> None:
     assert args.health_port == 0  # off unless asked
     args = parser.parse_args(["--health-port", "8080", "--health-stall-timeout-s", "5"])
     assert (args.health_port, args.health_stall_timeout_s) == (8080, 5.0)
+
+
+def test_a_loop_that_turns_while_work_waits_and_nothing_runs_makes_no_progress() -> None:
+    # The PD deadlock kept the loop turning with sequences waiting: the loop count moved, so no
+    # check ever fired. Only steps that ran, layers, and turns with no work count now.
+    waiting = SimpleNamespace(has_work=True, ran=False)
+
+    def step() -> list:
+        if waiting.ran:
+            engine.num_steps += 1
+        return []
+
+    model = SimpleNamespace(layers_run=0)
+    engine = SimpleNamespace(
+        pool=SimpleNamespace(track_events=False, drain_events=lambda: ([], []), cached_keys=list),
+        runner=SimpleNamespace(model=model),
+        num_steps=0,
+        has_unfinished=lambda: waiting.has_work,
+    )
+    worker = WorkerBase(engine, "tcp://127.0.0.1:1", "w", zmq.Context())
+    worker.step, worker.is_idle = step, lambda: not waiting.has_work
+    worker.control.poll = lambda timeout_ms: []
+    worker.control.send = lambda message: None
+    try:
+        health = WorkerHealth(worker, stall_timeout_s=0.05)
+        for _ in range(5):
+            worker.turn()
+        assert worker.progress == 0  # turned 5 times, work waiting, nothing ran
+        time.sleep(0.1)
+        alive, reason = health.liveness()
+        assert not alive and reason.startswith("stalled")
+        waiting.ran = True  # steps run again
+        worker.turn()
+        assert worker.progress == 1 and health.liveness() == (True, "ok")
+        waiting.has_work, waiting.ran = False, False  # idle turns count
+        worker.turn()
+        assert worker.progress == 2
+    finally:
+        worker.close()
+        worker.context.term()
