@@ -2,10 +2,11 @@
 
 Owns the model arithmetic the benchmarks share: the bytes one decode token reads (every linear's
 weight once, a tied LM head once, plus the K/V of each sequence's context), the dtype each linear
-multiplies in at a batch size (asked of the kernels' own choice: `cpu_quant.path_for`,
-`cpu_gemm.applies_dense`), and a step's compute floor (each linear's 2 * M * N * K FLOPs at the
-best measured rate of the dtype it computes in; attention's FLOPs are left out, its K/V reads are
-in the read floor). Called by benchmarks/quantization.py and benchmarks/step_profile.py.
+multiplies in at a batch size (the kernels' own choice: `cpu_quant.path_for`,
+`cpu_gemm.applies_dense`, or a oneDNN-prepacked Linear's weight dtype), and a step's compute
+floor (each linear's 2 * M * N * K FLOPs at the best measured rate of the dtype it computes in;
+attention's FLOPs are left out, its K/V reads are in the read floor). Called by
+benchmarks/quantization.py, step_profile.py and offline_throughput.py.
 """
 
 from __future__ import annotations
@@ -62,6 +63,8 @@ def compute_dtype(module: nn.Module, m: int, act_dtype: torch.dtype) -> str:
         x = torch.zeros(m, module.in_features, dtype=act_dtype)
         dtype = PATH_DTYPES.get(cpu_quant.path_for(module, x), "act")
         return act if dtype == "act" else dtype
+    if getattr(module, "packed", None) is not None:  # oneDNN's prepacked matmul, in its dtype
+        return str(module.weight.dtype).removeprefix("torch.")
     x = torch.zeros(m, module.in_features, dtype=act_dtype)
     with torch.inference_mode():
         return "float32" if cpu_gemm.applies_dense(x, module.weight) else act
