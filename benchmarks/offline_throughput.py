@@ -8,6 +8,10 @@ then a single-stream inter-token latency for pdserve (one request alone, each de
 first token) and transformers batch 1 ((total - TTFT) / (tokens - 1), TTFT from a
 max_new_tokens=1 call). Prompts are distinct random token ids, so pdserve's prefix cache has
 nothing to reuse. Ratios, not absolute times, are the result: the machines are shared and noisy.
+On the CPU pdserve's rows also carry their fraction of the machine's limits (common.bench.limits,
+measured in this process): throughput as % of the ceiling (output tokens / the summed limits of
+one prefill of every prompt and output_len - 1 decode steps of all of them at the mean context,
+common.bench.step_cost.generate_floor_s), the single-stream ITL as % of a decode step's limit.
 
     python benchmarks/offline_throughput.py [--dtypes float32,bfloat16] [--num-requests 64]
         [--prompt-len 256] [--output-len 128] [--hf-requests 8] [--skip-hf] [--threads N]
@@ -36,6 +40,8 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a plain checkout too
 
+from common.bench import limits as machine_limits  # noqa: E402
+from common.bench.step_cost import decode_floor, generate_floor_s  # noqa: E402
 from common.config import EngineConfig  # noqa: E402
 from common.engine.engine import Engine  # noqa: E402
 from common.model.model_files import resolve_model  # noqa: E402
@@ -110,6 +116,7 @@ def run_pdserve(
     warmup_prompt: list[int],
     output_len: int,
     threads: int,
+    limits: machine_limits.Limits | None,
 ) -> tuple[ThroughputRow, LatencyRow, dict[str, float]]:
     log(f"pdserve {dtype}: loading engine")
     engine = Engine(
@@ -131,6 +138,11 @@ def run_pdserve(
     out_tokens = sum(s.num_output_tokens for s in seqs)
     assert out_tokens == len(prompts) * output_len, "pdserve stopped a request early"
     throughput = ThroughputRow(dtype, "pdserve", len(prompts), out_tokens, seconds)
+    model, cfg, act = engine.runner.model, resolve_model("default").hf_config, engine.runner.dtype
+    if limits is not None:
+        n, prompt_len = len(prompts), len(prompts[0])
+        floor_s = generate_floor_s(limits, model, cfg, act, n, prompt_len, output_len)
+        throughput.note = f"{100 * floor_s / seconds:.0f}% of ceiling ({out_tokens / floor_s:.0f})"
 
     log(f"pdserve {dtype}: single-stream latency")
     engine.add_request("itl", itl_prompt, params)
@@ -151,6 +163,9 @@ def run_pdserve(
         (token_times[0] - t_start) * 1e3,
         note=f"each of the {len(itls_ms)} decode steps after the first token",
     )
+    if limits is not None and itls_ms:
+        step = decode_floor(limits, model, cfg, 1, len(itl_prompt) + output_len // 2, act)
+        latency.note += f"; {100 * step.limit_s * 1e3 / latency.itl_median_ms:.0f}% of limit"
     del engine, seqs
     gc.collect()
     return throughput, latency, cache
@@ -277,6 +292,7 @@ def print_report(
     rows: list[ThroughputRow],
     lat: list[LatencyRow],
     cache: dict[str, dict[str, float]],
+    limits: machine_limits.Limits | None,
 ) -> None:
     print("# Offline throughput: pdserve vs transformers\n")
     print(
@@ -296,6 +312,8 @@ def print_report(
         f"targets: pdserve >= {TARGET_RATIO_VS_HF_STATIC:g}x transformers static "
         f"{HF_STATIC_BATCH}; single-stream ITL <= {TARGET_ITL_MS:g} ms in bfloat16\n"
     )
+    if limits is not None:
+        print(limits.describe() + "\n")
     print(
         "| dtype | system | requests | output tokens | seconds | output tok/s | vs HF static 8 "
         "| target | note |"
@@ -374,12 +392,16 @@ def main(argv: list[str] | None = None) -> int:
     itl_prompt, warmup_prompt = prompts[-2], prompts[-1][:16]
     prompts = prompts[: args.num_requests]
 
+    limits = None
+    if device.type == "cpu":  # the matmul rates are the CPU's; a GPU run reports none
+        log("measuring the machine's limits")
+        limits = machine_limits.measure(resolve_model("default").hf_config)
     rows: list[ThroughputRow] = []
     lat: list[LatencyRow] = []
     cache: dict[str, dict[str, float]] = {}
     for dtype in args.dtypes:
         tp, lr, cache[dtype] = run_pdserve(
-            dtype, prompts, itl_prompt, warmup_prompt, args.output_len, threads
+            dtype, prompts, itl_prompt, warmup_prompt, args.output_len, threads, limits
         )
         rows.append(tp)
         lat.append(lr)
@@ -390,10 +412,11 @@ def main(argv: list[str] | None = None) -> int:
             rows.extend(hf_rows)
             lat.append(hf_lat)
 
-    print_report(machine, args, rows, lat, cache)
+    print_report(machine, args, rows, lat, cache, limits)
     if args.json:
         result = {
             "machine": machine,
+            "limits": limits.as_dict() if limits is not None else None,
             "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
             "throughput": [
                 {
