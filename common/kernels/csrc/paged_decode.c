@@ -205,8 +205,8 @@ static inline __attribute__((always_inline)) void attend_part_avx2(
 
 static void attend_dispatch(const Job *j, int b, int h, int t0, int t1, float *scores,
                             float *qf, float *acc, float *m, float *l, float *row) {
-    const int G = j->H / j->Hkv;
 #ifdef __AVX2__
+    const int G = j->H / j->Hkv;
     if (j->D == 64 || j->D == 128) {
         switch (G * 1000 + j->D) {
         case 1064: attend_part_avx2(j, b, h, t0, t1, 1, 64, scores, qf, acc, m, l); return;

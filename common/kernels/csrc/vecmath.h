@@ -1,5 +1,7 @@
 /* Float helpers shared by the C kernels (included, so each file inlines them): bfloat16
- * conversions as torch rounds, and an exp that vectorises. Part of every kernel's build key (common/kernels/cbuild.py hashes csrc/*.h).
+ * conversions as torch rounds, and an exp that vectorises. Part of every kernel's build key
+ * (common/kernels/cbuild.py hashes every .h next to the sources) and of its ISA level choice (an
+ * __AVX512VNNI__ test here would count for every source).
  */
 #ifndef PDSERVE_VECMATH_H
 #define PDSERVE_VECMATH_H
