@@ -33,7 +33,7 @@ ISA_NAMES = ("portable", "avx2", "avxvnni", "avx512vnni")  # qgemm_isa's codes
 
 _SOURCE = Path(__file__).parent / "csrc" / "quant_gemm.c"
 # Exact float steps matter here (x / scale must round as torch's does): none of REDUCTION_FLAGS.
-FLAGS = ("-O3", "-march=native", "-fopenmp")
+FLAGS = ("-O3", "-fopenmp")  # cbuild adds the ISA level's flags
 
 _p, _i = ctypes.c_void_p, ctypes.c_int
 _SIGNATURES = {
