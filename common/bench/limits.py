@@ -114,22 +114,28 @@ def int8_unavailable() -> str | None:
     return None
 
 
-def matmul_rate(dtype: str, m: int, k: int, n: int, repeats: int = 3) -> float:
-    """FLOP/s of x [m, k] @ W.T, W [n, k], both in `dtype` (int8: int32 out), caches hot."""
+def _weight(dtype: str, n: int, k: int, source: torch.Tensor | None = None) -> torch.Tensor:
+    """A [n, k] weight in `dtype` (values in [-1, 1), int8 scaled to [-127, 127]); rows of
+    `source` (float32) when given, so one random draw serves every dtype and M."""
+    w = source[:n] if source is not None else torch.rand(n, k) * 2 - 1
+    return (w * 127).to(torch.int8) if dtype == "int8" else w.to(getattr(torch, dtype))
+
+
+def matmul_rate(
+    dtype: str, m: int, k: int, n: int, repeats: int = 3, source: torch.Tensor | None = None
+) -> float:
+    """FLOP/s of x [m, k] @ W.T, W [n, k], both in `dtype` (int8: int32 out), caches hot.
+    `source`: a float32 [n, k] weight to take W from (saves drawing one per call)."""
     n = max(1, min(n, int(MAX_CALL_FLOP // (2 * m * k))))
     key = ("matmul", dtype, m, k, n, torch.get_num_threads())
     if key not in _CACHE:
-        g = torch.Generator().manual_seed(0)
+        if dtype == "int8" and (why := int8_unavailable()):
+            raise RuntimeError(why)
+        x, w = _weight(dtype, m, k), _weight(dtype, n, k, source)
         if dtype == "int8":
-            why = int8_unavailable()
-            if why:
-                raise RuntimeError(why)
-            x = torch.randint(-127, 128, (m, k), dtype=torch.int8, generator=g)
-            w_t = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g).t()
+            w_t = w.t()
             call = lambda: torch._int_mm(x, w_t)  # noqa: E731
         else:
-            x = torch.randn(m, k, generator=g).to(getattr(torch, dtype))
-            w = torch.randn(n, k, generator=g).to(getattr(torch, dtype))
             call = lambda: F.linear(x, w)  # noqa: E731
         with torch.inference_mode():
             _CACHE[key] = 2 * m * k * n / _best_s(call, repeats, min_time_s=MIN_TIME_S)
@@ -254,14 +260,13 @@ def measure(
             threads=torch.get_num_threads(),
         )
         del buf
-        for dtype in dtypes:
-            why = int8_unavailable() if dtype == "int8" else None
-            if why:
-                limits.unavailable[dtype] = why
-                continue
-            for m in batch_rows:
-                for name, n, k in shapes:
-                    rate = matmul_rate(dtype, m, k, n, repeats)
+        if "int8" in dtypes and (why := int8_unavailable()):
+            limits.unavailable["int8"] = why
+        for name, n, k in shapes:
+            source = _weight("float32", n, k)  # one draw per shape
+            for dtype in (d for d in dtypes if d not in limits.unavailable):
+                for m in batch_rows:
+                    rate = matmul_rate(dtype, m, k, n, repeats, source)
                     limits.shape_rates[(dtype, m, name)] = rate
                     limits.rates[(dtype, m)] = max(limits.rates.get((dtype, m), 0.0), rate)
         limits.seconds = time.perf_counter() - start
