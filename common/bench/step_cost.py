@@ -59,13 +59,13 @@ def decode_read_bytes(model: nn.Module, hf_config, batch: int, context: int, kv_
 def compute_dtype(module: nn.Module, m: int, act_dtype: torch.dtype) -> str:
     """The dtype `module` multiplies an [m, K] input of `act_dtype` in, as the kernels choose."""
     act = str(act_dtype).removeprefix("torch.")
+    # the kernels' choice reads x's shape and dtype only: a broadcast row, no [m, K] buffer
+    x = torch.zeros(1, module.in_features, dtype=act_dtype).expand(m, -1)
     if isinstance(module, QuantLinear):
-        x = torch.zeros(m, module.in_features, dtype=act_dtype)
         dtype = PATH_DTYPES.get(cpu_quant.path_for(module, x), "act")
         return act if dtype == "act" else dtype
     if getattr(module, "packed", None) is not None:  # oneDNN's prepacked matmul, in its dtype
         return str(module.weight.dtype).removeprefix("torch.")
-    x = torch.zeros(m, module.in_features, dtype=act_dtype)
     with torch.inference_mode():
         return "float32" if cpu_gemm.applies_dense(x, module.weight) else act
 
