@@ -18,8 +18,8 @@ Owns three figures and the arithmetic that turns them into floors (DESIGN.md sec
 The read floor of a step is its bytes read / read bandwidth, its compute floor its FLOPs / the
 best rate of the dtype it computes in measured at M >= its rows (`Limits.rate`), its limit the
 larger; "% of limit" in the benchmarks = limit / measured time. Figures are cached in this
-process only (a session's machine is not the next one's): never written to disk. About 6 s on a
-quiet 2-core host, several times that on a loaded one.
+process only (a session's machine is not the next one's): never written to disk. 5-10 s on a
+2-core host, the longer the more loaded it is.
 
 Called by the benchmarks (benchmarks/quantization.py, step_profile.py, offline_throughput.py,
 gpu_quant.py: its device's read bandwidth), through common.bench.step_cost, and by `pdserve
