@@ -241,17 +241,17 @@ class LocalCluster:
 
     def poll(self) -> bool:
         """One look at the children: False when the cluster is over (the router died, or without
-        supervision any process died). With supervision, dead workers are restarted (after their
-        backoff) and the cluster goes on; call this every few tenths of a second."""
+        supervision any process died, or with restarts off a worker died). With supervision, dead
+        workers are restarted (after their backoff) and the cluster goes on; call this every few
+        tenths of a second."""
         dead = self.dead()
         if "router" in dead:
             return False
         if self.supervisor is None:
             return not dead
-        self.supervisor.check(
+        return self.supervisor.check(
             {n: self.procs[n].returncode for n in dead if n in self._specs}, self.restart_worker
         )
-        return True
 
     def healthy(self) -> bool:
         try:

@@ -1,10 +1,13 @@
 """Supervision of a local cluster's workers: restart a dead worker with backoff, up to a limit.
 
 Owns the restart policy (`RestartPolicy`: backoff doubling from `backoff_s` to `max_backoff_s`,
-at most `max_restarts` restarts in a row, the count forgiven once a worker has stayed up for
-`stable_s`) and the bookkeeping per worker (`Supervisor`). A worker that dies is started again
-from its `WorkerSpec` while the other workers keep serving; a worker that keeps dying is given up
-on (logged) and left dead. The router is never restarted here: its death ends the cluster.
+the count of restarts in a row forgiven once a worker has stayed up for `stable_s`) and the
+bookkeeping per worker (`Supervisor`). A worker that dies is started again from its `WorkerSpec`
+while the other workers keep serving. After `max_restarts` crashes in a row it is still retried,
+every `max_backoff_s` (a stage that is down for a while, say its port or memory was taken, comes
+back by itself instead of leaving the cluster answering 503 forever); `max_restarts=0` means no
+restarts at all: `check` then reports the cluster over, so `pdserve up` exits non-zero and an
+outer supervisor acts. The router is never restarted here: its death ends the cluster.
 `common.runtime.launcher.LocalCluster.poll` drives it (with `supervise=True`, as `pdserve up`
 runs it); it spawns nothing itself but calls back into the launcher.
 """
@@ -23,11 +26,14 @@ class RestartPolicy:
 
     backoff_s: float = 1.0  # wait before the first restart; doubled for each one in a row
     max_backoff_s: float = 30.0
-    max_restarts: int = 5  # crashes in a row (no `stable_s` of uptime between) before giving up
+    max_restarts: int = 5  # fast restarts in a row (no `stable_s` of uptime between); 0: none
     stable_s: float = 60.0  # a worker up this long has its restart count forgiven
 
     def delay_s(self, attempt: int) -> float:
-        """The wait before restart number `attempt` (1-based) of a run of crashes."""
+        """The wait before restart number `attempt` (1-based) of a run of crashes: doubling, and
+        the longest backoff once past `max_restarts`."""
+        if attempt > self.max_restarts:
+            return self.max_backoff_s
         return min(self.backoff_s * 2 ** max(attempt - 1, 0), self.max_backoff_s)
 
 
@@ -36,7 +42,6 @@ class _Watch:
     started_s: float
     restarts: int = 0  # in a row
     restart_at_s: float | None = None  # a restart is due then
-    gave_up: bool = False
     total: int = 0  # restarts over the cluster's life (for `restarts`)
 
 
@@ -66,30 +71,31 @@ class Supervisor:
         self,
         dead: dict[str, int | None],
         restart: Callable[[str], None],
-    ) -> None:
-        """`dead`: worker name -> exit code of each dead worker. Schedules and runs restarts."""
+    ) -> bool:
+        """`dead`: worker name -> exit code of each dead worker. Schedules and runs restarts;
+        False when a worker died that is not to be restarted (`max_restarts=0`)."""
         now = self.clock()
         for name, code in dead.items():
             watch = self._watches.setdefault(name, _Watch(started_s=now))
-            if watch.gave_up:
-                continue
+            if self.policy.max_restarts == 0:
+                _say(f"worker {name} exited with {code}; restarts are off: stopping the cluster")
+                return False
             if watch.restart_at_s is None:  # newly found dead
                 if now - watch.started_s >= self.policy.stable_s:
                     watch.restarts = 0
-                if watch.restarts >= self.policy.max_restarts:
-                    watch.gave_up = True
-                    _say(
-                        f"worker {name} exited with {code}; it died {watch.restarts} times in a "
-                        "row: not restarting it (the other workers keep serving)"
-                    )
-                    continue
                 watch.restarts += 1
                 delay = self.policy.delay_s(watch.restarts)
                 watch.restart_at_s = now + delay
-                _say(
-                    f"worker {name} exited with {code}; restarting it in {delay:.1f} s "
-                    f"(restart {watch.restarts} of {self.policy.max_restarts} in a row)"
-                )
+                if watch.restarts > self.policy.max_restarts:
+                    _say(
+                        f"worker {name} exited with {code}; it died {watch.restarts} times in a "
+                        f"row: retrying every {delay:.0f} s (the other workers keep serving)"
+                    )
+                else:
+                    _say(
+                        f"worker {name} exited with {code}; restarting it in {delay:.1f} s "
+                        f"(restart {watch.restarts} of {self.policy.max_restarts} in a row)"
+                    )
             if now >= watch.restart_at_s:
                 watch.total += 1
                 try:
@@ -100,6 +106,7 @@ class Supervisor:
                     _say(f"restarting worker {name} failed: {exc}")
                     continue
                 self.started(name)
+        return True
 
 
 def _say(line: str) -> None:

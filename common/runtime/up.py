@@ -4,8 +4,9 @@ Owns the `up` flags (each also read from a PDSERVE_* variable) and turning them 
 and the workers' flags; the processes themselves are started, watched and stopped by
 `common.runtime.launcher.LocalCluster`, with a cluster secret it generates and hands to its
 children in the environment (`common.runtime.auth`), supervised: a worker that dies is restarted
-(with backoff, up to a limit, `--max-worker-restarts`) while the others keep serving. Prints the
-URL once the cluster serves, and stops every process on Ctrl-C / SIGTERM or when the router dies.
+(with backoff; after `--max-worker-restarts` in a row, every 30 s) while the others keep serving.
+Prints the URL once the cluster serves, and stops every process on Ctrl-C / SIGTERM or when the
+router dies.
 Called by `common.cli`.
 """
 
@@ -111,7 +112,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         )
         while not stopping and cluster.poll():
             time.sleep(0.2)
-        if not stopping:
+        if not stopping and "router" in cluster.dead():
             print("pdserve: error: the router exited; stopping the cluster", file=sys.stderr)
         return 0 if stopping else 1
     except _Interrupted:
@@ -181,8 +182,9 @@ def add_up_args(up: argparse.ArgumentParser) -> None:
         "--max-worker-restarts",
         type=int,
         default=int(env("MAX_WORKER_RESTARTS", "5")),
-        help="restarts in a row of a worker that keeps dying before giving up on it (0 = never "
-        "restart)",
+        help="fast restarts in a row (backoff 1 s doubling) of a worker that keeps dying; after "
+        "them it is retried every 30 s. 0: no restarts, and `up` exits with status 1 when a "
+        "worker dies, for an outer supervisor (systemd, Kubernetes) to act",
     )
     up.add_argument(
         "engine_args",
