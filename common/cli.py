@@ -151,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     quantize.set_defaults(func=cmd_quantize)
 
     limits = commands.add_parser(
-        "limits", help="measure this machine's memory bandwidth and matmul rates (a few seconds)"
+        "limits", help="measure this machine's memory bandwidth and matmul rates (5-10 s)"
     )
     limits.add_argument("--model", default="default", help="whose linear shapes to time")
     limits.add_argument("--num-threads", type=int, default=0, help="torch threads (0: default)")
