@@ -71,7 +71,7 @@ def test_vnni_and_bf16_levels_only_for_sources_with_code_for_them(x86):
     assert names(isa.candidates(elif_, AVX512_HOST, ""))[0] == "avx512vnni"
     comment = lambda lv: isa.used_by(lv, ["/* no __AVX512VNNI__ code here */"])  # noqa: E731
     assert names(isa.candidates(comment, AVX512_HOST, ""))[0] == "avx512"
-    bf16 = lambda lv: isa.used_by(lv, ["__AVX512BF16__"])  # noqa: E731
+    bf16 = lambda lv: isa.used_by(lv, ["#if defined(__AVX512BF16__)\n#endif"])  # noqa: E731
     assert names(isa.candidates(bf16, AVX512_HOST, ""))[0] == "avx512"  # this CPU has no BF16
     assert names(isa.candidates(bf16, AVX512_HOST | {"avx512_bf16"}, ""))[0] == "avx512bf16"
 
