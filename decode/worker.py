@@ -90,24 +90,24 @@ class DecodeWorker(WorkerBase):
             self._on_kv(received.header, received.ok, received.reason)
         self._expire_reservations()
         if self.engine.has_unfinished():
-            for out in self.engine.step():
-                self.control.send(token_output(out))
+            self.send_token_outputs([token_output(out) for out in self.engine.step()])
 
     def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
         self.reserved_until.pop(request_id, None)
 
     def handle(self, message: protocol.ControlMessage) -> None:
+        rid = getattr(message, "request_id", "")
         if isinstance(message, Reserve):
             if self.draining:  # the router then asks another decode worker
-                self.control.send(ReserveReply(message.request_id, ok=False, reason="draining"))
+                self.reply(rid, ReserveReply(rid, False, reason="draining"))
                 return
             try:
                 cached = self.engine.reserve(
                     message.request_id, message.prompt_token_ids, message.params
                 )
             except ValueError as exc:
-                self.control.send(ReserveReply(message.request_id, ok=False, reason=str(exc)))
+                self.reply(rid, ReserveReply(rid, False, reason=str(exc)))
                 return
             if cached is None:
                 reply = ReserveReply(message.request_id, ok=False, reason="no free KV blocks")
@@ -115,14 +115,14 @@ class DecodeWorker(WorkerBase):
                 lifetime = message.deadline_s if message.deadline_s > 0 else RESERVATION_TIMEOUT_S
                 self.reserved_until[message.request_id] = time.monotonic() + lifetime
                 reply = ReserveReply(message.request_id, ok=True, num_cached_tokens=cached)
-            self.control.send(reply)
+            self.reply(message.request_id, reply)
         elif isinstance(message, Generate):
             try:
                 self.engine.add_request(
                     message.request_id, message.prompt_token_ids, message.params
                 )
             except ValueError as exc:
-                self.control.send(RequestFailed(message.request_id, "decode", str(exc)))
+                self.reply(rid, RequestFailed(rid, "decode", str(exc)))
         else:
             log.warning("unexpected %s from the router", type(message).__name__)
 
@@ -143,7 +143,7 @@ class DecodeWorker(WorkerBase):
         if not ok:
             self.kv_failures += 1
             self.engine.abort(rid)
-            self.control.send(RequestFailed(rid, "transfer", reason))
+            self.reply(rid, RequestFailed(rid, "transfer", reason))
             return
         self.kv_bytes += header.nbytes
         try:
@@ -158,9 +158,9 @@ class DecodeWorker(WorkerBase):
         except ValueError as exc:  # a bad generator state or prompt logprobs fail this one only
             self.kv_failures += 1
             self.engine.abort(rid)
-            self.control.send(RequestFailed(rid, "transfer", str(exc)))
+            self.reply(rid, RequestFailed(rid, "transfer", str(exc)))
             return
-        self.control.send(token_output(out))
+        self.reply(rid, token_output(out))
 
     def _expire_reservations(self) -> None:
         now = time.monotonic()
@@ -169,7 +169,7 @@ class DecodeWorker(WorkerBase):
                 del self.reserved_until[rid]
                 if self.engine.abort(rid):
                     self.kv_failures += 1
-                    self.control.send(RequestFailed(rid, "transfer", "KV did not arrive in time"))
+                    self.reply(rid, RequestFailed(rid, "transfer", "KV did not arrive in time"))
 
     def close(self) -> None:
         super().close()

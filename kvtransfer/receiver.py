@@ -25,6 +25,7 @@ import torch
 import zmq
 
 from common.protocol import MAX_KV_HEADER_BYTES, KVAck, KVHeader, ProtocolError, decode_kv, encode
+from common.sockets import keepalive
 from kvtransfer import cuda_ipc, payload, shm
 from kvtransfer.sender import SOCKET_BUFFER_BYTES
 
@@ -72,6 +73,7 @@ class KVReceiver:
         if keys is not None:
             keys.serve(self.socket)
         self.socket.setsockopt(zmq.LINGER, 0)
+        keepalive(self.socket)
         self.socket.setsockopt(zmq.RCVBUF, SOCKET_BUFFER_BYTES)
         # No legitimate frame is larger than the whole cache: zmq drops a peer that tries.
         self.socket.setsockopt(zmq.MAXMSGSIZE, max(kv_cache.nbytes, MAX_HEADER_BYTES))

@@ -27,6 +27,7 @@ import torch
 import zmq
 
 from common.protocol import KVAck, KVHeader, ProtocolError, decode_kv, encode
+from common.sockets import keepalive
 from kvtransfer import cuda_ipc, payload, shm
 
 if TYPE_CHECKING:
@@ -152,6 +153,7 @@ class KVSender:
             if self.keys is not None:
                 self.keys.connect_as_client(socket)
             socket.setsockopt(zmq.LINGER, 0)
+            keepalive(socket)
             socket.setsockopt(zmq.SNDBUF, SOCKET_BUFFER_BYTES)
             try:
                 socket.connect(address)

@@ -81,7 +81,9 @@ class PrefillWorker(WorkerBase):
                 self.kv_seconds.observe(result.seconds)
             elif job is not None:
                 self.kv_failures += 1
-                self.control.send(RequestFailed(result.request_id, "transfer", result.reason))
+                failed = RequestFailed(result.request_id, "transfer", result.reason)
+                self.reply(result.request_id, failed)
+            self.forget(result.request_id)  # done here: the decode worker has it, or it failed
 
     def handle(self, message: protocol.ControlMessage) -> None:
         if isinstance(message, Prefill):
@@ -93,7 +95,8 @@ class PrefillWorker(WorkerBase):
                     message.request_id, message.prompt_token_ids, params, hold_blocks=True
                 )
             except ValueError as exc:
-                self.control.send(RequestFailed(message.request_id, "prefill", str(exc)))
+                rid = message.request_id
+                self.reply(rid, RequestFailed(rid, "prefill", str(exc)))
                 return
             self.jobs[message.request_id] = _Job(message, time.monotonic())
         else:
@@ -109,6 +112,7 @@ class PrefillWorker(WorkerBase):
         seq = self.engine.held.get(request_id)
         if job is None or seq is None:
             self.engine.release(request_id)
+            self.forget(request_id)
             return
         req = job.request
         bs = self.engine.config.block_size
@@ -141,7 +145,7 @@ class PrefillWorker(WorkerBase):
             self.jobs.pop(request_id, None)
             self.engine.release(request_id)
             self.kv_failures += 1
-            self.control.send(RequestFailed(request_id, "transfer", str(exc)))
+            self.reply(request_id, RequestFailed(request_id, "transfer", str(exc)))
 
     def close(self) -> None:
         super().close()

@@ -87,12 +87,12 @@ class Worker:
 
     @property
     def prefill_load(self) -> int:
-        """Prompt tokens left to compute, counted from dispatch until the first token.
-
-        The router's own count: a heartbeat is up to a second old and cannot know which of its
-        waiting prompts will hit the prefix cache.
-        """
-        return self.queued_prefill_tokens
+        """Prompt tokens left to compute: the router's own count from dispatch until the first
+        token (a heartbeat is up to a second old: a burst must not pile onto one worker before
+        it reports), or the worker's, if it reports more (the load other routers placed)."""
+        hb = self.heartbeat
+        reported = hb.queued_prefill_tokens if hb is not None else 0
+        return max(self.queued_prefill_tokens, reported)
 
     @property
     def kv_cache_usage(self) -> float | None:

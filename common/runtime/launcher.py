@@ -100,8 +100,13 @@ class LocalCluster:
         startup_timeout_s: float = 600.0,
         supervise: bool = False,
         restart_policy: RestartPolicy | None = None,
+        num_routers: int = 1,
     ) -> None:
+        """`num_routers`: router processes serving the same workers ("router", "router-1", ...;
+        the first on `port` / `control_port`, the others on ports the OS gives)."""
         self.model, self.workers = model, list(workers)
+        self.num_routers = num_routers
+        self.router_ports: list[tuple[int, int]] = []  # (http, control) of each router started
         self.startup_timeout_s = startup_timeout_s  # what `with` gives `start`
         self.router_flags = list(router_flags)
         self.host, self.port, self.control_port = host, port, control_port
@@ -127,8 +132,18 @@ class LocalCluster:
 
     @property
     def control(self) -> str:
-        """The control address workers connect to."""
-        return f"tcp://127.0.0.1:{self.control_port}"
+        """The control address workers connect to (every router's, comma-separated)."""
+        ports = [c for _, c in self.router_ports] or [self.control_port]
+        return ",".join(f"tcp://127.0.0.1:{port}" for port in ports)
+
+    def router_url(self, index: int) -> str:
+        """The HTTP base URL of router `index` (0: `url`)."""
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
+        return f"http://{host}:{self.router_ports[index][0]}"
+
+    @staticmethod
+    def router_name(index: int) -> str:
+        return "router" if index == 0 else f"router-{index}"
 
     # ---- starting -------------------------------------------------------------------------------
 
@@ -146,39 +161,51 @@ class LocalCluster:
     def start(self, timeout_s: float = 600.0) -> None:
         """The router, then every worker; returns once all serve (see `wait_ready`)."""
         deadline = time.monotonic() + timeout_s
-        self.start_router(timeout_s)
+        for index in range(self.num_routers):
+            self.start_router(max(deadline - time.monotonic(), 1.0), index)
         for spec in self.workers:
             self.start_worker(spec)
         self.wait_ready(max(deadline - time.monotonic(), 1.0))
 
-    def start_router(self, timeout_s: float = 120.0) -> subprocess.Popen:
-        """Start the router and wait for its ready file: then `url` and `control` are known."""
+    def start_router(self, timeout_s: float = 120.0, index: int = 0) -> subprocess.Popen:
+        """Start router `index` (0: the first; again: a restart on its ports) and wait for its
+        ready file: then its `url` and `control` address are known."""
         if self._scratch is None:
             self._scratch = Path(tempfile.mkdtemp(prefix="pdserve-cluster-"))
-        ready = self._scratch / "router.ready"
+        name = self.router_name(index)
+        ready = self._scratch / f"{name}.ready"
         ready.unlink(missing_ok=True)
+        if index < len(self.router_ports):
+            port, control_port = self.router_ports[index]
+        else:
+            port, control_port = (self.port, self.control_port) if index == 0 else (0, 0)
         args = [
             "router",
             "--host", self.host,
-            "--port", str(self.port),
+            "--port", str(port),
             "--control-host", "127.0.0.1",
-            "--control-port", str(self.control_port),
+            "--control-port", str(control_port),
             "--model", self.model,
             "--ready-file", str(ready),
         ]  # fmt: skip
         if self.colocated:
             args.append("--colocated")
-        proc = self._spawn("router", args + self.router_flags)
+        proc = self._spawn(name, args + self.router_flags)
         deadline = time.monotonic() + timeout_s
         while not ready.exists():
             if proc.poll() is not None:
-                raise RuntimeError(f"the router exited with {proc.returncode}\n{self.logs()}")
+                raise RuntimeError(f"{name} exited with {proc.returncode}\n{self.logs()}")
             if time.monotonic() > deadline:
-                raise TimeoutError(f"the router did not start in {timeout_s} s\n{self.logs()}")
+                raise TimeoutError(f"{name} did not start in {timeout_s} s\n{self.logs()}")
             time.sleep(0.05)
         bound = json.loads(ready.read_text())
-        self.port = int(bound["http_port"])
-        self.control_port = int(bound["control_address"].rsplit(":", 1)[1])
+        ports = (int(bound["http_port"]), int(bound["control_address"].rsplit(":", 1)[1]))
+        if index < len(self.router_ports):
+            self.router_ports[index] = ports
+        else:
+            self.router_ports.append(ports)
+        if index == 0:
+            self.port, self.control_port = ports
         return proc
 
     def start_worker(self, spec: WorkerSpec) -> subprocess.Popen:

@@ -1,27 +1,26 @@
-"""What prefill and decode workers share: the router connection, heartbeats, the main loop.
+"""What prefill and decode workers share: the routers they serve, heartbeats, the main loop.
 
-Owns the worker's DEALER socket to the router's control socket (register, receive commands, send
-replies and token outputs), a heartbeat thread with its own socket (so heartbeats keep flowing
-while a long prefill step holds the main thread; its random identity travels in `Register`, and
-each heartbeat carries the main loop's turn count, so the router can tell a stuck loop from a
-long step), re-registration when the router forgets the
-worker, draining: on the first SIGTERM a worker stops taking new work (its heartbeats say so,
-and the router stops dispatching to it), finishes what it has, then exits; a second signal exits
-at once. After each step it reports its prefix-cache changes (`KVEvents`: block keys stored and
-evicted, numbered; a full snapshot after registering or when the router asks with `KVResync`),
-which feed the router's prefix-aware routing. Asked with `BlockBooksQuery`, it answers with its
-engine's block audit. `WorkerBase` is subclassed by prefill/worker.py and
-decode/worker.py.
+Owns the worker's links to its routers (`common.runtime.router_link`: one per router, each with
+its control socket and heartbeat thread; a worker serves every router it is given or finds
+behind a DNS name, and accepts work from each), which router each request came from (replies,
+token outputs and failures go back to that one only; when its connection drops, its requests
+are aborted and their blocks freed, while the other routers' requests go on), re-registration
+when a router forgets the worker, draining: on the first SIGTERM a worker stops taking new work
+(its heartbeats say so, and the routers stop dispatching to it), finishes what it has, then
+exits; a second signal exits at once. Each heartbeat carries the worker's progress (steps run,
+layers, idle turns), so a router can tell a stuck loop from a long step. After each step it
+reports its prefix-cache changes to every router (`KVEvents`: block keys stored and evicted,
+numbered per router; a full snapshot after registering or when a router asks with `KVResync`),
+which feed prefix-aware routing. Asked with `BlockBooksQuery`, it answers with its engine's block
+audit. `WorkerBase` is subclassed by prefill/worker.py and decode/worker.py.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import secrets
 import signal
 import socket
-import threading
 import time
 from collections.abc import Callable
 
@@ -32,105 +31,23 @@ from common import protocol
 from common.engine.engine import Engine
 from common.protocol import Heartbeat, KVEvents, Register, RegisterAck
 from common.runtime.auth import ClusterKeys
+from common.runtime.router_link import (
+    RESOLVE_INTERVAL_S,
+    ControlConnection,
+    Heartbeater,
+    RouterLink,
+    register,
+    register_any,
+    resolve_routers,
+)
+
+__all__ = ["ControlConnection", "Heartbeater", "WorkerBase", "engine_heartbeat", "register"]
 
 log = logging.getLogger(__name__)
 
 
 def default_worker_id(role: str) -> str:
     return f"{role}-{socket.gethostname()}-{os.getpid()}"
-
-
-class ControlConnection:
-    """DEALER to the router; `poll` returns decoded commands, malformed frames are dropped."""
-
-    def __init__(
-        self,
-        router_address: str,
-        worker_id: str,
-        context: zmq.Context,
-        keys: ClusterKeys | None = None,
-    ) -> None:
-        self.worker_id = worker_id
-        self.router_address = router_address
-        self.sock = context.socket(zmq.DEALER)
-        if keys is not None:  # the cluster secret: CURVE to the router
-            keys.connect_as_client(self.sock)
-        self.sock.setsockopt(zmq.IDENTITY, worker_id.encode())
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_CONTROL_MESSAGE_BYTES)
-        self.sock.connect(router_address)
-
-    def send(self, message: msgspec.Struct) -> None:
-        self.sock.send(protocol.encode(message), copy=False)
-
-    def poll(self, timeout_ms: int = 0) -> list[protocol.ControlMessage]:
-        """Every command waiting now (waiting up to timeout_ms for the first one)."""
-        messages = []
-        if not self.sock.poll(timeout_ms):
-            return messages
-        while True:
-            try:
-                frame = self.sock.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return messages
-            try:
-                messages.append(protocol.decode_control(frame))
-            except protocol.ProtocolError as exc:
-                log.warning("dropping a bad control frame: %s", exc)
-
-    def close(self) -> None:
-        self.sock.close()
-
-
-class Heartbeater(threading.Thread):
-    """Sends a `Heartbeat` every HEARTBEAT_INTERVAL_S on a socket of its own. It never registers:
-    when the router answers a beat with a refused `RegisterAck` (it restarted, or declared this
-    worker dead) it sets `reregister`, and the main loop sends `Register` again."""
-
-    def __init__(
-        self,
-        router_address: str,
-        worker_id: str,
-        context: zmq.Context,
-        make_heartbeat: Callable[[], Heartbeat],
-        keys: ClusterKeys | None = None,
-    ) -> None:
-        super().__init__(name="heartbeat", daemon=True)
-        self.keys = keys
-        self.router_address = router_address
-        self.worker_id = worker_id
-        self.context = context
-        self.make_heartbeat = make_heartbeat
-        # Random, so that no other process can connect under it before this thread does; the
-        # router accepts this worker's heartbeats from this identity (named in Register) only.
-        self.identity = f"{worker_id}#heartbeat-{secrets.token_hex(8)}".encode()
-        self.stop_event = threading.Event()
-        self.reregister = threading.Event()  # the router forgot us: the main loop registers again
-
-    def run(self) -> None:
-        sock = self.context.socket(zmq.DEALER)
-        if self.keys is not None:
-            self.keys.connect_as_client(sock)
-        sock.setsockopt(zmq.IDENTITY, self.identity)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(self.router_address)
-        try:
-            while not self.stop_event.wait(protocol.HEARTBEAT_INTERVAL_S):
-                try:
-                    sock.send(protocol.encode(self.make_heartbeat()), zmq.NOBLOCK)
-                    while sock.poll(0):
-                        reply = protocol.decode_control(sock.recv())
-                        if isinstance(reply, RegisterAck) and not reply.accepted:
-                            self.reregister.set()
-                except zmq.Again:
-                    pass  # router gone for now: the next beat tries again
-                except Exception:  # a stats read racing the engine must not kill heartbeats
-                    log.exception("heartbeat failed")
-        finally:
-            sock.close()
-
-    def stop(self) -> None:
-        self.stop_event.set()
 
 
 def engine_heartbeat(
@@ -154,20 +71,6 @@ def engine_heartbeat(
     )
 
 
-def register(conn: ControlConnection, message: Register, timeout_s: float = 60.0) -> None:
-    """Send Register until the router accepts it; RuntimeError if it refuses or never answers."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        conn.send(message)
-        for reply in conn.poll(timeout_ms=1000):
-            if isinstance(reply, RegisterAck):
-                if not reply.accepted:
-                    raise RuntimeError(f"the router refused this worker: {reply.reason}")
-                log.info("registered with %s as %s", conn.router_address, message.worker_id)
-                return
-    raise RuntimeError(f"no answer from the router at {conn.router_address}")
-
-
 class WorkerBase:
     """The loop around one engine: commands in, `step()` work, heartbeats, drain on SIGTERM."""
 
@@ -181,28 +84,49 @@ class WorkerBase:
         context: zmq.Context | None,
         keys: ClusterKeys | None = None,
     ) -> None:
+        """`router_address`: one router or several, comma-separated; host names may resolve to
+        several (`router_link.resolve_routers`)."""
         self.engine = engine
         self.worker_id = worker_id
         self.context = context or zmq.Context.instance()
-        # keys: from the cluster secret (common.runtime.auth); None: no authentication
-        self.control = ControlConnection(router_address, worker_id, self.context, keys)
+        self.keys = keys  # from the cluster secret (common.runtime.auth); None: no authentication
+        self.router_spec = router_address
+        self.links: dict[str, RouterLink] = {}
+        self.origin: dict[str, RouterLink] = {}  # request id -> the router it came from
+        addresses = resolve_routers(router_address) or [router_address.split(",")[0].strip()]
+        for address in addresses:
+            self._add_link(address)
+        self.resolved_at = time.monotonic()
         self.kv_address = ""
         self.kv_failures = 0
         self.running = True
         self.draining = False
         self.drain_started = 0.0
-        self.heartbeat = Heartbeater(router_address, worker_id, self.context, self._heartbeat, keys)
         self.engine.pool.track_events = True
-        self.kv_events_seq = -1  # the last KVEvents seq sent
-        self.kv_snapshot_due = True  # send every held key next (after registering, or asked)
         self.loop_count = 0  # turns of `run`'s loop with no engine work waiting (see `progress`)
-        self.registered = False  # the router accepted our Register (read by the readiness probe)
+        self.registered = False  # a router accepted our Register (read by the readiness probe)
+        self.started = False  # heartbeats run (new links start theirs at once)
 
-    def _heartbeat(self) -> Heartbeat:
+    def _add_link(self, address: str) -> RouterLink:
+        link = RouterLink(address, self.worker_id, self.context, self._heartbeat, self.keys)
+        self.links[address] = link
+        return link
+
+    @property
+    def control(self) -> ControlConnection:
+        """The first router's control connection (single-router callers and tests)."""
+        return next(iter(self.links.values())).control
+
+    @property
+    def heartbeat(self) -> Heartbeater:
+        """The first router's heartbeat thread (single-router callers and tests)."""
+        return next(iter(self.links.values())).heartbeat
+
+    def _heartbeat(self, link: RouterLink) -> Heartbeat:
         beat = engine_heartbeat(self.worker_id, self.engine, self.counters)
         beat.loop_count = self.progress
         beat.draining = self.draining
-        beat.kv_events_seq = self.kv_events_seq
+        beat.kv_events_seq = link.kv_events_seq
         beat.histograms = self.histograms()
         return beat
 
@@ -220,26 +144,51 @@ class WorkerBase:
         return {}
 
     def publish_kv_events(self) -> None:
-        """Tell the router which prefix blocks this worker gained or lost since the last call."""
+        """Tell every router which prefix blocks this worker gained or lost since the last call
+        (a full snapshot to one that needs it)."""
         pool = self.engine.pool
         stored, evicted = pool.drain_events()
-        reset = self.kv_snapshot_due
-        if reset:
-            stored, evicted = pool.cached_keys(), []
-            self.kv_snapshot_due = False
-        elif not stored and not evicted:
-            return
-        self.kv_events_seq += 1
-        self.control.send(KVEvents(self.worker_id, self.kv_events_seq, stored, evicted, reset))
+        snapshot: list[bytes] | None = None
+        for link in self.links.values():
+            if link.kv_snapshot_due:
+                if snapshot is None:
+                    snapshot = pool.cached_keys()
+                link.kv_snapshot_due = False
+                message = KVEvents(self.worker_id, link.kv_events_seq + 1, snapshot, [], True)
+            elif stored or evicted:
+                message = KVEvents(self.worker_id, link.kv_events_seq + 1, stored, evicted, False)
+            else:
+                continue
+            link.kv_events_seq += 1
+            link.control.send(message)
 
-    def send_registration(self) -> None:
-        self.control.send(self.registration())
-        self.kv_snapshot_due = True  # the router may have forgotten everything about us
+    def send_registration(self, link: RouterLink) -> None:
+        link.control.send(self.registration(link))
+        link.kv_snapshot_due = True  # the router may have forgotten everything about us
+
+    def reply(self, request_id: str, message: msgspec.Struct) -> None:
+        """Send `message` about a request to the router it came from; a final one (the last
+        output, a failure, a refused reservation) ends the request's tie to that router. A
+        request of no known router (handed to `handle` directly) answers to the first one; one
+        whose router is gone was aborted with it and produces nothing more."""
+        link = self.origin.get(request_id) or next(iter(self.links.values()))
+        if _is_final(message):
+            self.origin.pop(request_id, None)
+        link.control.send(message)
+
+    def send_token_outputs(self, outputs: list[protocol.TokenOutput]) -> None:
+        """One step's outputs, grouped by the router each request came from."""
+        for out in outputs:
+            self.reply(out.request_id, out)
+
+    def forget(self, request_id: str) -> None:
+        """The request ended here without a final message to its router (e.g. its KV was sent)."""
+        self.origin.pop(request_id, None)
 
     def counters(self) -> dict[str, float]:
         return {"kv_transfer_failures_total": self.kv_failures}
 
-    def registration(self) -> Register:
+    def registration(self, link: RouterLink | None = None) -> Register:
         from kvtransfer.payload import kv_layout
 
         transports = ["tcp", "shm"]
@@ -262,7 +211,7 @@ class WorkerBase:
             num_layers=int(layout["num_layers"]),
             num_kv_heads=int(layout["num_kv_heads"]),
             head_dim=int(layout["head_dim"]),
-            heartbeat_identity=self.heartbeat.identity,
+            heartbeat_identity=(link or next(iter(self.links.values()))).heartbeat.identity,
         )
 
     def stop_on_signals(self) -> None:
@@ -280,9 +229,11 @@ class WorkerBase:
         signal.signal(signal.SIGINT, on_signal)
 
     def run(self) -> None:
-        register(self.control, self.registration())
+        register_any(list(self.links.values()), self.registration)
         self.registered = True
-        self.heartbeat.start()
+        for link in self.links.values():
+            link.start()
+        self.started = True
         try:
             while self.running and not self._drained():
                 self.turn()
@@ -290,39 +241,90 @@ class WorkerBase:
             self.close()
 
     def turn(self) -> None:
-        """One turn of the main loop: router messages, one step, KV events."""
-        if self.heartbeat.reregister.is_set():  # router restarted or declared us dead
-            self.heartbeat.reregister.clear()
-            self.send_registration()
+        """One turn of the main loop: routers come and go, their messages, one step, KV events."""
+        self._watch_routers()
         # Nothing to compute (maybe KV or acks in flight): wait briefly instead of spinning,
         # so a worker waiting for a transfer leaves the cores to the others.
         wait_ms = 0 if self.engine.has_unfinished() else (10 if self.is_idle() else 2)
-        for message in self.control.poll(timeout_ms=wait_ms):
-            self._dispatch(message)
+        for link in list(self.links.values()):
+            for message in link.control.poll(timeout_ms=wait_ms):
+                self._dispatch(link, message)
+            wait_ms = 0
         self.step()
         self.publish_kv_events()
         if not self.engine.has_unfinished():
             self.loop_count += 1
+
+    def _watch_routers(self) -> None:
+        """Re-register where a router forgot us; abort the requests of a router whose connection
+        dropped; pick up routers that appeared behind a host name, drop those that vanished."""
+        for link in list(self.links.values()):
+            if link.heartbeat.reregister.is_set():  # router restarted or declared us dead
+                link.heartbeat.reregister.clear()
+                self.send_registration(link)
+            if link.disconnected():
+                self._router_gone(link, "its connection dropped")
+        if time.monotonic() - self.resolved_at < RESOLVE_INTERVAL_S:
+            return
+        self.resolved_at = time.monotonic()
+        addresses = resolve_routers(self.router_spec)
+        if not addresses:
+            return  # DNS down for now: keep what we have
+        for address in addresses:
+            if address not in self.links:
+                log.info("router %s appeared: registering with it", address)
+                link = self._add_link(address)
+                self.send_registration(link)
+                if self.started:
+                    link.start()
+        for address, link in list(self.links.items()):
+            if address not in addresses:
+                self._router_gone(link, "it is no longer behind " + self.router_spec)
+                del self.links[address]
+                link.close()
+
+    def _router_gone(self, link: RouterLink, why: str) -> None:
+        """Abort every request that router sent: nobody is left to relay its tokens."""
+        orphans = [rid for rid, origin in self.origin.items() if origin is link]
+        for rid in orphans:
+            del self.origin[rid]
+            self.abort(rid)
+        link.registered = False
+        if orphans:
+            log.warning("router %s is gone (%s): aborted its %d requests", link.address, why,
+                        len(orphans))  # fmt: skip
 
     def _drained(self) -> bool:
         # Work sent before the router saw a draining heartbeat may still arrive: wait a grace.
         grace_s = 2.5 * protocol.HEARTBEAT_INTERVAL_S
         return self.draining and self.is_idle() and time.monotonic() - self.drain_started > grace_s
 
-    def _dispatch(self, message: protocol.ControlMessage) -> None:
+    def _dispatch(self, link: RouterLink, message: protocol.ControlMessage) -> None:
         if isinstance(message, RegisterAck):
             if not message.accepted and message.reason != protocol.REREGISTER_REASON:
-                log.error("the router dropped this worker: %s", message.reason)
-                self.running = False
+                log.error("the router at %s dropped this worker: %s", link.address, message.reason)
+                link.registered = False
+                if not any(other.registered for other in self.links.values()):
+                    self.running = False
             elif not message.accepted:
-                self.send_registration()
+                self.send_registration(link)
+            else:
+                link.registered = True
         elif isinstance(message, protocol.KVResync):
-            self.kv_snapshot_due = True
+            link.kv_snapshot_due = True
         elif isinstance(message, protocol.Abort):
-            self.abort(message.request_id)
+            if self.origin.get(message.request_id) is link:  # only its own router may abort it
+                del self.origin[message.request_id]
+                self.abort(message.request_id)
         elif isinstance(message, protocol.BlockBooksQuery):
-            self.control.send(self.block_books(message.query_id))
+            link.control.send(self.block_books(message.query_id))
         else:
+            request_id = getattr(message, "request_id", None)
+            if isinstance(request_id, str):
+                if self.origin.setdefault(request_id, link) is not link:
+                    log.warning("request %s came from two routers: ignoring %s's", request_id,
+                                link.address)  # fmt: skip
+                    return
             self.handle(message)
 
     def block_books(self, query_id: int) -> protocol.BlockBooksReply:
@@ -348,5 +350,14 @@ class WorkerBase:
         raise NotImplementedError
 
     def close(self) -> None:
-        self.heartbeat.stop()
-        self.control.close()
+        for link in self.links.values():
+            link.close()
+
+
+def _is_final(message: msgspec.Struct) -> bool:
+    """The last message a router gets about a request from this worker."""
+    if isinstance(message, protocol.TokenOutput):
+        return message.finished
+    if isinstance(message, protocol.ReserveReply):
+        return not message.ok
+    return isinstance(message, protocol.RequestFailed)

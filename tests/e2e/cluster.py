@@ -26,6 +26,7 @@ class Cluster(LocalCluster):
         dtype: str = "float32",
         engine_flags: tuple[str, ...] = (),
         router_flags: tuple[str, ...] = (),
+        routers: int = 1,
     ) -> None:
         self.dtype, self.engine_flags = dtype, list(engine_flags)
         workers = [self.spec("prefill", f"prefill-{i}") for i in range(prefill)]
@@ -37,6 +38,7 @@ class Cluster(LocalCluster):
             log_dir=tmp,
             env={"OMP_NUM_THREADS": "1"},
             startup_timeout_s=180,
+            num_routers=routers,
         )
 
     def spec(self, role: str, name: str, extra: tuple[str, ...] = ()) -> WorkerSpec:

@@ -145,11 +145,13 @@ def test_prefill_policies(registry: Registry) -> None:
     ll = PrefillPolicy("least_loaded")
     registry.get("p0").queued_prefill_tokens = 500
     registry.get("p1").queued_prefill_tokens = 300
-    # A heartbeat's count is not the load: the router counts from dispatch.
+    # The router counts from dispatch; a worker reporting more has load other routers placed
     registry.get("p1").heartbeat = hb("p1", queued=900)
     registry.get("p2").queued_prefill_tokens = 100
+    registry.get("p2").heartbeat = hb("p2", queued=40)  # less than this router's own count
     assert ll.pick(workers, [1]).worker_id == "p2"
-    assert ll.pick(workers, [1], exclude={"p2"}).worker_id == "p1"
+    assert ll.pick(workers, [1], exclude={"p2"}).worker_id == "p0"
+    assert registry.get("p1").prefill_load == 900 and registry.get("p2").prefill_load == 100
     assert PrefillPolicy("prefix").pick(workers, [1]).worker_id == "p2"
     assert ll.pick(workers, [1], exclude={"p0", "p1", "p2"}) is None
     with pytest.raises(ValueError):

@@ -1,0 +1,85 @@
+"""common/runtime/router_link.py and a worker serving several routers (WorkerBase's links).
+
+Router addresses from --router; a real decode worker registered with two real routers (in this
+process): both route to it, each gets only its own requests' tokens, and when one router goes
+away the worker aborts that router's requests (their blocks come back) and keeps serving the other.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import zmq
+
+from common.runtime.router_link import resolve_routers
+from decode.worker import DecodeWorker
+from tests.common.engine.test_engine import make_engine
+from tests.router.fake_worker import RouterThread
+
+
+def test_router_addresses_from_a_list_and_host_names() -> None:
+    spec = "tcp://127.0.0.1:8001, tcp://localhost:8002,tcp://127.0.0.1:8001,ipc:///tmp/r"
+    want = ["tcp://127.0.0.1:8001", "tcp://127.0.0.1:8002", "ipc:///tmp/r"]
+    assert resolve_routers(spec) == want
+    assert resolve_routers("tcp://[::1]:9") == ["tcp://[::1]:9"]
+    assert resolve_routers("tcp://no-such-router.invalid:8001") == []  # tried again later
+
+
+def wait(condition, timeout_s: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
+def test_a_worker_serves_two_routers_and_outlives_one(tiny_llama) -> None:
+    hf_model, _ = tiny_llama
+    a, b = RouterThread(model="tiny", colocated=True), RouterThread(model="tiny", colocated=True)
+    ctx = zmq.Context()
+    worker = DecodeWorker(
+        make_engine(hf_model), f"{a.control},{b.control}", "decode-2r", "tcp://127.0.0.1:*",
+        context=ctx,
+    )  # fmt: skip
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    try:
+        for router in (a, b):
+            wait(lambda r=router: r.server.registry.get("decode-2r") is not None)
+        body = {"model": "tiny", "prompt": [5, 6, 7, 8, 9], "max_tokens": 12, "temperature": 0}
+        body["ignore_eos"] = True
+        texts = [httpx.post(r.url + "/v1/completions", json=body, timeout=30) for r in (a, b)]
+        assert [t.status_code for t in texts] == [200, 200]
+        assert texts[0].json()["choices"][0]["text"] == texts[1].json()["choices"][0]["text"]
+        # a long stream through a, then a goes away: its request is aborted on the worker
+        long_body = {**body, "max_tokens": 400, "stream": True}
+        got_first = threading.Event()
+
+        def stream_through_a() -> None:
+            url = a.url + "/v1/completions"
+            try:
+                with httpx.stream("POST", url, json=long_body, timeout=30) as r:
+                    for _ in r.iter_lines():
+                        got_first.set()
+            except httpx.HTTPError:
+                pass  # the router went away mid-stream
+
+        client = threading.Thread(target=stream_through_a, daemon=True)
+        client.start()
+        assert got_first.wait(15)
+        assert len(worker.origin) == 1
+        a.stop()
+        wait(lambda: not worker.engine.has_unfinished() and not worker.origin)
+        assert worker.engine.pool.num_free == worker.engine.pool.num_blocks  # blocks came back
+        # b still serves, with the same greedy text as before
+        again = httpx.post(b.url + "/v1/completions", json=body, timeout=30)
+        assert again.status_code == 200
+        assert again.json()["choices"][0]["text"] == texts[1].json()["choices"][0]["text"]
+        client.join(10)
+    finally:
+        worker.running = False
+        thread.join(10)
+        worker.close()
+        b.stop()
+        ctx.term()
