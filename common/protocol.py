@@ -10,7 +10,8 @@ Sockets (all ZeroMQ):
   identity the `Register` names: the router takes a worker's messages from those two connections
   only). Router -> worker: `Reserve`,
   `Prefill`, `Generate`, `Abort`. Worker -> router: `RegisterAck` replies, `ReserveReply`,
-  `TokenOutput`, `RequestFailed`, `KVEvents` (prefix-cache changes; the router may answer
+  `TokenBatch` (a decode step's `TokenOutput`s for this router, one frame; a lone `TokenOutput`
+  is still accepted), `RequestFailed`, `KVEvents` (prefix-cache changes; the router may answer
   `KVResync`). For leak checks the router may send `BlockBooksQuery`; the worker answers
   `BlockBooksReply` (where each of its KV blocks is).
 - kv: each decode worker binds a ROUTER socket at its `kv_address`; prefill workers connect DEALERs
@@ -18,8 +19,8 @@ Sockets (all ZeroMQ):
 
 Path of one disaggregated request: router -> decode `Reserve` -> `ReserveReply` -> router -> prefill
 `Prefill` -> prefill computes, sends `KVHeader` + KV to decode -> decode `KVAck` -> decode streams
-`TokenOutput` to the router. Colocated / short prompts: router -> decode `Generate` ->
-`TokenOutput`.
+`TokenBatch`es (one per step) to the router. Colocated / short prompts: router -> decode
+`Generate` -> `TokenBatch`es.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from msgspec import Meta
 
 from common.sampling_params import MAX_PROMPT_LOGPROB_TOKENS, MAX_TOP_LOGPROBS, SamplingParams
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6  # 6: TokenBatch (a v5 router cannot read a v6 worker's tokens)
 MAX_CONTROL_MESSAGE_BYTES = 64 * 2**20  # a 128k-token prompt of int ids fits with room to spare
 # Messages that are small by nature have a smaller limit, checked from the tag before decoding: a
 # 40 MiB heartbeat would otherwise stall the router's event loop while it is decoded.
@@ -215,6 +216,21 @@ class TokenOutput(msgspec.Struct, tag="tokens", forbid_unknown_fields=True):
     prompt_logprobs: PromptLogprobs | None = None
 
 
+# Requests one decode step may report in one `TokenBatch` (a step runs far fewer sequences);
+# the frame's byte limit (MAX_CONTROL_MESSAGE_BYTES) bounds the rest while decoding.
+MAX_TOKEN_BATCH_OUTPUTS = 65536
+
+
+class TokenBatch(msgspec.Struct, tag="token_batch", forbid_unknown_fields=True):
+    """Decode -> router: one step's `TokenOutput`s of the requests this router sent, one frame.
+
+    The router decodes it once and hands each request its tokens without a wake-up per token;
+    outputs of one request keep their order within and across batches.
+    """
+
+    outputs: Annotated[list[TokenOutput], Meta(max_length=MAX_TOKEN_BATCH_OUTPUTS)]
+
+
 class RequestFailed(msgspec.Struct, tag="failed", forbid_unknown_fields=True):
     """Any worker -> router: this request cannot complete (its blocks are already released)."""
 
@@ -297,6 +313,7 @@ ControlMessage = (
     | Generate
     | Abort
     | TokenOutput
+    | TokenBatch
     | RequestFailed
     | KVEvents
     | KVResync

@@ -3,7 +3,9 @@
 Owns `Admission`, the count of requests between arrival and dispatch (reading the body,
 tokenizing, waiting in the dispatcher's queue for a decode worker) and the refusal beyond
 `--max-waiting-requests`: a 429 with `Retry-After`, decided before the body is even read, so an
-overloaded router sheds load cheaply instead of queueing without bound. Also `WaitingLine`, the
+overloaded router sheds load cheaply instead of queueing without bound. The same 429 answers new
+work while the token relay is overloaded (`router.relay.RelayBudget`: more tokens buffered for
+readers that cannot keep up than `--max-buffered-tokens`), until it drains. Also `WaitingLine`, the
 first-come-first-served order in which `router.dispatch` lets waiting flights pick a decode worker.
 The counts are shown by `router.metrics`. `Admission` is called by `router.app` around each
 generation request.
@@ -19,6 +21,7 @@ from contextlib import contextmanager
 
 from common.aio import wait_for
 from common.api.requests import RequestError
+from router.relay import RelayBudget
 
 RETRY_AFTER_S = 1  # what a refused client is told to wait: the queue moves in well under that
 
@@ -26,30 +29,42 @@ RETRY_AFTER_S = 1  # what a refused client is told to wait: the queue moves in w
 class Admission:
     """Counts waiting requests; `admit` refuses beyond `max_waiting` (0 = no limit)."""
 
-    def __init__(self, max_waiting: int = 0) -> None:
+    def __init__(self, max_waiting: int = 0, relay: RelayBudget | None = None) -> None:
         if max_waiting < 0:
             raise ValueError("--max-waiting-requests must be >= 0 (0 = no limit)")
         self.max_waiting = max_waiting
+        self.relay = relay if relay is not None else RelayBudget()
         self.num_waiting = 0  # admitted requests not yet dispatched to a worker
         self.num_rejected = 0  # requests refused with a 429, since start
 
     @contextmanager
     def admit(self) -> Iterator[None]:
-        """Count the request as waiting while the block runs; RequestError 429 when full."""
+        """Count the request as waiting while the block runs; RequestError 429 when full, or
+        while the relay is overloaded."""
         if self.max_waiting and self.num_waiting >= self.max_waiting:
-            self.num_rejected += 1
-            raise RequestError(
+            raise self._refuse(
                 f"the server has {self.num_waiting} requests waiting (--max-waiting-requests "
-                f"{self.max_waiting}); retry after {RETRY_AFTER_S} s",
-                code=429,
-                type="rate_limit_exceeded",
-                headers={"Retry-After": str(RETRY_AFTER_S)},
+                f"{self.max_waiting})"
+            )
+        if self.relay.overloaded:
+            raise self._refuse(
+                f"the server holds {self.relay.num_tokens} tokens its clients have not read yet "
+                f"(--max-buffered-tokens {self.relay.max_tokens})"
             )
         self.num_waiting += 1
         try:
             yield
         finally:
             self.num_waiting -= 1
+
+    def _refuse(self, why: str) -> RequestError:
+        self.num_rejected += 1
+        return RequestError(
+            f"{why}; retry after {RETRY_AFTER_S} s",
+            code=429,
+            type="rate_limit_exceeded",
+            headers={"Retry-After": str(RETRY_AFTER_S)},
+        )
 
 
 class WaitingLine:

@@ -5,8 +5,9 @@ Owns the endpoints: `POST /v1/completions` and `POST /v1/chat/completions` (stre
 audit, for leak checks), `POST /tokenize`, `POST /detokenize`, and FastAPI's `/openapi.json` and
 `/docs` (request schemas from `common.api.schemas`); optional Bearer auth on every endpoint but
 `/health` (and `/metrics` with `--metrics-without-key`); the body size limit (413); admission
-control (`router.admission`, 429); and the rule that every error is an OpenAI error body (bad input
-is a 4xx, never a 500). Request validation comes from `common.api.body`, `common.api.requests` and
+control (`router.admission`, 429: too many requests waiting, or too many tokens buffered for slow
+readers); and the rule that every error is an OpenAI error body (bad input is a 4xx, never a
+500). Request validation comes from `common.api.body`, `common.api.requests` and
 `common.api.prompts`, the choices are `common.api.choice.Choice`s, bodies come from
 `common.api.responses`, streaming from `router.streaming`; workers are reached only through
 `router.dispatch`.
@@ -349,7 +350,10 @@ async def _generate(state: RouterState, request: Request, url: str) -> Response:
                 for k, params in enumerate(choice_params(inp.params, gen.n))
             ]
             job = Job(
-                state.dispatcher, response_id, [(c.prompt_token_ids, c.params) for c in choices]
+                state.dispatcher,
+                response_id,
+                [(c.prompt_token_ids, c.params) for c in choices],
+                state.admission.relay,
             )
             try:
                 await job.start()

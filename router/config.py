@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from common.protocol import HEARTBEAT_TIMEOUT_S
+from router.relay import MAX_BUFFERED_TOKENS, MAX_REQUEST_BUFFERED_TOKENS
 
 
 @dataclass
@@ -35,6 +36,8 @@ class RouterConfig:
     queue_timeout_s: float = 10.0
     max_queue_wait_s: float = 120.0
     max_waiting_requests: int = 0
+    max_buffered_tokens: int = MAX_BUFFERED_TOKENS
+    max_request_buffered_tokens: int = MAX_REQUEST_BUFFERED_TOKENS
     max_body_bytes: int = 32 * 2**20
     reserve_timeout_s: float = 5.0
     prefill_deadline_s: float = 120.0
@@ -77,6 +80,10 @@ HELP = {
     "prompt found no free KV blocks): then it waits up to this long",
     "max_waiting_requests": "requests that may wait in the router (tokenizing or queued for a "
     "decode worker) before new ones get a 429 with Retry-After (0 = no limit)",
+    "max_buffered_tokens": "tokens the router may hold for clients that have not read them yet "
+    "(slow readers); beyond it new requests get a 429 until half of it has drained",
+    "max_request_buffered_tokens": "tokens one request may have waiting for its client; beyond it "
+    "the request is aborted with an error (a stream whose client stopped reading)",
     "max_body_bytes": "largest request body; a larger one gets a 413",
     "reserve_timeout_s": "longest to wait for a decode worker's reservation reply",
     "prefill_deadline_s": "time a prefill worker has to deliver a prompt's KV",

@@ -92,27 +92,46 @@ class ControlPlane:
                 log.exception("failing over %s's requests failed", worker.worker_id)
 
     async def receive_loop(self) -> None:
-        from common.protocol import MAX_CONTROL_MESSAGE_BYTES, ProtocolError, decode_control
+        import zmq
 
         assert self.sock is not None
+        # Waiting on the asyncio socket costs a future and a loop turn per message: after each
+        # wake-up, whatever else has arrived is read without waiting (bounded, so that HTTP
+        # streams get their turn), through a plain socket sharing the same one.
+        nowait = zmq.Socket.shadow(self.sock.underlying)
         while True:
-            frames = await self.sock.recv_multipart(copy=False)
-            if len(frames) != 2:
-                log.warning("dropping a control message of %d frames", len(frames))
-                continue
-            identity, frame = frames[0].bytes, frames[1].buffer
-            limit = MAX_CONTROL_MESSAGE_BYTES
-            if len(frame) > self.MAX_SMALL_BYTES:
-                limit = self._limit(identity, frame)
-            try:
-                msg = decode_control(frame, limit)
-            except ProtocolError as e:
-                log.warning("dropping a bad control frame: %s", e)
-                continue
-            try:
-                self.on_message(identity, msg)
-            except Exception:  # one bad message must not stop the control loop
-                log.exception("handling %s failed", type(msg).__name__)
+            self._receive(await self.sock.recv_multipart(copy=False))
+            for _ in range(self.MAX_MESSAGES_PER_WAKEUP):
+                try:
+                    frames = nowait.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                self._receive(frames)
+            else:
+                await asyncio.sleep(0)  # a ready socket's await does not yield: let others run
+
+    MAX_MESSAGES_PER_WAKEUP = 256
+
+    def _receive(self, frames: list) -> None:
+        """Decode one worker message and handle it; a bad one is dropped with a warning."""
+        from common.protocol import MAX_CONTROL_MESSAGE_BYTES, ProtocolError, decode_control
+
+        if len(frames) != 2:
+            log.warning("dropping a control message of %d frames", len(frames))
+            return
+        identity, frame = frames[0].bytes, frames[1].buffer
+        limit = MAX_CONTROL_MESSAGE_BYTES
+        if len(frame) > self.MAX_SMALL_BYTES:
+            limit = self._limit(identity, frame)
+        try:
+            msg = decode_control(frame, limit)
+        except ProtocolError as e:
+            log.warning("dropping a bad control frame: %s", e)
+            return
+        try:
+            self.on_message(identity, msg)
+        except Exception:  # one bad message must not stop the control loop
+            log.exception("handling %s failed", type(msg).__name__)
 
     MAX_SMALL_BYTES = 2**16  # frames up to this size need no per-worker limit
 

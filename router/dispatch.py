@@ -5,10 +5,11 @@ moves it: pick a decode worker; for a long prompt with prefill workers live, `Re
 worker, then `Prefill` on a prefill worker naming that reservation; otherwise `Generate` on the
 decode worker. A refusal (or a reservation that does not come back in time) moves on to the next
 decode worker; when none takes it within the queue timeout the request gets a 503. Worker messages
-come back through `on_message`: `TokenOutput`s go to the flight's queue, `RequestFailed` fails it.
+come back through `on_message`: a `TokenBatch`'s (or a lone `TokenOutput`'s) tokens go to each
+flight's event buffer (`router.relay`), `RequestFailed` fails it.
 A dead decode worker fails its flights; a dead prefill worker's flights that have not started
 decoding go to another prefill worker (or, with none left, prefill on the decode worker itself).
-`router.job.Job` groups the flights of one HTTP request around one event queue.
+`router.job.Job` groups the flights of one HTTP request around one event buffer.
 
 Called by `router.app` (dispatch, release) and by `router.control` (worker messages, worker
 deaths). Single-threaded: everything runs on the router's event loop.
@@ -39,6 +40,7 @@ from common.protocol import (
     RequestFailed,
     Reserve,
     ReserveReply,
+    TokenBatch,
     TokenOutput,
 )
 from common.sampling_params import SamplingParams
@@ -52,6 +54,7 @@ from router.policy import (
     pick_decode_by_prefix,
 )
 from router.registry import Registry, Worker
+from router.relay import EventBuffer
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +81,7 @@ class Flight:
     index: int  # the choice's index in the response
     prompt_token_ids: list[int]
     params: SamplingParams
-    events: asyncio.Queue[Event]
+    events: EventBuffer  # its job's: the reader takes every event there at once
     attempt: int = 0  # bumped when the workers must forget an earlier try of this flight
     decode: Worker | None = None  # set from the decode choice until the last token
     prefill: Worker | None = None  # set while a prefill worker owes this flight its KV
@@ -291,8 +294,12 @@ class Dispatcher:
     # ---- worker messages ------------------------------------------------------------------------
 
     def on_message(self, worker: Worker, msg: msgspec.Struct) -> None:
-        """A `ReserveReply`, `TokenOutput` or `RequestFailed` from a registered worker."""
-        if isinstance(msg, ReserveReply):
+        """A `TokenBatch`, `TokenOutput`, `ReserveReply` or `RequestFailed` from a registered
+        worker."""
+        if isinstance(msg, TokenBatch):
+            for out in msg.outputs:
+                self._on_tokens(worker, out)
+        elif isinstance(msg, ReserveReply):
             flight = self.flights.get(msg.request_id)
             future = (
                 flight.reserve_reply if flight is not None and flight.decode is worker else None
@@ -412,4 +419,3 @@ class Dispatcher:
             flight.prefill.num_in_flight -= 1
             flight.prefill.queued_prefill_tokens -= flight.num_prefill_tokens
             flight.prefill = None
-

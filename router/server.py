@@ -53,6 +53,8 @@ def _validate(config: RouterConfig) -> None:
         raise ValueError(f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}")
     if config.max_body_bytes < 1:
         raise ValueError("--max-body-bytes must be >= 1")
+    if config.max_buffered_tokens < 1 or config.max_request_buffered_tokens < 1:
+        raise ValueError("--max-buffered-tokens and --max-request-buffered-tokens must be >= 1")
     if (
         config.prefix_load_weight < 0
         or config.balance_abs_tokens < 0
@@ -78,6 +80,7 @@ class RouterServer:
         from router.metrics import RouterMetrics
         from router.policy import PrefixParams
         from router.registry import Registry
+        from router.relay import RelayBudget
 
         _validate(config)
         self.config = config
@@ -124,7 +127,10 @@ class RouterServer:
             request_timeout_s=config.request_timeout_s,
             created=int(time.time()),
             max_body_bytes=config.max_body_bytes,
-            admission=Admission(config.max_waiting_requests),
+            admission=Admission(
+                config.max_waiting_requests,
+                RelayBudget(config.max_buffered_tokens, config.max_request_buffered_tokens),
+            ),
             tool_call_parser=config.tool_call_parser,
         )
         self.http: uvicorn.Server | None = None

@@ -234,3 +234,31 @@ def test_prompt_logprobs_are_bounded() -> None:
         out = msgspec.structs.replace(build(protocol.TokenOutput), prompt_logprobs=bad)
         with pytest.raises(protocol.ProtocolError, match="length <="):
             protocol.decode_control(protocol.encode(out))
+
+
+def _token_output(rid: str, n: int = 1) -> protocol.TokenOutput:
+    return protocol.TokenOutput(rid, list(range(n)), [], [], False, None, 3, 0)
+
+
+def test_token_batch_carries_a_step_in_order_in_one_frame() -> None:
+    outputs = [_token_output(f"r{i}", i % 3 + 1) for i in range(100)]
+    frame = protocol.encode(protocol.TokenBatch(outputs))
+    assert protocol.message_tag(frame) == "token_batch"
+    decoded = protocol.decode_control(frame)
+    assert isinstance(decoded, protocol.TokenBatch) and decoded.outputs == outputs
+    # a lone TokenOutput (an older worker's, or the first token) is still a message of its own
+    assert protocol.decode_control(protocol.encode(outputs[0])) == outputs[0]
+
+
+def test_token_batch_is_bounded() -> None:
+    too_many = [_token_output("r")] * (protocol.MAX_TOKEN_BATCH_OUTPUTS + 1)
+    with pytest.raises(protocol.ProtocolError, match="length <= 65536"):
+        protocol.decode_control(protocol.encode(protocol.TokenBatch(too_many)))
+    frame = protocol.encode(protocol.TokenBatch([_token_output("r", 1000)] * 10))
+    with pytest.raises(protocol.ProtocolError, match="exceeds the limit"):
+        protocol.decode_control(frame, max_bytes=len(frame) - 1)
+    assert len(protocol.decode_control(frame, max_bytes=len(frame)).outputs) == 10
+    # only token outputs travel in a batch
+    wrong = msgspec.msgpack.encode({"type": "token_batch", "outputs": [protocol.Abort("r")]})
+    with pytest.raises(protocol.ProtocolError):
+        protocol.decode_control(wrong)

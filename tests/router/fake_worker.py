@@ -4,7 +4,8 @@ running in a thread.
 `FakeWorker` is a DEALER (identity = worker id) in a thread of its own that speaks the real control
 protocol: it registers, heartbeats, answers `Reserve` / `Generate` / `Prefill` by emitting
 `TokenOutput` sequences the test controls (by default it echoes the prompt's tokens back; prompt
-logprobs, when asked for, are `fake_prompt_logprobs`), records
+logprobs, when asked for, are `fake_prompt_logprobs`), one message per token or, with
+`batch=True`, each turn's outputs in one `TokenBatch` as the real decode worker sends them; records
 every message it receives, and can be told to refuse, fail, stay silent or die. A fake prefill
 worker "pushes KV" by telling the fake decode worker named in its `Prefill` (through `KV_BUS`,
 keyed by the decode worker's kv address), which then starts emitting tokens. No model weights.
@@ -39,6 +40,7 @@ from common.protocol import (
     RequestFailed,
     Reserve,
     ReserveReply,
+    TokenBatch,
     TokenOutput,
 )
 from common.sampling_params import SamplingParams
@@ -103,7 +105,11 @@ class FakeWorker:
         register: bool = True,
         kv_salt: bytes = b"",  # prefix-key salt; a test sends KVEvents itself (`send`)
         answer_block_books: bool = False,  # reply to BlockBooksQuery with balanced books
+        batch: bool = False,  # each turn's outputs in one TokenBatch, not one message each
+        tokens_per_output: int = 1,  # tokens each output carries (a fast worker's several steps)
     ) -> None:
+        self.batch = batch
+        self.tokens_per_output = tokens_per_output
         self.role, self.worker_id = role, worker_id
         self.reserve_mode, self.generate_mode, self.prefill_mode = reserve, generate, prefill
         self.output_token_ids = output_token_ids
@@ -250,38 +256,50 @@ class FakeWorker:
         self._streams[request_id] = _Stream(request_id, list(tokens), params, list(prompt))
 
     def _emit_due(self, now: float) -> None:
+        outputs = []
         for rid, s in list(self._streams.items()):
             if now < s.next_s:
                 continue
             s.next_s = now + self.token_delay_s
+            out = self._next_output(s)
+            outputs.append(out)
+            if out.finished:
+                del self._streams[rid]
+        if self.batch and outputs:
+            self._send(TokenBatch(outputs))
+        elif not self.batch:
+            for out in outputs:
+                self._send(out)
+
+    def _next_output(self, s: _Stream) -> TokenOutput:
+        """The stream's next `tokens_per_output` tokens (fewer if it finishes first)."""
+        k = s.params.logprobs
+        n_prompt = s.params.prompt_logprobs
+        first = s.num_sent == 0 and n_prompt is not None
+        tokens: list[int] = []
+        finished = stop = False
+        while len(tokens) < self.tokens_per_output and not finished:
             token = s.tokens[s.num_sent % len(s.tokens)]
             s.num_sent += 1
+            tokens.append(token)
             stop = token in s.params.stop_token_ids or (
                 token == self.eos_token_id and not s.params.ignore_eos
             )
             stop = stop and s.num_sent >= s.params.min_tokens
-            length = s.num_sent >= s.params.max_tokens
-            k = s.params.logprobs
-            finished = stop or length
-            n_prompt = s.params.prompt_logprobs
-            first = s.num_sent == 1 and n_prompt is not None
-            self._send(
-                TokenOutput(
-                    request_id=rid,
-                    token_ids=[token],
-                    logprobs=[-0.5] if k is not None else [],
-                    top_logprobs=[[((token + j) % VOCAB, -0.5 - j) for j in range(k)]]
-                    if k is not None
-                    else [],
-                    finished=finished,
-                    finish_reason=("stop" if stop else "length") if finished else None,
-                    num_prompt_tokens=s.num_prompt_tokens,
-                    num_cached_tokens=0,
-                    prompt_logprobs=fake_prompt_logprobs(s.prompt, n_prompt) if first else None,
-                )
-            )
-            if finished:
-                del self._streams[rid]
+            finished = stop or s.num_sent >= s.params.max_tokens
+        return TokenOutput(
+            request_id=s.request_id,
+            token_ids=tokens,
+            logprobs=[-0.5] * len(tokens) if k is not None else [],
+            top_logprobs=[[((t + j) % VOCAB, -0.5 - j) for j in range(k)] for t in tokens]
+            if k is not None
+            else [],
+            finished=finished,
+            finish_reason=("stop" if stop else "length") if finished else None,
+            num_prompt_tokens=s.num_prompt_tokens,
+            num_cached_tokens=0,
+            prompt_logprobs=fake_prompt_logprobs(s.prompt, n_prompt) if first else None,
+        )
 
 
 class RouterThread:

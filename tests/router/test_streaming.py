@@ -40,6 +40,9 @@ class ScriptedJob:
             raise RequestError("the request timed out", code=504, type="timeout")
         return self.events.pop(0)
 
+    async def next_events(self, timeout_s: float) -> list[tuple[int, TokenOutput | FlightFailed]]:
+        return [await self.next_event(timeout_s)]  # one event per wake-up
+
     def finish(self, index: int) -> None:
         self.finished.append(index)
 
@@ -270,3 +273,38 @@ def test_non_streamed_collects_the_same_text(tok: Tokenizer) -> None:
     assert [ch["text"] for ch in body["choices"]] == [" red green blue", " blue"]
     assert body["usage"]["completion_tokens"] == 4
     assert job.finished == [1, 0] and not job.closed  # router.app closes it after the body
+
+
+class TogetherJob(ScriptedJob):
+    """Hands out every scripted event at the first wake-up, as a `TokenBatch` (or a router
+    behind its workers) delivers them."""
+
+    async def next_events(self, timeout_s: float) -> list[tuple[int, TokenOutput | FlightFailed]]:
+        events, self.events = self.events, []
+        return events or [await self.next_event(timeout_s)]
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_events_that_arrive_together_give_the_same_sse(tok: Tokenizer, endpoint: str) -> None:
+    a, b, c = ids(tok, " one two three")
+    if endpoint == "chat":
+        url = "/v1/chat/completions"
+        body = {"messages": [{"role": "user", "content": "Hi"}], "n": 2, "logprobs": True,
+                "top_logprobs": 1, "max_tokens": 3, "stream": True}  # fmt: skip
+    else:
+        url = "/v1/completions"
+        body = {"prompt": [5, 6, 7], "n": 2, "logprobs": 1, "max_tokens": 3, "stream": True}
+    script = [
+        (1, tokens([a, b], logprobs=True)),
+        (0, tokens([a], logprobs=True)),
+        (0, tokens([b], logprobs=True)),
+        (1, tokens([c], "length", logprobs=True)),
+        (0, tokens([c], "length", logprobs=True)),
+    ]
+    texts = []
+    for job in (ScriptedJob(script), TogetherJob(script)):
+        request, choices, prompt_tokens = setup(tok, url, body)
+        texts.append(stream(tok, request, choices, prompt_tokens, job, RouterMetrics(Clock())))
+        assert job.closed
+    assert texts[0] == texts[1]
+    assert texts[1].count("data: {") == (5 + 2 if endpoint == "chat" else 5)
