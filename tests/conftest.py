@@ -32,3 +32,13 @@ def tiny_llama(tmp_path_factory):
     """(HF model, model dir) of the plain Llama family."""
     path = tmp_path_factory.mktemp("llama-single")
     return build_tiny_model("llama", path), path
+
+
+@pytest.fixture(autouse=True)
+def _cpu_activations_default():
+    """An engine sets cpu_quant's process-wide activation mode from its config: every test
+    starts from the default, whatever the one before it built."""
+    from common.kernels import cpu_quant
+
+    cpu_quant.activations = "auto"
+    yield

@@ -11,11 +11,18 @@ Paths, all computing x [M, K] @ W.T for W = the dequantized weight:
              x on, where that GEMM runs ~2x the kernels' FLOP rate.
   int4pack   torch's _weight_int4pack_mm_for_cpu on a repacked copy (int4, power-of-two groups).
   int8pack   torch's _weight_int8pack_mm (int8 per channel only).
+  a8         common.kernels.cpu_qgemm: x quantized to int8 per row and block of 32 columns, exact
+             int32 block sums (VNNI / AVX2), on a copy of the weight repacked into panels. Not
+             exact: off by x's rounding (at most max|x| / 254 per block times the weights' sum).
   dequant    dequantize to x's dtype, then F.linear: the reference.
-`PICK` says which runs for (bits, batch) — chosen from measurements on an AVX2-only host (see the
-report in benchmarks/README.md); a path that does not apply falls through to the next candidate.
-`PDSERVE_CPU_QUANT_KERNEL=c|int4pack|int8pack|dequant` forces one where it applies (tests use it;
-read when a layer first meets a batch size). Called by
+`PICK` says which runs for (bits, batch) — chosen from measurements (see the reports in
+benchmarks/README.md); a path that does not apply falls through to the next candidate.
+`activations` (int8 | float | auto, set from EngineConfig.cpu_activations by the model runner
+through `set_activations`) says whether "a8" may run: int8 wherever it applies, float never (the
+other paths, exactly as before it existed), auto where PICK lists it and the kernel was built with
+VNNI or AVX2 (not its portable C).
+`PDSERVE_CPU_QUANT_KERNEL=c|int4pack|int8pack|a8|dequant` forces one where it applies, whatever
+`activations` says (tests use it; read when a layer first meets a batch size). Called by
 `common.model.quant.QuantLinear`.
 """
 
@@ -30,6 +37,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from common.kernels import cpu_qgemm
 from common.kernels.cbuild import REDUCTION_FLAGS, CLibrary
 from common.kernels.cpu_gemm import MIN_ROWS, tiled_matmul
 
@@ -41,16 +49,22 @@ log = logging.getLogger(__name__)
 _SOURCE = Path(__file__).parent / "csrc" / "quant_matmul.c"
 _FLAGS = ["-O3", *REDUCTION_FLAGS, "-fopenmp"]  # never -ffast-math: cbuild
 
+A8_MIN_ROWS = 2  # auto: int8 activations from this batch on (below: the C decode layers' kernel)
 # Candidates per (bits, batch upper bound), fastest first as measured; the first that applies runs.
+# "a8" runs only where `activations` allows it; without it the lists are the float paths' own.
 PICK: list[tuple[int, int, tuple[str, ...]]] = [
     (4, 1, ("c", "int4pack", "dequant")),
-    (4, MIN_ROWS - 1, ("int4pack", "c", "dequant")),
-    (4, 1 << 30, ("f32tiles", "int4pack", "c", "dequant")),
-    (8, 8, ("c", "int8pack", "dequant")),
-    (8, MIN_ROWS - 1, ("int8pack", "c", "dequant")),  # int8pack: per channel only; groups -> c
-    (8, 1 << 30, ("f32tiles", "int8pack", "c", "dequant")),
+    (4, A8_MIN_ROWS - 1, ("int4pack", "c", "dequant")),
+    (4, MIN_ROWS - 1, ("a8", "int4pack", "c", "dequant")),
+    (4, 1 << 30, ("a8", "f32tiles", "int4pack", "c", "dequant")),
+    (8, A8_MIN_ROWS - 1, ("c", "int8pack", "dequant")),
+    (8, 8, ("a8", "c", "int8pack", "dequant")),
+    (8, MIN_ROWS - 1, ("a8", "int8pack", "c", "dequant")),  # int8pack: per channel only
+    (8, 1 << 30, ("a8", "f32tiles", "int8pack", "c", "dequant")),
 ]
-PATHS = ("c", "f32tiles", "int4pack", "int8pack", "dequant")
+PATHS = ("c", "f32tiles", "int4pack", "int8pack", "a8", "dequant")
+ACTIVATION_MODES = ("auto", "int8", "float")
+activations = "auto"  # see the module docstring; set_activations changes it
 # torch's packed kernels take float32 activations through a slow path: 20-45x slower than the C
 # kernel at batch 8-64 on an AVX2 host (1536x576, int4pack 17 ms vs 0.57 ms at batch 16), so
 # float32 models never pick them unless forced.
@@ -67,6 +81,22 @@ _LIB = CLibrary(
     },
     "the CPU quantized matmul",
 )
+
+
+def set_activations(mode: str) -> None:
+    """int8 | float | auto: whether quantized layers may take int8 activations (the "a8" path)
+    from now on (each layer's cached choices are keyed by it)."""
+    global activations
+    if mode not in ACTIVATION_MODES:
+        raise ValueError(f"cpu activations must be one of {ACTIVATION_MODES}, not {mode!r}")
+    activations = mode
+
+
+def int8_activations() -> bool:
+    """Whether `activations` lets the a8 path run on this host."""
+    if activations == "float" or not cpu_qgemm.available():
+        return False
+    return activations == "int8" or cpu_qgemm.isa() != "portable"
 
 
 def c_available() -> bool:
@@ -87,6 +117,13 @@ def applies(path: str, layer: QuantLinear, x: torch.Tensor) -> bool:
     if path == "int4pack":
         g = layer.group_size
         return layer.bits == 4 and g in (32, 64, 128, 256) and x.dtype in _TORCH_DTYPES
+    if path == "a8":
+        return (
+            layer.scale.dtype in (torch.float32, torch.bfloat16)
+            and x.dtype in (torch.float32, torch.bfloat16)
+            and cpu_qgemm.supports(layer.bits, layer.group_size, layer.in_features)
+            and cpu_qgemm.available()
+        )
     if path == "int8pack":
         return (
             layer.bits == 8
@@ -107,11 +144,16 @@ def choose(layer: QuantLinear, x: torch.Tensor) -> str:
             raise ValueError(f"PDSERVE_CPU_QUANT_KERNEL must be one of {PATHS}, not {forced!r}")
         if applies(forced, layer, x):
             return forced  # else the usual choice: forcing int8pack must not break int4 layers
+    int8 = int8_activations()
+    if int8 and activations == "int8" and applies("a8", layer, x):
+        return "a8"
     m = x.shape[0]
     for bits, max_m, candidates in PICK:
         if bits == layer.bits and m <= max_m:
             for path in candidates:
                 if x.dtype == torch.float32 and path in _SLOW_IN_FLOAT32:
+                    continue
+                if path == "a8" and not int8:
                     continue
                 if applies(path, layer, x):
                     return path
@@ -119,10 +161,10 @@ def choose(layer: QuantLinear, x: torch.Tensor) -> str:
 
 
 def path_for(layer: QuantLinear, x: torch.Tensor) -> str:
-    """The path `choose` picks for x's batch size and dtype, kept on the layer (so the
-    environment variable counts when a layer first meets a batch size): this runs ~120 times a
-    decode step, where Python overhead is a visible share of the step."""
-    key = (x.shape[0], x.dtype)
+    """The path `choose` picks for x's batch size, dtype and `activations`, kept on the layer (so
+    the environment variable counts when a layer first meets a batch size): this runs ~120 times
+    a decode step, where Python overhead is a visible share of the step."""
+    key = (x.shape[0], x.dtype, activations)
     path = layer.cpu_paths.get(key)
     if path is None:
         path = layer.cpu_paths[key] = choose(layer, x)
@@ -136,6 +178,11 @@ def quant_matmul(x: torch.Tensor, layer: QuantLinear) -> torch.Tensor:
         return _c_matmul(x, layer)
     if path == "f32tiles":
         return _f32tiles_matmul(x, layer)
+    if path == "a8":
+        packed = layer.cpu_cache.get("a8")
+        if packed is None:
+            packed = layer.cpu_cache["a8"] = cpu_qgemm.pack(layer.qt)
+        return cpu_qgemm.matmul_a8(x, packed)
     if path == "int4pack":
         packed, scale_zero = _prepared(layer, x.dtype, _prepare_int4pack)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(

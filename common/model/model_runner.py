@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from common.config import EngineConfig, parse_size
+from common.kernels import cpu_quant
 from common.kernels.attention import AttentionMetadata, Row, build_batch
 from common.model.llama import CausalLM, head_dim_of
 
@@ -64,6 +65,7 @@ class ModelRunner:
         self.block_size = config.block_size
         if config.num_threads > 0:
             torch.set_num_threads(config.num_threads)
+        cpu_quant.set_activations(config.cpu_activations)  # process-wide: one model per process
         backend = config.attention_backend
         if backend == "auto":
             backend = "triton" if self.device.type == "cuda" else "torch"
