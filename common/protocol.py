@@ -32,7 +32,7 @@ from msgspec import Meta
 
 from common.sampling_params import MAX_PROMPT_LOGPROB_TOKENS, MAX_TOP_LOGPROBS, SamplingParams
 
-PROTOCOL_VERSION = 6  # 6: TokenBatch (a v5 router cannot read a v6 worker's tokens)
+PROTOCOL_VERSION = 7  # 6: TokenBatch (a v5 router cannot read v6 tokens); 7: KVAck.recompute
 MAX_CONTROL_MESSAGE_BYTES = 64 * 2**20  # a 128k-token prompt of int ids fits with room to spare
 # Messages that are small by nature have a smaller limit, checked from the tag before decoding: a
 # 40 MiB heartbeat would otherwise stall the router's event loop while it is decoded.
@@ -301,6 +301,9 @@ class KVAck(msgspec.Struct, tag="kv_ack", forbid_unknown_fields=True):
     request_id: str
     ok: bool
     reason: str = ""
+    # The KV arrived damaged (checksum, truncation) and the receiver computes it itself instead:
+    # the request goes on there, so the sender reports no failure to the router.
+    recompute: bool = False
 
 
 ControlMessage = (

@@ -67,6 +67,7 @@ class DecodeWorker(WorkerBase):
         self.receiver = KVReceiver(
             engine.runner.kv_cache, bind=kv_bind, context=self.context, keys=keys
         )
+        self.receiver.recompute_damaged = True  # damaged KV: prefill here, never fail or use it
         address = self.receiver.address
         if kv_advertise_host:
             port = address.rsplit(":", 1)[1]
@@ -74,11 +75,13 @@ class DecodeWorker(WorkerBase):
         self.kv_address = address
         self.reserved_until: dict[str, float] = {}  # request id -> when its KV is overdue
         self.kv_bytes = 0
+        self.kv_recomputed = 0  # transfers that arrived damaged and were prefilled here
 
     def counters(self) -> dict[str, float]:
         return {
             "kv_transfer_failures_total": self.kv_failures,
             "kv_transfer_received_bytes_total": self.kv_bytes,
+            "kv_transfer_recomputed_total": self.kv_recomputed,
         }
 
     def is_idle(self) -> bool:
@@ -87,7 +90,7 @@ class DecodeWorker(WorkerBase):
     def step(self) -> None:
         """Write arrived KV, drop overdue reservations, run one engine step."""
         for received in self.receiver.poll(self._resolve):
-            self._on_kv(received.header, received.ok, received.reason)
+            self._on_kv(received.header, received.ok, received.reason, received.damaged)
         self._expire_reservations()
         if self.engine.has_unfinished():
             self.send_token_outputs([token_output(out) for out in self.engine.step()])
@@ -135,11 +138,17 @@ class DecodeWorker(WorkerBase):
             return None
         return blocks[header.start_block : end]
 
-    def _on_kv(self, header: KVHeader, ok: bool, reason: str) -> None:
+    def _on_kv(self, header: KVHeader, ok: bool, reason: str, damaged: bool = False) -> None:
         rid = header.request_id
         if rid not in self.engine.reserved:
             return  # aborted meanwhile, or never ours: the receiver already refused it
         self.reserved_until.pop(rid, None)
+        if not ok and damaged:  # never decoded from bad KV: computed here instead
+            log.warning("KV of %s arrived damaged (%s): prefilling it here", rid, reason)
+            self.kv_failures += 1
+            self.kv_recomputed += 1
+            self.engine.prefill_reserved(rid)
+            return
         if not ok:
             self.kv_failures += 1
             self.engine.abort(rid)

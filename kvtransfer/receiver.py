@@ -46,10 +46,16 @@ class ReceivedKV:
     header: KVHeader
     ok: bool
     reason: str
+    damaged: bool = False  # refused because the bytes did not arrive as sent (checksum, length)
 
 
 class _Refused(Exception):
     """A transfer that must not be written; the message is the reason sent back."""
+
+
+class _Damaged(_Refused):
+    """The payload's bytes are not those sent (checksum mismatch, truncated): a link or memory
+    fault, not a wrong request. Never written; the receiver may recompute the KV."""
 
 
 class KVReceiver:
@@ -67,6 +73,8 @@ class KVReceiver:
         push KV here, and the tcp payloads travel encrypted."""
         payload.kv_layout(kv_cache)  # asserts the cache layout
         self.kv_cache = kv_cache
+        # Set by a receiver that recomputes damaged KV itself (the decode worker): acks say so
+        self.recompute_damaged = False
         self._own_context = context is None
         self.context = context if context is not None else zmq.Context()
         self.socket = self.context.socket(zmq.ROUTER)
@@ -117,23 +125,25 @@ class KVReceiver:
         if not isinstance(header, KVHeader):
             log.warning("dropped an unexpected %s on the kv socket", type(header).__name__)
             return None
+        damaged = False
         try:
             self._receive(header, body[1:], resolve)
             reason = ""
         except _Refused as exc:
-            reason = str(exc)
+            reason, damaged = str(exc), isinstance(exc, _Damaged)
         except Exception as exc:  # a bug or a broken resolve must not take the receiver down
             # The traceback as text: a record holding the frames would keep a segment mapped.
             log.error("kv transfer of %s failed:\n%s", header.request_id, traceback.format_exc())
             reason = f"receiver error: {exc}"
         if reason:
             log.warning("refused kv of %s: %s", header.request_id, reason)
-        ack = KVAck(header.request_id, ok=not reason, reason=reason)
+        recompute = damaged and self.recompute_damaged
+        ack = KVAck(header.request_id, ok=not reason, reason=reason, recompute=recompute)
         try:
             self.socket.send_multipart([identity, encode(ack)], flags=zmq.NOBLOCK)
         except zmq.ZMQError:
             pass  # the sender is gone or not reading; its deadline will end the transfer
-        return ReceivedKV(header, not reason, reason)
+        return ReceivedKV(header, not reason, reason, damaged)
 
     def _receive(self, header: KVHeader, frames: list[zmq.Frame], resolve) -> None:
         """Validate and write one transfer; _Refused when it must not be written."""
@@ -150,7 +160,7 @@ class KVReceiver:
                 raise _Refused(f"expected one payload frame, got {len(frames)}")
             buffer = frames[0].buffer
             if len(buffer) != header.nbytes:
-                raise _Refused(f"truncated payload: {len(buffer)} of {header.nbytes} bytes")
+                raise _Damaged(f"truncated payload: {len(buffer)} of {header.nbytes} bytes")
             dst = self._destination(header, resolve)
             self._write(header, buffer, dst)
         elif header.transport == "shm":
@@ -194,7 +204,7 @@ class KVReceiver:
         """Checksum the whole payload, then (only then) copy it into the cache."""
         checksum = payload.crc32(buffer)
         if checksum != header.checksum:
-            raise _Refused(f"checksum mismatch: {checksum:#010x} != {header.checksum:#010x}")
+            raise _Damaged(f"checksum mismatch: {checksum:#010x} != {header.checksum:#010x}")
         if header.nbytes:
             payload.scatter(self.kv_cache, dst, payload.from_bytes(buffer, header))
 

@@ -48,6 +48,7 @@ class TransferResult:
     reason: str
     nbytes: int
     seconds: float
+    recompute: bool = False  # it failed, but the receiver computes the KV itself (KVAck)
 
 
 @dataclass
@@ -191,7 +192,7 @@ class KVSender:
         transfer = self._pending.get(ack.request_id)
         if transfer is None or transfer.address != address:
             return  # a late ack for a transfer that already ended (deadline or abort)
-        self._finish(ack.request_id, ack.ok, ack.reason, replied=True)
+        self._finish(ack.request_id, ack.ok, ack.reason, replied=True, recompute=ack.recompute)
 
     def abort(self, request_id: str) -> None:
         """End a transfer now (result 'aborted' on the next poll); unknown ids are ignored."""
@@ -201,7 +202,9 @@ class KVSender:
     def num_pending(self) -> int:
         return len(self._pending)
 
-    def _finish(self, request_id: str, ok: bool, reason: str, replied: bool = False) -> None:
+    def _finish(
+        self, request_id: str, ok: bool, reason: str, replied: bool = False, recompute: bool = False
+    ) -> None:
         transfer = self._pending.pop(request_id)
         if transfer.segment is not None:
             # Only a reply proves the receiver is done reading: else it may be reading still.
@@ -210,7 +213,8 @@ class KVSender:
             else:
                 self.segments.discard(transfer.segment)
         seconds = time.monotonic() - transfer.started
-        self._done.append(TransferResult(request_id, ok, reason, transfer.header.nbytes, seconds))
+        nbytes = transfer.header.nbytes
+        self._done.append(TransferResult(request_id, ok, reason, nbytes, seconds, recompute))
         if not ok and reason in ("deadline", "aborted"):
             self._drop_idle_peer(transfer.address)
 

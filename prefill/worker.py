@@ -81,8 +81,12 @@ class PrefillWorker(WorkerBase):
                 self.kv_seconds.observe(result.seconds)
             elif job is not None:
                 self.kv_failures += 1
-                failed = RequestFailed(result.request_id, "transfer", result.reason)
-                self.reply(result.request_id, failed)
+                if result.recompute:  # damaged on the way: the decode worker recomputes it
+                    log.warning("KV of %s arrived damaged (%s): the decode worker recomputes it",
+                                result.request_id, result.reason)  # fmt: skip
+                else:
+                    failed = RequestFailed(result.request_id, "transfer", result.reason)
+                    self.reply(result.request_id, failed)
             self.forget(result.request_id)  # done here: the decode worker has it, or it failed
 
     def handle(self, message: protocol.ControlMessage) -> None:

@@ -269,6 +269,15 @@ class Engine:
         self.scheduler.add(seq)
         return self._append_tokens(seq, [SampleResult(token_id, logprob, top_logprobs)])
 
+    def prefill_reserved(self, request_id: str) -> None:
+        """Compute a reserved prompt here after all (its KV arrived damaged and was never
+        written): it prefills in its reserved blocks, from its prefix-cache hit on, and samples
+        its first token with its own generator, the same as the prefill side would have."""
+        seq = self.reserved.pop(request_id)
+        seq.num_computed_tokens = seq.num_cached_tokens
+        self.seqs[request_id] = seq
+        self.scheduler.add(seq)
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 

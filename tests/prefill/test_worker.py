@@ -177,6 +177,29 @@ def test_refused_transfer_fails_the_request_and_frees_the_blocks(harness) -> Non
     harness.assert_all_released()
 
 
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_damaged_kv_the_receiver_recomputes_is_no_failure_of_the_request(
+    harness, transport, monkeypatch
+) -> None:
+    from types import SimpleNamespace
+
+    from kvtransfer import payload
+    from kvtransfer import sender as sender_module
+
+    # the sender's checksum is off by a bit: to the receiver, as if a byte flipped on the way
+    damaged = SimpleNamespace(**vars(payload))
+    damaged.crc32 = lambda data: payload.crc32(data) ^ 1
+    monkeypatch.setattr(sender_module, "payload", damaged)
+    harness.receiver.recompute_damaged = True  # as the decode worker's receiver
+    harness.dispatch("dmg", prompts(1, seed=6, lengths=(17,))[0], transport=transport)
+    harness.run_until(lambda: not harness.worker.jobs, blocks_from([1, 2, 3]))
+    assert [(r.ok, r.damaged) for r in harness.received] == [(False, True)]
+    assert harness.router_messages() == []  # the decode worker goes on with it: not a failure
+    assert harness.worker.counters()["kv_transfer_failures_total"] == 1
+    assert harness.worker.origin == {}
+    harness.assert_all_released()
+
+
 def test_deadline_counts_from_receipt(harness) -> None:
     harness.dispatch("slow", prompts(1, seed=7, lengths=(12,))[0], deadline_s=0.0)
     harness.run_until(lambda: not harness.worker.jobs)  # the receiver never reads
