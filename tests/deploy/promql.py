@@ -7,6 +7,10 @@ an aggregation) is a metric name. And `queried_metrics`, which collects them fro
 deploy/grafana/pdserve.json (every target's `expr`), deploy/k8s/autoscaling's
 prometheus-adapter-values.yaml (`seriesQuery`, and `metricsQuery` with `<<.Series>>` filled in) and
 hpa.yaml (each Pods metric, through the adapter rule that names it).
+With several routers every router pod is scraped: `ROUTER_COUNTED` names the series a router
+counts itself (add them up over routers); every other series comes from the workers' heartbeats
+or the registry, the same from each router (take it once: `max`). `combined_over_routers` says
+which of the two an expression does to a metric.
 
 Used by tests/deploy/test_k8s.py (static checks) and test_k8s_cluster.py (each name exists in a
 running cluster's /metrics).
@@ -34,6 +38,33 @@ _NUMBER = re.compile(r"(?<![A-Za-z0-9_:])(?:0x[0-9a-fA-F]+|\d+(?:\.\d*)?(?:[eE][
 _IDENT = re.compile(r"[A-Za-z_:][A-Za-z0-9_:]*")
 _KEYWORDS = {"and", "or", "unless", "bool", "offset", "inf", "nan", "atan2", "by", "without", "on",
              "ignoring", "group_left", "group_right"}  # fmt: skip
+
+
+# What a router counts itself (router.metrics.RouterMetrics and, per worker, its own dispatches).
+ROUTER_COUNTED = {
+    *(f"pdserve:{name}_{suffix}" for name in ("time_to_first_token_seconds",
+      "inter_token_latency_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds")
+      for suffix in ("bucket", "sum", "count")),
+    "pdserve:prompt_tokens_total", "pdserve:generation_tokens_total",
+    "pdserve:request_success_total", "pdserve:request_errors_total",
+    "pdserve:num_requests_running", "pdserve:num_requests_waiting",
+    "pdserve:num_requests_admitted_waiting", "pdserve:num_requests_rejected_total",
+    "pdserve:kv_index_resyncs_total", "pdserve:worker_num_requests_in_flight",
+    "pdserve:prefill_dispatched_total", "pdserve:prefix_routing_matched_tokens_total",
+    "pdserve:prefill_queued_tokens",
+}  # fmt: skip
+
+
+def combined_over_routers(expr: str, metric: str) -> str | None:
+    """How `expr` first aggregates `metric` (directly or over its rate/increase): 'sum', 'max'
+    or None when it reads the metric without an aggregation around it."""
+    m = re.search(
+        r"\b(sum|max)\s*(?:by\s*\([^()]*\)\s*)?\(\s*(?:(?:rate|irate|increase)\s*\(\s*)?"
+        + re.escape(metric)
+        + r"(?![A-Za-z0-9_:])",
+        expr,
+    )
+    return m.group(1) if m else None
 
 
 def metric_names(expr: str) -> set[str]:

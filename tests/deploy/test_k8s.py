@@ -4,9 +4,11 @@ Renders the base, both overlays and the autoscaling kustomization (`kubectl kust
 installed, else tests/deploy/kustomize.py; where kubectl is installed both renderings must agree),
 validates every object against a current Kubernetes version's schemas (kubernetes-validate; the
 ServiceMonitor is a CRD with no schema there and is checked structurally instead), and checks what
-the deployment relies on: workers reach the router through its control Service, advertise their
-pod IP, are named after their pod (which the prometheus-adapter rules rely on), have probes on the
-health endpoint, and get a grace period that covers their drain.
+the deployment relies on: several routers, replaced one at a time and kept through node drains;
+workers reach every router through the headless control Service, advertise their pod IP, are named
+after their pod (which the prometheus-adapter rules rely on), have probes on the health endpoint,
+and get a grace period that covers their drain; one cluster secret in every pod; adapter rules
+that sum over routers only what each router counts itself.
 """
 
 from __future__ import annotations
@@ -23,8 +25,10 @@ from tests.deploy import kustomize
 from tests.deploy.local_pods import find, main_container, named_port, pod_spec
 from tests.deploy.promql import (
     ADAPTER_VALUES,
+    ROUTER_COUNTED,
     adapter_metric,
     adapter_rules,
+    combined_over_routers,
     hpa_metrics,
     metric_names,
     queried_metrics,
@@ -36,6 +40,7 @@ DEPLOYMENTS = ("router", "prefill", "decode")
 WORKERS = ("prefill", "decode")
 CRDS = {"ServiceMonitor": "a Prometheus Operator CRD: kubernetes-validate has no schema for it"}
 DRAIN_GRACE_S = 2.5 * HEARTBEAT_INTERVAL_S  # common.runtime.worker: WorkerBase._drained
+CONTROL_SERVICE = "pdserve-router-headless"
 
 
 @pytest.fixture(scope="module")
@@ -115,24 +120,69 @@ def test_everything_in_one_namespace(name: str, rendered) -> None:
 # --- wiring --------------------------------------------------------------------------------------
 
 
-def test_workers_find_the_router_through_its_control_service(rendered) -> None:
-    objects = rendered["base"]
-    svc = find(objects, "Service", "pdserve-router-control")
-    # The router is not ready until workers registered: they must reach it anyway.
+def _selects(service: dict, dep: dict) -> bool:
+    labels = dep["spec"]["template"]["metadata"]["labels"]
+    return service["spec"]["selector"].items() <= labels.items()
+
+
+@pytest.mark.parametrize("name", ["base", "overlays/cpu", "overlays/gpu"])
+def test_workers_find_every_router_through_a_headless_service(name: str, rendered) -> None:
+    objects = rendered[name]
+    svc = find(objects, "Service", CONTROL_SERVICE)
+    # Headless: the name resolves to every router pod (a ClusterIP would give a worker one router).
+    assert svc["spec"]["clusterIP"] == "None"
+    # A router is not ready until workers registered with it: they must reach it anyway.
     assert svc["spec"]["publishNotReadyAddresses"] is True
+    router_dep = deployment(objects, "router")
+    assert _selects(svc, router_dep)
+    assert not any(_selects(svc, deployment(objects, stage)) for stage in WORKERS)
     (port,) = svc["spec"]["ports"]
-    router = main_container(deployment(objects, "router"))
+    router = main_container(router_dep)
     target = named_port(router, port["targetPort"])
     assert env_of(objects, "router")["PDSERVE_CONTROL_PORT"]["value"] == str(target)
     assert env_of(objects, "router")["PDSERVE_CONTROL_HOST"]["value"] == "0.0.0.0"
     for stage in WORKERS:
         address = env_of(objects, stage)["PDSERVE_ROUTER"]["value"]
-        assert address == f"tcp://pdserve-router-control:{port['port']}"
+        assert address == f"tcp://{CONTROL_SERVICE}:{port['port']}", stage
+    # No other Service carries the control port (the old ClusterIP pdserve-router-control is gone).
+    control_services = [
+        o["metadata"]["name"]
+        for o in objects
+        if o["kind"] == "Service" and any(p["port"] == port["port"] for p in o["spec"]["ports"])
+    ]
+    assert control_services == [CONTROL_SERVICE]
+    # The API: a normal Service in front of every ready router.
     api = find(objects, "Service", "pdserve-router")
+    assert "clusterIP" not in api["spec"] and _selects(api, router_dep)
     assert "publishNotReadyAddresses" not in api["spec"]  # clients only reach a ready router
     assert env_of(objects, "router")["PDSERVE_PORT"]["value"] == str(
         named_port(router, api["spec"]["ports"][0]["targetPort"])
     )
+
+
+@pytest.mark.parametrize("name", ["base", "overlays/cpu", "overlays/gpu"])
+def test_several_routers_replaced_one_at_a_time(name: str, rendered) -> None:
+    objects = rendered[name]
+    router = deployment(objects, "router")
+    assert router["spec"]["replicas"] >= 2
+    strategy = router["spec"]["strategy"]
+    assert strategy["type"] == "RollingUpdate"
+    # A new router is ready (workers registered with it) before an old one stops.
+    assert strategy["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
+    # Ready means serving: /health is 200 only once a prefill and a decode worker registered.
+    container = main_container(router)
+    get = container["readinessProbe"]["httpGet"]
+    assert get["path"] == "/health"
+    assert named_port(container, get["port"]) == int(env_of(objects, "router")["PDSERVE_PORT"][
+        "value"])  # fmt: skip
+    # Liveness must not be /health: a router without workers is alive, just not ready.
+    for probe in ("startupProbe", "livenessProbe"):
+        assert "httpGet" not in container[probe] or container[probe]["httpGet"]["path"] != "/health"
+    # Spread over nodes where it can be, so one node's loss leaves a router.
+    (spread,) = pod_spec(router)["topologySpreadConstraints"]
+    assert spread["topologyKey"] == "kubernetes.io/hostname"
+    assert spread["labelSelector"]["matchLabels"].items() <= router["spec"]["template"]["metadata"][
+        "labels"].items()  # fmt: skip
 
 
 def test_workers_named_after_their_pod_decode_advertises_its_ip(rendered) -> None:
@@ -156,7 +206,10 @@ def test_workers_named_after_their_pod_decode_advertises_its_ip(rendered) -> Non
 
 @pytest.mark.parametrize("name", ["base", "overlays/cpu", "overlays/gpu"])
 def test_every_pod_gets_the_cluster_secret(name: str, rendered) -> None:
+    # One secret for every router replica and every worker: CURVE keys derive from it, and a
+    # worker registers with every router.
     objects = rendered[name]
+    seen = set()
     for stage in DEPLOYMENTS:
         spec = pod_spec(deployment(objects, stage))
         secret_path = env_of(objects, stage)["PDSERVE_CLUSTER_SECRET_FILE"]["value"]
@@ -165,9 +218,11 @@ def test_every_pod_gets_the_cluster_secret(name: str, rendered) -> None:
         (mount,) = [m for m in mounts if secret_path.startswith(m["mountPath"] + "/")]
         secret = volumes[mount["name"]]["secret"]
         assert secret["secretName"] == "pdserve-cluster-secret"
+        seen.add((secret["secretName"], secret.get("items") is None, secret_path))
         assert secret_path.rsplit("/", 1)[1] == "secret"  # the key `kubectl create secret` sets
         assert secret["defaultMode"] & 0o007 == 0  # not world-readable
         assert spec["securityContext"]["fsGroup"] == spec["securityContext"]["runAsUser"]
+    assert len(seen) == 1, seen  # the same Secret, whole, at the same path everywhere
     api_key = env_of(objects, "router")["PDSERVE_API_KEY"]["valueFrom"]["secretKeyRef"]
     assert api_key["optional"] is True
 
@@ -225,16 +280,28 @@ def test_graceful_termination_covers_the_drain(rendered) -> None:
     pre_stop = main_container(router)["lifecycle"]["preStop"]["exec"]["command"]
     assert pre_stop[0] == "sleep"
     assert pod_spec(router)["terminationGracePeriodSeconds"] > float(pre_stop[1])
-    assert router["spec"]["replicas"] == 1 and router["spec"]["strategy"]["type"] == "Recreate"
 
 
-def test_pod_disruption_budgets_select_the_workers(rendered) -> None:
+def _pdb_selects(pdb: dict, dep: dict) -> bool:
+    labels = dep["spec"]["template"]["metadata"]["labels"]
+    return pdb["spec"]["selector"]["matchLabels"].items() <= labels.items()
+
+
+def test_pod_disruption_budgets_select_their_stage(rendered) -> None:
     objects = rendered["base"]
+    pdbs = [o for o in objects if o["kind"] == "PodDisruptionBudget"]
+    names = sorted(p["metadata"]["name"] for p in pdbs)
+    assert names == sorted(f"pdserve-{stage}" for stage in DEPLOYMENTS)
+    for pdb in pdbs:  # each selects exactly its own Deployment's pods
+        chosen = [s for s in DEPLOYMENTS if _pdb_selects(pdb, deployment(objects, s))]
+        assert chosen == [pdb["metadata"]["name"].removeprefix("pdserve-")], chosen
     for stage in WORKERS:
         pdb = find(objects, "PodDisruptionBudget", f"pdserve-{stage}")
-        labels = deployment(objects, stage)["spec"]["template"]["metadata"]["labels"]
-        assert pdb["spec"]["selector"]["matchLabels"].items() <= labels.items()
         assert pdb["spec"]["maxUnavailable"] == 1
+    # Node drains leave a router serving, and can still evict one (replicas > minAvailable).
+    router_pdb = find(objects, "PodDisruptionBudget", "pdserve-router")["spec"]
+    assert router_pdb["minAvailable"] == 1 and "maxUnavailable" not in router_pdb
+    assert deployment(objects, "router")["spec"]["replicas"] > router_pdb["minAvailable"]
 
 
 def test_gpu_overlay(rendered) -> None:
@@ -320,6 +387,16 @@ def test_adapter_rules_map_the_worker_label_to_pods() -> None:
             assert placeholder in rule["metricsQuery"]
         series, api_name = adapter_metric(rule)
         assert series.startswith("pdserve:") and ":" not in api_name
+
+
+def test_adapter_rules_combine_the_routers_copies_rightly() -> None:
+    # Every router reports every worker. What a router counts itself (its own dispatches) adds
+    # up over routers; what the worker reports in heartbeats is the same from each: taken once.
+    for rule in adapter_rules():
+        series, _ = adapter_metric(rule)
+        query = rule["metricsQuery"].replace("<<.Series>>", series)
+        expected = "sum" if series in ROUTER_COUNTED else "max"
+        assert combined_over_routers(query, series) == expected, (series, query)
 
 
 # --- PromQL --------------------------------------------------------------------------------------

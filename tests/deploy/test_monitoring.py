@@ -19,7 +19,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.deploy.promql import DASHBOARD, dashboard_exprs, metric_names
+from tests.deploy.promql import (
+    DASHBOARD,
+    ROUTER_COUNTED,
+    combined_over_routers,
+    dashboard_exprs,
+    metric_names,
+)
 from tests.deploy.test_compose import COMPOSE, _compose_v2_available, env, interpolate
 
 DEPLOY = COMPOSE.parent
@@ -154,3 +160,13 @@ def test_dashboard_covers_the_issue() -> None:
     for title in ("KV cache usage per worker", "Prefix cache hit rate per worker"):
         (panel,) = [p for p in panels if p["title"] == title]
         assert all(t["legendFormat"] == "{{worker}}" for t in panel["targets"]), title
+
+
+def test_dashboard_combines_the_routers_series_rightly() -> None:
+    # Every router is scraped and reports every worker: a router's own counts add up over
+    # routers, a worker's heartbeat values (and the live-worker count) are the same from each and
+    # are taken once, or a panel would show them doubled with two routers.
+    for title, expr in dashboard_exprs():
+        for name in metric_names(expr):
+            expected = "sum" if name in ROUTER_COUNTED else "max"
+            assert combined_over_routers(expr, name) == expected, (title, name, expr)
