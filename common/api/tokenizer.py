@@ -20,6 +20,11 @@ class Tokenizer:
         self.hf = hf
         self.eos_token_ids = eos_token_ids
         self._renders_tools: bool | None = None  # renders_tools(), once known
+        # The Rust tokenizer under a fast one, when transformers' decode adds nothing to it (no
+        # clean-up of spaces): 4x cheaper, and the router decodes twice per streamed token.
+        backend = getattr(hf, "_tokenizer", None) if getattr(hf, "is_fast", False) else None
+        cleans_up = bool(getattr(hf, "clean_up_tokenization_spaces", False))
+        self._backend = backend if hasattr(backend, "decode") and not cleans_up else None
 
     @classmethod
     def from_source(cls, source: ModelSource) -> Tokenizer:
@@ -41,6 +46,8 @@ class Tokenizer:
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        if self._backend is not None and type(ids) is list:
+            return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(
