@@ -1,13 +1,13 @@
 """The router's HTTP API: a FastAPI app over the registry and the dispatcher.
 
 Owns the endpoints: `POST /v1/completions` and `POST /v1/chat/completions` (streamed and whole),
-`GET /v1/models`, `GET /health`, `GET /metrics`, `GET /debug/block_books` (each worker's KV block
-audit, for leak checks), `POST /tokenize`, `POST /detokenize`, and FastAPI's `/openapi.json` and
-`/docs` (request schemas from `common.api.schemas`); optional Bearer auth on every endpoint but
-`/health` (and `/metrics` with `--metrics-without-key`); the body size limit (413); admission
-control (`router.admission`, 429: too many requests waiting, or too many tokens buffered for slow
-readers); and the rule that every error is an OpenAI error body (bad input is a 4xx, never a
-500). Request validation comes from `common.api.body`, `common.api.requests` and
+`GET /v1/models` and `GET /v1/models/{id}`, `GET /health`, `GET /metrics`, `GET /debug/block_books`
+(each worker's KV block audit, for leak checks), `POST /tokenize`, `POST /detokenize`, and FastAPI's
+`/openapi.json` and `/docs` (request schemas from `common.api.schemas`); optional Bearer auth on
+every endpoint but `/health` (and `/metrics` with `--metrics-without-key`); the body size limit
+(413); admission control (`router.admission`, 429: too many requests waiting, or too many tokens
+buffered for slow readers); and the rule that every error is an OpenAI error body (bad input is a
+4xx, never a 500). Request validation comes from `common.api.body`, `common.api.requests` and
 `common.api.prompts`, the choices are `common.api.choice.Choice`s, bodies come from
 `common.api.responses`, streaming from `router.streaming`; workers are reached only through
 `router.dispatch`.
@@ -206,20 +206,12 @@ def create_app(state: RouterState) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": name,
-                    "object": "model",
-                    "created": state.created,
-                    "owned_by": "pdserve",
-                    "root": state.served_model_names[0],
-                    "max_model_len": state.context_len(),
-                }
-                for name in state.served_model_names
-            ],
-        }
+        return {"object": "list", "data": [_model_card(state, n) for n in state.served_model_names]}
+
+    @app.get("/v1/models/{model_id:path}")  # ids may hold slashes (org/name)
+    async def model(model_id: str) -> dict[str, Any]:
+        _check_model(state, {"model": model_id})
+        return _model_card(state, model_id)
 
     @app.get("/health")
     async def health() -> Response:
@@ -279,6 +271,18 @@ def create_app(state: RouterState) -> FastAPI:
         return {"prompt": await state.offload(_detokenize, state.tokenizer, body.get("tokens"))}
 
     return app
+
+
+def _model_card(state: RouterState, name: str) -> dict[str, Any]:
+    """A served model name as OpenAI's model object (plus vLLM's root and max_model_len)."""
+    return {
+        "id": name,
+        "object": "model",
+        "created": state.created,
+        "owned_by": "pdserve",
+        "root": state.served_model_names[0],
+        "max_model_len": state.context_len(),
+    }
 
 
 def _check_model(state: RouterState, body: dict) -> None:

@@ -188,6 +188,17 @@ def test_models(client: openai.OpenAI) -> None:
     assert [m.id for m in models.data] == ["default", "alias"]
 
 
+def test_model_retrieve(client: openai.OpenAI, router: RouterThread) -> None:
+    alias = client.models.retrieve("alias")  # every --served-model-name, as OpenAI's object
+    assert (alias.id, alias.object, alias.owned_by) == ("alias", "model", "pdserve")
+    assert alias.model_dump() == client.models.list().data[1].model_dump()
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("gpt-4o")
+    assert e.value.body["type"] == "model_not_found" and e.value.body["param"] == "model"
+    r = httpx.get(router.url + "/v1/models/org/unknown")  # a slash in the id is still an id
+    assert r.status_code == 404 and "org/unknown" in r.json()["error"]["message"]
+
+
 def test_health_follows_worker_liveness() -> None:
     with RouterThread() as router:
         assert httpx.get(router.url + "/health").status_code == 503
