@@ -4,9 +4,13 @@ PYTHON ?= python3
 PY := $(VENV)/bin/python
 PDSERVE := $(VENV)/bin/pdserve
 
-.PHONY: install pull test test-fast lint serve bench clean
+.PHONY: install install-dev pull test test-fast lint serve bench clean
 
+# `install`: what serving needs (`make serve`); `install-dev`: that plus the dev extras the tests
+# and the linter use (`make test`, `test-fast`, `lint`).
 install: $(VENV)/.installed
+
+install-dev: $(VENV)/.installed-dev
 
 # Without a GPU, install the CPU build of torch first so that resolving the project's
 # `torch>=2.5` does not pull the multi-GB CUDA build.
@@ -14,6 +18,10 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade pip
 	if ! command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install torch==2.13.0; fi
+	$(PY) -m pip install -e .
+	touch $@
+
+$(VENV)/.installed-dev: $(VENV)/.installed
 	$(PY) -m pip install -e '.[dev]'
 	touch $@
 
@@ -21,16 +29,16 @@ pull: install
 	$(PDSERVE) models pull
 
 # Every test. pytest exits non-zero (5) when it collects nothing, so an empty run fails too.
-test: pull
+test: install-dev pull
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q
 
 # Every test but the e2e ones that start processes (marker `e2e`, pyproject.toml): the quick loop.
-test-fast: pull
+test-fast: install-dev pull
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q -m "not e2e"
 
-lint: install
+lint: install-dev
 	$(VENV)/bin/ruff check .
 
 serve: pull
