@@ -217,9 +217,12 @@ def chat_logprobs(
 # ---- SSE chunks ---------------------------------------------------------------------------------
 
 
+_SSE_JSON = json.JSONEncoder(ensure_ascii=False)  # json.dumps would build one per call
+
+
 def sse(obj: Any) -> bytes:
     """One server-sent event carrying `obj` as JSON."""
-    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+    return b"data: " + _SSE_JSON.encode(obj).encode() + b"\n\n"
 
 
 def _chunk_head(request: GenerationRequest, response_id: str, created: int) -> dict[str, Any]:

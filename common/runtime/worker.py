@@ -177,9 +177,16 @@ class WorkerBase:
         link.control.send(message)
 
     def send_token_outputs(self, outputs: list[protocol.TokenOutput]) -> None:
-        """One step's outputs, grouped by the router each request came from."""
+        """One step's outputs, grouped by the router each request came from: one `TokenBatch`
+        frame per router (the router decodes it once, not once per token)."""
+        groups: dict[int, tuple[RouterLink, list[protocol.TokenOutput]]] = {}
         for out in outputs:
-            self.reply(out.request_id, out)
+            link = self.origin.get(out.request_id) or next(iter(self.links.values()))
+            if _is_final(out):
+                self.origin.pop(out.request_id, None)
+            groups.setdefault(id(link), (link, []))[1].append(out)
+        for link, group in groups.values():
+            link.control.send(protocol.TokenBatch(group))
 
     def forget(self, request_id: str) -> None:
         """The request ended here without a final message to its router (e.g. its KV was sent)."""

@@ -40,14 +40,21 @@ class FakeRouter:
         self.sock.bind("tcp://127.0.0.1:*")
         self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.worker_identity = b""
+        self.outputs: list[TokenOutput] = []  # of a TokenBatch, not handed out yet
 
     def recv(self, kind: type, timeout_s: float = 20.0):
+        """The next message of `kind` (a step's `TokenBatch` counts as its `TokenOutput`s)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
+            if kind is TokenOutput and self.outputs:
+                return self.outputs.pop(0)
             if not self.sock.poll(100):
                 continue
             identity, frame = self.sock.recv_multipart()
             msg = protocol.decode_control(frame)
+            if isinstance(msg, protocol.TokenBatch):
+                self.outputs += msg.outputs
+                continue
             if isinstance(msg, protocol.Register):
                 self.worker_identity = identity
                 self.send(RegisterAck(accepted=True))
