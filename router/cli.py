@@ -32,10 +32,14 @@ def run_router(args: argparse.Namespace) -> int:
     """`pdserve router`: load the tokenizer, serve until SIGINT / SIGTERM."""
     from common.api.tokenizer import Tokenizer
     from common.model.model_files import resolve_model
+    from common.runtime.ports import check_port_free
     from router.memory import pin_malloc_thresholds
     from router.server import RouterServer
 
     config = config_from_args(args)
+    # Before the tokenizer loads: a busy port is one line, at once.
+    check_port_free(config.host, config.port, "--port")
+    check_port_free(config.control_host, config.control_port, "--control-port")
     logging.basicConfig(
         level=config.log_level.upper(), format="%(asctime)s router %(levelname)s %(message)s"
     )

@@ -96,9 +96,11 @@ HELP = {
     "cluster_secret_file": "file holding the cluster secret: workers must know it to join (ZeroMQ "
     "CURVE on the control socket; else $PDSERVE_CLUSTER_SECRET). Without one the control socket "
     "may bind loopback only",
-    "tool_call_parser": "read tool calls in tool_choice 'auto' answers with this parser: hermes "
-    "(<tool_call> JSON, as Hermes, Qwen2 and Qwen3 chat templates ask for). Unset, 'auto' is a 400 "
-    "(as vLLM without --enable-auto-tool-choice); 'required' and named functions need no parser",
+    "tool_call_parser": "the tool-call format: hermes (the chat template renders the tools, and "
+    "tool_choice 'auto' answers are read as <tool_call> JSON, as Hermes, Qwen2 and Qwen3 templates "
+    "ask for) or generic (the default, and hermes' fallback where the template cannot render "
+    "tools: tools in the system prompt, every answer grammar-constrained to text or calls)",
     "ready_file": 'once serving, write the bound addresses here as JSON ({"http_port", '
-    '"control_address"}), so a launcher that passed port 0 learns the ports the OS gave',
+    '"control_address", "local_prefill_max_tokens"}), so a launcher that passed port 0 learns '
+    "the ports the OS gave",
 }

@@ -10,6 +10,7 @@ imports (uvicorn, zmq) happen inside the methods so that `pdserve --help` stays 
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import logging
 import os
@@ -140,11 +141,18 @@ class RouterServer:
     async def serve(self, on_ready: Callable[[], None] | None = None) -> None:
         """Bind both sockets, serve until `stop` (or a signal, in the main thread), clean up."""
         import uvicorn
+        import zmq
 
+        from common.runtime.ports import PortInUse
         from router.app import create_app
 
         cfg = self.config
-        self.control_address = self.control.bind(cfg.control_host, cfg.control_port, self.keys)
+        try:
+            self.control_address = self.control.bind(cfg.control_host, cfg.control_port, self.keys)
+        except zmq.ZMQError as e:  # taken since `pdserve router` checked it: still one line
+            if e.errno != errno.EADDRINUSE:
+                raise
+            raise PortInUse(cfg.control_host, cfg.control_port, "--control-port") from None
         self.http = uvicorn.Server(
             uvicorn.Config(
                 create_app(self.state),
@@ -187,14 +195,20 @@ class RouterServer:
             self.control_address,
         )
         if self.config.ready_file:
-            write_ready_file(self.config.ready_file, self.http_port, self.control_address)
+            write_ready_file(
+                self.config.ready_file,
+                self.http_port,
+                self.control_address,
+                local_prefill_max_tokens=self.config.local_prefill_max_tokens,
+            )
         if on_ready is not None:
             on_ready()
 
 
-def write_ready_file(path: str, http_port: int, control_address: str) -> None:
-    """The bound addresses as JSON, written whole (rename) so a reader never sees half a file."""
+def write_ready_file(path: str, http_port: int, control_address: str, **settings: object) -> None:
+    """The bound addresses (and `settings` a launcher shows, such as local_prefill_max_tokens) as
+    JSON, written whole (rename) so a reader never sees half a file."""
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w") as f:
-        json.dump({"http_port": http_port, "control_address": control_address}, f)
+        json.dump({"http_port": http_port, "control_address": control_address, **settings}, f)
     os.replace(tmp, path)

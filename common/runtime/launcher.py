@@ -107,6 +107,7 @@ class LocalCluster:
         self.model, self.workers = model, list(workers)
         self.num_routers = num_routers
         self.router_ports: list[tuple[int, int]] = []  # (http, control) of each router started
+        self.router_info: dict = {}  # the first router's ready file (its ports and settings)
         self.startup_timeout_s = startup_timeout_s  # what `with` gives `start`
         self.router_flags = list(router_flags)
         self.host, self.port, self.control_port = host, port, control_port
@@ -206,6 +207,7 @@ class LocalCluster:
             self.router_ports.append(ports)
         if index == 0:
             self.port, self.control_port = ports
+            self.router_info = bound
         return proc
 
     def start_worker(self, spec: WorkerSpec) -> subprocess.Popen:

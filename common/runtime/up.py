@@ -22,6 +22,7 @@ from pathlib import Path
 
 from common.runtime.auth import SECRET_ENV, SECRET_FILE_ENV
 from common.runtime.launcher import LocalCluster, WorkerSpec
+from common.runtime.ports import check_port_free
 from common.runtime.supervise import RestartPolicy
 from common.runtime.worker_cli import env
 
@@ -87,6 +88,9 @@ def cluster_from_args(
 def cmd_up(args: argparse.Namespace) -> int:
     """Start router + workers locally; block until a signal or the router dies (dead workers are
     restarted meanwhile)."""
+    # Busy ports are one line now, not a traceback after the models have loaded.
+    check_port_free(args.host, args.port, "--port")
+    check_port_free("127.0.0.1", args.control_port, "--control-port")
     cluster = cluster_from_args(args)
     starting, stopping = True, False
 
@@ -110,6 +114,9 @@ def cmd_up(args: argparse.Namespace) -> int:
             f"{args.decode} decode); Ctrl-C stops it",
             flush=True,
         )
+        if args.prefill > 0:
+            note = local_prefill_note(cluster.router_info.get("local_prefill_max_tokens"))
+            print(note, flush=True)
         while not stopping and cluster.poll():
             time.sleep(0.2)
         if not stopping and "router" in cluster.dead():
@@ -122,25 +129,71 @@ def cmd_up(args: argparse.Namespace) -> int:
         cluster.stop()
 
 
+def local_prefill_note(max_tokens: int | None) -> str:
+    """What the startup banner says about which prompts reach the prefill workers."""
+    if max_tokens is None:  # a router that does not say
+        return "short prompts (--local-prefill-max-tokens) are prefilled on the decode workers"
+    if max_tokens == 0:
+        return "every prompt is prefilled on a prefill worker (--local-prefill-max-tokens 0)"
+    return (
+        f"prompts of at most {max_tokens} tokens (--local-prefill-max-tokens) are prefilled on "
+        f"the decode workers, longer ones on the prefill workers; `pdserve up "
+        f"--local-prefill-max-tokens N` changes it (0: every prompt goes to a prefill worker)"
+    )
+
+
+def engine_flags_epilog() -> str:
+    """`up --help`'s list of the engine flags it passes on after `--`, from the workers' own
+    parser (common.config.add_engine_args), so the list cannot drift from the flags."""
+    from common.config import add_engine_args
+
+    engine = argparse.ArgumentParser(add_help=False, usage=argparse.SUPPRESS)
+    add_engine_args(engine)
+    flags = engine.format_help().split("\n", 1)[1]  # below its "options:" heading
+    return (
+        "engine flags, passed to every worker after `--` (e.g. `pdserve up --prefill 1 -- "
+        "--max-num-seqs 64`):\n" + flags
+    )
+
+
 def add_up_args(up: argparse.ArgumentParser) -> None:
-    up.add_argument("--model", default=env("MODEL", "default"))
-    up.add_argument("--dtype", default=env("DTYPE", "auto"))
+    up.formatter_class = argparse.RawDescriptionHelpFormatter
+    up.epilog = engine_flags_epilog()
+    up.add_argument(
+        "--model",
+        default=env("MODEL", "default"),
+        help="'default' (SmolLM2-135M-Instruct), a .gguf file or an HF model directory (env "
+        "PDSERVE_MODEL)",
+    )
+    up.add_argument(
+        "--dtype",
+        default=env("DTYPE", "auto"),
+        help="auto | float32 | bfloat16 | float16 on every worker; auto = bfloat16 where "
+        "supported (env PDSERVE_DTYPE)",
+    )
     up.add_argument(
         "--prefill",
         type=int,
         default=int(env("PREFILL", "1")),
         help="prefill workers (0 = colocated: decode workers prefill themselves)",
     )
-    up.add_argument("--decode", type=int, default=int(env("DECODE", "1")))
-    up.add_argument("--host", default=env("HOST", "127.0.0.1"))
+    up.add_argument(
+        "--decode", type=int, default=int(env("DECODE", "1")), help="decode workers (>= 1)"
+    )
+    up.add_argument(
+        "--host",
+        default=env("HOST", "127.0.0.1"),
+        help="interface the HTTP API binds (0.0.0.0: every interface; env PDSERVE_HOST)",
+    )
     up.add_argument(
         "--port", type=int, default=int(env("PORT", "8000")), help="HTTP port (0 = any free)"
     )
     up.add_argument(
         "--control-port",
         type=int,
-        default=int(env("CONTROL_PORT", "8001")),
-        help="the router's control port (0 = any free)",
+        default=int(env("CONTROL_PORT", "0")),
+        help="the router's control port on loopback, where workers register (default 0: any "
+        "free port, so clusters on one machine do not collide; the workers learn it)",
     )
     up.add_argument(
         "--num-threads",
@@ -168,16 +221,35 @@ def add_up_args(up: argparse.ArgumentParser) -> None:
         help="speculative decoding on the decode workers (default: theirs, none; draft also "
         "needs --draft-model or --draft-layers after --)",
     )
-    up.add_argument("--num-speculative-tokens", type=int, default=None)
+    up.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=None,
+        help="tokens drafted per step with --speculative (default: the decode workers')",
+    )
     up.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs on any worker")
-    up.add_argument("--api-key", default=env("API_KEY", ""))
-    up.add_argument("--served-model-name", nargs="+", default=None)
+    up.add_argument(
+        "--api-key",
+        default=env("API_KEY", ""),
+        help="require 'Authorization: Bearer KEY' on the API (env PDSERVE_API_KEY)",
+    )
+    up.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="model names the API lists and accepts (default: --model as given)",
+    )
     up.add_argument(
         "--tool-call-parser",
         default=env("TOOL_CALL_PARSER", ""),
         help="the router's --tool-call-parser (hermes): tool_choice 'auto'",
     )
-    up.add_argument("--startup-timeout-s", type=float, default=600.0)
+    up.add_argument(
+        "--startup-timeout-s",
+        type=float,
+        default=600.0,
+        help="give up (exit 1) when the cluster does not serve within this many seconds",
+    )
     up.add_argument(
         "--max-worker-restarts",
         type=int,
@@ -189,5 +261,5 @@ def add_up_args(up: argparse.ArgumentParser) -> None:
     up.add_argument(
         "engine_args",
         nargs=argparse.REMAINDER,
-        help="further engine flags passed to every worker (after --)",
+        help="-- then engine flags passed to every worker (listed below)",
     )

@@ -1,5 +1,6 @@
 """`pdserve up`: one command brings up router + workers, prints the URL, and stops them all;
-a worker that dies is restarted while the others keep serving.
+a worker that dies is restarted while the others keep serving. A busy port (`up` or `router`)
+is one line naming it and its flag, before anything loads.
 
 Ports 0: the OS picks both router ports and `up` prints the HTTP one it was given."""
 
@@ -8,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -15,8 +17,14 @@ import time
 
 import httpx
 import openai
+import pytest
 
 from common.runtime.launcher import parse_metrics
+
+# The check comes before any model or tokenizer loads: about a second on an idle machine (Python
+# and the CLI's imports); the bound leaves room for a loaded 2-core box. Before the check a busy
+# control port took 12-27 s and ended in a 36-line ZeroMQ traceback.
+BUSY_PORT_S = 5.0
 
 
 def children_alive(marker: str) -> list[str]:
@@ -190,3 +198,28 @@ def test_up_restarts_a_killed_worker_and_the_others_keep_serving(chat_model_dir,
     while children_alive(model) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert children_alive(model) == []
+
+
+@pytest.mark.parametrize("command", ["up", "router"])
+@pytest.mark.parametrize("flag", ["--port", "--control-port"])
+def test_a_busy_port_is_one_line_naming_it_and_its_flag(command: str, flag: str) -> None:
+    other = "--control-port" if flag == "--port" else "--port"
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        start = time.monotonic()
+        result = subprocess.run(
+            [sys.executable, "-m", "common.cli", command, flag, str(port), other, "0"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        elapsed_s = time.monotonic() - start
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.splitlines() == [
+        f"pdserve: error: port {port} ({flag}) is already in use on 127.0.0.1: stop what holds "
+        f"it, or pass {flag} with another port (0 = any free port)"
+    ]
+    assert result.stdout == ""
+    assert elapsed_s < BUSY_PORT_S, elapsed_s
