@@ -1,0 +1,472 @@
+"""How many tokens one router process relays, and what it costs: the router's scale benchmark.
+
+Drives one real router (`pdserve router --colocated`, its own process, real sockets) with N
+synthetic decode workers that speak the real control protocol through the worker runtime's own
+code (`common.runtime.worker`: `ControlConnection`, `register`, `Heartbeater`) and answer each
+`Generate` with a scripted token stream (no model: one token per stream per step, every
+`--step-ms`), and with real HTTP clients (raw asyncio streams, several processes, their CPU
+measured too so that they are seen not to be the bottleneck). Workers run in `--worker-procs`
+processes, clients in `--client-procs`.
+
+Phases: (1) routing: `--routing-requests` non-streamed completions of one token against the N
+registered workers, 64 at a time per client process: routing decisions (dispatched requests) per
+second and router CPU per request; (2) relay: `--streams` concurrent streamed completions of
+`--tokens` tokens each: relayed tokens/s, router CPU per token (/proc/<pid>/stat over the
+phase), added latency (a worker's send time of token i to the client's receipt of data event i,
+on the one monotonic clock this host shares), router RSS per open stream (peak over idle);
+(3) the prefix index's memory per million blocks (tracemalloc around a standalone
+`router.kv_index.PrefixIndex` fed `--index-blocks` keys).
+
+Workers send a step's tokens as one `TokenBatch` per router when `common.protocol` has it, else
+one `TokenOutput` per token (`--relay tokens` forces that: the pre-batch wire, for comparisons).
+With `--routers N` there are N router processes, every worker serves all of them (a control
+connection and heartbeat thread per router, as the runtime's router links) and the clients spread
+their requests over them; CPU figures are the routers' sum, `router_core_use` the busiest's.
+
+Run: .venv/bin/python benchmarks/router_scale.py [--workers 100 --streams 500 --tokens 100]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import tracemalloc
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
+
+
+# ---- the router process -------------------------------------------------------------------------
+
+
+def proc_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process `pid` so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
+def proc_rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/statm") as f:
+        return int(f.read().split()[1]) * PAGE_BYTES
+
+
+def start_router(python: str, ready_file: str, profile: str = "") -> subprocess.Popen:
+    wrap = ["-m", "cProfile", "-o", profile] if profile else []
+    cmd = [python, *wrap, "-m", "common.cli", "router", "--port", "0", "--control-port", "0",
+           "--colocated", "--routing", "least_loaded", "--log-level", "warning",
+           "--ready-file", ready_file]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=ROOT)
+    deadline = time.monotonic() + 120
+    while not os.path.exists(ready_file):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError("the router did not start")
+        time.sleep(0.1)
+    return proc
+
+
+# ---- synthetic decode workers -------------------------------------------------------------------
+
+
+def worker_proc(
+    routers: list[str], worker_ids: list[str], token_id: int, step_s: float, relay: str,
+    stop, ready, results,
+) -> None:  # fmt: skip
+    """Run `worker_ids` as decode workers serving every router in `routers` (one control
+    connection and heartbeat thread per router, as the worker runtime's links) until `stop` is
+    set; put every request's token send times (monotonic seconds) on `results`."""
+    import zmq
+
+    from common import protocol
+    from common.protocol import Abort, Generate, Heartbeat, Register, TokenOutput
+    from common.runtime.worker import ControlConnection, Heartbeater, register
+
+    batch_cls = getattr(protocol, "TokenBatch", None)
+    if relay == "batch" and batch_cls is None:
+        relay = "tokens"
+    context = zmq.Context()
+    context.set(zmq.MAX_SOCKETS, 8 * len(worker_ids) * len(routers) + 64)
+    conns: list[list] = []  # per worker, per router
+    beaters, streams = [], []
+    for wid in worker_ids:
+        running: dict[str, list] = {}  # request id -> [tokens left, send times, router]
+
+        def beat(wid=wid, running=running) -> Heartbeat:
+            return Heartbeat(wid, len(running), 0, 100_000, 100_000)
+
+        conns.append([])
+        for address in routers:
+            conn = ControlConnection(address, wid, context)
+            hb = Heartbeater(address, wid, context, beat)
+            reg = Register(
+                version=protocol.PROTOCOL_VERSION, role="decode", worker_id=wid,
+                model="default", block_size=16, num_blocks=100_000, max_model_len=8192,
+                dtype="float32", host="bench", heartbeat_identity=hb.identity,
+            )  # fmt: skip
+            register(conn, reg)
+            hb.start()
+            conns[-1].append(conn)
+            beaters.append(hb)
+        streams.append(running)
+    ready.set()
+    done: dict[str, list[float]] = {}
+    poller = zmq.Poller()
+    by_sock = {}
+    for i, links in enumerate(conns):
+        for r, conn in enumerate(links):
+            poller.register(conn.sock, zmq.POLLIN)
+            by_sock[conn.sock] = (i, r)
+    phase = [time.monotonic() + step_s * i / len(conns) for i in range(len(conns))]
+    while not stop.is_set():
+        now = time.monotonic()
+        wait_ms = max(0, int(1000 * (min(phase) - now)))
+        for sock, _ in poller.poll(min(wait_ms, 5)):
+            i, r = by_sock[sock]
+            for msg in conns[i][r].poll():
+                if isinstance(msg, Generate):
+                    streams[i][msg.request_id] = [msg.params.max_tokens, [], r]
+                elif isinstance(msg, Abort):
+                    entry = streams[i].pop(msg.request_id, None)
+                    if entry is not None:
+                        done[msg.request_id] = entry[1]
+        now = time.monotonic()
+        for i, links in enumerate(conns):
+            if now < phase[i]:
+                continue
+            phase[i] = max(phase[i] + step_s, now - step_s)  # a late step does not pile up
+            running = streams[i]
+            if not running:
+                continue
+            by_router: list[list] = [[] for _ in links]  # one frame per router, as a worker
+            for rid, entry in list(running.items()):
+                entry[0] -= 1
+                finished = entry[0] <= 0
+                by_router[entry[2]].append((TokenOutput(
+                    rid, [token_id], [], [], finished, "length" if finished else None, 4, 0
+                ), entry[1]))  # fmt: skip
+                if finished:
+                    done[rid] = entry[1]
+                    del running[rid]
+            for conn, group in zip(links, by_router):
+                if not group:
+                    continue
+                if relay == "batch":
+                    conn.send(batch_cls([out for out, _ in group]))
+                    sent_s = time.monotonic()
+                for out, times in group:
+                    if relay != "batch":
+                        conn.send(out)
+                        sent_s = time.monotonic()
+                    times.append(sent_s)
+    for hb in beaters:
+        hb.stop()
+    for running in streams:
+        for rid, entry in running.items():
+            done[rid] = entry[1]
+    results.put(done)
+    for links in conns:
+        for conn in links:
+            conn.close()
+
+
+# ---- HTTP clients -------------------------------------------------------------------------------
+
+PATTERN = b"data: {"
+RESPONSE_ID = re.compile(rb'"id": ?"([^"]+)"')
+
+
+def _request(port: int, body: dict, keep_alive: bool) -> bytes:
+    raw = json.dumps(body).encode()
+    return (
+        f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(raw)}\r\n"
+        f"Connection: {'keep-alive' if keep_alive else 'close'}\r\n\r\n"
+    ).encode() + raw
+
+
+async def _stream(port: int, body: dict, out: list) -> None:
+    """One streamed completion: (response id, status, receipt time of each data event)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(_request(port, body, keep_alive=False))
+    times: list[float] = []
+    record = ["", 0, times]  # kept up to date: a stream cut by --duration still counts
+    out.append(record)
+    tail, head, rid = b"", b"", ""
+    while True:
+        data = await reader.read(65536)
+        if not data:
+            break
+        now = time.monotonic()
+        if not rid:
+            head += data
+            match = RESPONSE_ID.search(head)
+            if match:
+                rid = record[0] = match.group(1).decode()
+                record[1] = int(head[9:12]) if head[:5] == b"HTTP/" else 0
+        buf = tail + data
+        times.extend([now] * buf.count(PATTERN))
+        tail = buf[-(len(PATTERN) - 1) :]
+        if b"data: [DONE]" in buf:
+            break
+    writer.close()
+    record[1] = int(head[9:12]) if head[:5] == b"HTTP/" else 0
+
+
+async def _unary(port: int, bodies: list[dict], statuses: list[int]) -> None:
+    """Non-streamed requests one after another on one keep-alive connection."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    for body in bodies:
+        writer.write(_request(port, body, keep_alive=True))
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = 0
+        for line in head.split(b"\r\n"):
+            if line.lower().startswith(b"content-length:"):
+                length = int(line.split(b":")[1])
+        await reader.readexactly(length)
+        statuses.append(int(head[9:12]))
+    writer.close()
+
+
+def client_proc(
+    ports: list[int], kind: str, count: int, tokens: int, duration_s: float, go, results
+) -> None:
+    """`count` streams (kind "stream") or one-token requests (kind "route"), started together
+    when `go` is set, spread over the routers' `ports`; puts (results, client CPU seconds, wall
+    seconds) on `results`; gives up after `duration_s` (what arrived by then counts)."""
+    prompt = [1, 2, 3, 4]
+
+    out: list = []
+
+    async def main() -> None:
+        try:
+            await asyncio.wait_for(requests(), duration_s)
+        except asyncio.TimeoutError:
+            pass
+
+    async def requests() -> None:
+        if kind == "stream":
+            body = {"model": "default", "prompt": prompt, "max_tokens": tokens, "stream": True,
+                    "ignore_eos": True}  # fmt: skip
+            await asyncio.gather(*(_stream(ports[k % len(ports)], body, out) for k in range(count)))
+        else:
+            body = {"model": "default", "prompt": prompt, "max_tokens": 1}
+            lanes = min(64, count)
+            per = [[body] * (count // lanes + (i < count % lanes)) for i in range(lanes)]
+            await asyncio.gather(
+                *(_unary(ports[k % len(ports)], bodies, out) for k, bodies in enumerate(per))
+            )
+
+    go.wait()
+    cpu0, wall0 = time.process_time(), time.monotonic()
+    asyncio.run(main())
+    results.put((out, time.process_time() - cpu0, time.monotonic() - wall0))
+
+
+def run_clients(ctx, ports: list[int], kind: str, total: int, procs: int, tokens: int,
+                router_pids: list[int], sample_rss: bool, duration_s: float) -> dict:  # fmt: skip
+    go, results = ctx.Event(), ctx.Queue()
+    shares = [total // procs + (i < total % procs) for i in range(procs)]
+    clients = [ctx.Process(target=client_proc, args=(ports, kind, n, tokens, duration_s, go,
+                                                        results))
+               for n in shares if n]  # fmt: skip
+    for c in clients:
+        c.start()
+    time.sleep(1.0)  # the clients' imports, before the clock starts
+    rss0 = sum(proc_rss_bytes(pid) for pid in router_pids)
+    cpu0 = [proc_cpu_s(pid) for pid in router_pids]
+    wall0 = time.monotonic()
+    go.set()
+    got, rss_peak = [], rss0
+    while len(got) < len(clients):
+        try:
+            got.append(results.get(timeout=0.2))
+        except Exception:
+            pass
+        if sample_rss:
+            rss_peak = max(rss_peak, sum(proc_rss_bytes(pid) for pid in router_pids))
+    wall = time.monotonic() - wall0
+    cpus = [proc_cpu_s(pid) - c for pid, c in zip(router_pids, cpu0)]
+    for c in clients:
+        c.join()
+    return {
+        "results": [r for out, _, _ in got for r in out],
+        "client_cpu_s": sum(c for _, c, _ in got),
+        "router_cpu_s": sum(cpus),
+        "router_core_use_max": max(cpus) / wall,
+        "wall_s": wall,
+        "rss0": rss0,
+        "rss_peak": rss_peak,
+    }
+
+
+# ---- the prefix index ---------------------------------------------------------------------------
+
+
+def index_bytes_per_million(num_blocks: int, num_workers: int = 8) -> float:
+    """Bytes a standalone PrefixIndex holds for `num_blocks` keys, scaled to a million."""
+    from common.prefix_hash import KEY_BYTES
+    from common.protocol import KVEvents
+    from router.kv_index import PrefixIndex
+
+    per = num_blocks // num_workers
+    batches = [[os.urandom(KEY_BYTES) for _ in range(per)] for _ in range(num_workers)]
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    index = PrefixIndex()
+    for w, keys in enumerate(batches):
+        index.apply(KVEvents(f"w{w}", 0, keys, [], reset=True))
+    used = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    del index
+    return used / (per * num_workers) * 1e6
+
+
+# ---- the run ------------------------------------------------------------------------------------
+
+
+def pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--workers", type=int, default=100, help="synthetic decode workers")
+    ap.add_argument("--worker-procs", type=int, default=2)
+    ap.add_argument("--streams", type=int, default=500, help="concurrent streamed completions")
+    ap.add_argument("--tokens", type=int, default=100, help="tokens per stream")
+    ap.add_argument("--step-ms", type=float, default=50.0, help="a worker's step: one token per "
+                    "stream per step")  # fmt: skip
+    ap.add_argument("--client-procs", type=int, default=2)
+    ap.add_argument("--routing-requests", type=int, default=2000)
+    ap.add_argument("--index-blocks", type=int, default=1_000_000)
+    ap.add_argument("--duration", type=float, default=120.0, help="longest each phase runs (s)")
+    ap.add_argument("--relay", choices=("batch", "tokens"), default="batch")
+    ap.add_argument("--routers", type=int, default=1, help="router processes; every worker "
+                    "serves all, the clients spread over them")  # fmt: skip
+    ap.add_argument("--json", default="", help="also write the figures here")
+    ap.add_argument("--profile", default="", help="run the router under cProfile, stats here")
+    args = ap.parse_args()
+
+    from common import protocol
+
+    relay = args.relay if hasattr(protocol, "TokenBatch") else "tokens"
+    ctx = mp.get_context("spawn")
+    from common.api.tokenizer import Tokenizer
+    from common.model.model_files import resolve_model
+
+    token_id = Tokenizer.from_source(resolve_model("default")).encode(" hello", False)[0]
+    tmp = tempfile.mkdtemp(prefix="router_scale")
+    routers, ports, controls = [], [], []
+    stop, res_q = ctx.Event(), ctx.Queue()
+    workers = []
+    try:
+        for r in range(args.routers):
+            ready_file = os.path.join(tmp, f"ready{r}.json")
+            profile = f"{args.profile}.{r}" if args.profile and r else args.profile
+            routers.append(start_router(sys.executable, ready_file, profile))
+            with open(ready_file) as f:
+                ready_info = json.load(f)
+            ports.append(ready_info["http_port"])
+            controls.append(ready_info["control_address"])
+        pids = [router.pid for router in routers]
+        ids = [f"bench-decode-{i}" for i in range(args.workers)]
+        readies = []
+        for p in range(args.worker_procs):
+            ready = ctx.Event()
+            proc = ctx.Process(
+                target=worker_proc,
+                args=(controls, ids[p :: args.worker_procs], token_id, args.step_ms / 1000,
+                      relay, stop, ready, res_q),
+            )  # fmt: skip
+            proc.start()
+            workers.append(proc)
+            readies.append(ready)
+        for ready in readies:
+            if not ready.wait(300):
+                raise RuntimeError("the workers did not register")
+        time.sleep(1.5)  # a heartbeat from each
+        rss_idle = sum(proc_rss_bytes(pid) for pid in pids)
+
+        route = run_clients(ctx, ports, "route", args.routing_requests, args.client_procs, 1,
+                            pids, sample_rss=False, duration_s=args.duration)  # fmt: skip
+        ok_routes = sum(1 for s in route["results"] if s == 200)
+        time.sleep(1.0)
+        relayed = run_clients(ctx, ports, "stream", args.streams, args.client_procs,
+                              args.tokens, pids, sample_rss=True,
+                              duration_s=args.duration)  # fmt: skip
+        stop.set()
+        sent: dict[str, list[float]] = {}
+        for _ in workers:
+            sent.update(res_q.get(timeout=60))
+        for proc in workers:
+            proc.join(30)
+    finally:
+        stop.set()
+        for router in routers:
+            router.terminate()
+            try:
+                router.wait(20)
+            except subprocess.TimeoutExpired:
+                router.kill()
+        for proc in workers:
+            if proc.is_alive():
+                proc.kill()
+
+    streams = relayed["results"]
+    num_tokens = sum(len(t) for _, _, t in streams)
+    first = min((t[0] for _, _, t in streams if t), default=0.0)
+    last = max((t[-1] for _, _, t in streams if t), default=0.0)
+    latencies = []
+    for rid, _, times in streams:
+        send = sent.get(f"{rid}-0", [])
+        latencies.extend(r - s for s, r in zip(send, times))
+    complete = sum(1 for _, s, t in streams if s == 200 and len(t) == args.tokens)
+    figures = {
+        "relay": relay,
+        "routers": args.routers,
+        "workers": args.workers,
+        "streams": args.streams,
+        "tokens_per_stream": args.tokens,
+        "offered_tokens_per_s": args.streams * 1000 / args.step_ms,
+        "routing_decisions_per_s": ok_routes / route["wall_s"],
+        "routing_ok": ok_routes,
+        "router_cpu_us_per_route": 1e6 * route["router_cpu_s"] / max(ok_routes, 1),
+        "routing_client_cpu_s": route["client_cpu_s"],
+        "routing_wall_s": route["wall_s"],
+        "streams_complete": complete,
+        "relayed_tokens": num_tokens,
+        "relayed_tokens_per_s": num_tokens / max(last - first, 1e-9),
+        "router_cpu_us_per_token": 1e6 * relayed["router_cpu_s"] / max(num_tokens, 1),
+        "router_cpu_s": relayed["router_cpu_s"],
+        "relay_wall_s": relayed["wall_s"],
+        "router_core_use": relayed["router_core_use_max"],  # the busiest router's
+        "client_cpu_s": relayed["client_cpu_s"],
+        "latency_p50_ms": 1e3 * pct(latencies, 0.5),
+        "latency_p99_ms": 1e3 * pct(latencies, 0.99),
+        "router_rss_idle_mib": rss_idle / 2**20 / args.routers,
+        "router_rss_kib_per_stream": (relayed["rss_peak"] - relayed["rss0"]) / 1024 / args.streams,
+    }
+    figures["index_mib_per_million_blocks"] = index_bytes_per_million(args.index_blocks) / 2**20
+    width = max(len(k) for k in figures)
+    for k, v in figures.items():
+        print(f"{k:<{width}}  {v:.4g}" if isinstance(v, float) else f"{k:<{width}}  {v}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(figures, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
