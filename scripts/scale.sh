@@ -1,19 +1,21 @@
 #!/usr/bin/env bash
-# Set the number of prefill or decode workers, of the compose deployment (deploy/docker-compose.yml,
-# the default) or of the Kubernetes one (deploy/k8s):
-#   scripts/scale.sh [--compose] {prefill|decode} N
-#   scripts/scale.sh --k8s [-n NAMESPACE] {prefill|decode} N
+# Set the number of prefill or decode workers, or of routers, of the compose deployment
+# (deploy/docker-compose.yml, the default) or of the Kubernetes one (deploy/k8s):
+#   scripts/scale.sh [--compose] {prefill|decode|router} N
+#   scripts/scale.sh --k8s [-n NAMESPACE] {prefill|decode|router} N
 # Compose: existing containers of the stage are kept (--no-recreate); only the difference starts or
 # stops. Uses `docker compose`, else `docker-compose`.
 # Kubernetes: `kubectl scale deployment/pdserve-<stage> --replicas=N` in NAMESPACE (default pdserve;
 # kubectl's current context). Removed pods drain first (their grace period covers it).
-# Either way new workers register with the router on their own.
+# Either way new workers register with every router on their own, and workers find new routers
+# (their --router names a DNS name that resolves to every router) within seconds.
 set -euo pipefail
 
 usage_text() {
-    echo "usage: $(basename -- "$0") [--compose] {prefill|decode} N"
-    echo "       $(basename -- "$0") --k8s [-n NAMESPACE] {prefill|decode} N"
-    echo "  N: number of workers (a whole number; at least 1 for decode, 0 allowed for prefill)"
+    echo "usage: $(basename -- "$0") [--compose] {prefill|decode|router} N"
+    echo "       $(basename -- "$0") --k8s [-n NAMESPACE] {prefill|decode|router} N"
+    echo "  N: number of workers or routers (a whole number; at least 1 for decode and router,"
+    echo "     0 allowed for prefill)"
     echo "  --k8s: scale the Kubernetes Deployment pdserve-<stage> (namespace default: pdserve)"
 }
 usage() {
@@ -45,7 +47,7 @@ fi
 [ "$#" -eq 2 ] || usage
 stage=$1
 case "$stage" in
-    prefill | decode) ;;
+    prefill | decode | router) ;;
     *) echo "scale.sh: unknown stage '$stage'" >&2; usage ;;
 esac
 case "$2" in
@@ -57,6 +59,10 @@ if [ "$stage" = decode ] && [ "$count" -lt 1 ]; then
     echo "scale.sh: decode needs at least 1 worker (requests are decoded there)" >&2
     usage
 fi
+if [ "$stage" = router ] && [ "$count" -lt 1 ]; then
+    echo "scale.sh: at least 1 router (it serves the API)" >&2
+    usage
+fi
 
 if [ "$target" = k8s ]; then
     command -v kubectl >/dev/null 2>&1 || { echo "scale.sh: kubectl not found" >&2; exit 1; }
@@ -64,6 +70,10 @@ if [ "$target" = k8s ]; then
     if kubectl -n "$namespace" get "hpa/pdserve-$stage" >/dev/null 2>&1; then
         echo "scale.sh: note: hpa/pdserve-$stage manages this Deployment and will rescale it;" \
             "change its minReplicas/maxReplicas instead" >&2
+    fi
+    if [ "$stage" = router ] && [ "$count" -lt 2 ]; then
+        echo "scale.sh: note: with one router its PodDisruptionBudget (minAvailable 1) blocks" \
+            "node drains, and a router restart fails every stream" >&2
     fi
     exec kubectl -n "$namespace" scale "deployment/pdserve-$stage" --replicas="$count"
 fi

@@ -1,8 +1,10 @@
 """deploy/docker-compose.yml, deploy/Dockerfile and scripts/scale.sh, checked with no Docker engine.
 
 The compose file is validated by `docker compose config` / `docker-compose config` where one is
-installed, and always by a structural check of what --scale and the workers rely on. The decode
-entrypoint script and the router healthcheck are run for real against stand-ins.
+installed, and always by a structural check of what --scale and the workers rely on: every stage,
+the router included, scales (no host port but the `api` entry point's), workers name the router
+service (which resolves to every replica), the entry point's nginx config reaches every replica.
+The decode entrypoint script and the router healthcheck are run for real against stand-ins.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "deploy" / "docker-compose.yml"
+NGINX_CONF = ROOT / "deploy" / "nginx" / "api.conf"
 DOCKERFILE = ROOT / "deploy" / "Dockerfile"
 SCALE = ROOT / "scripts" / "scale.sh"
 STAGES = ("router", "prefill", "decode")
@@ -114,7 +117,7 @@ def test_compose_file_valid_docker_compose_v2() -> None:
 
 
 def test_services_present(compose: dict) -> None:
-    assert set(compose["services"]) >= {"pull", *STAGES}
+    assert set(compose["services"]) >= {"pull", "api", *STAGES}
 
 
 def test_stage_commands(compose: dict) -> None:
@@ -172,30 +175,81 @@ def test_kv_transport_is_tcp_between_containers(compose: dict) -> None:
     assert decode_env["PDSERVE_KV_PORT"] == "8100"
 
 
-def test_router_port_published_on_loopback_only(compose: dict) -> None:
-    router = service(compose, "router")
-    ports = router.get("ports") or []
-    assert ports, "the router must publish its HTTP port"
-    for p in ports:
+def _published(svc: dict) -> list[tuple[str | None, str]]:
+    """(host IP, container port) of each published port."""
+    out = []
+    for p in svc.get("ports") or []:
         if isinstance(p, dict):
-            host_ip, target = p.get("host_ip"), str(p.get("target"))
+            out.append((p.get("host_ip"), str(p.get("target"))))
         else:
             parts = str(p).split(":")
             assert len(parts) == 3, f"{p!r}: give the host IP, or Docker binds every interface"
-            host_ip, target = parts[0], parts[2].split("/")[0]
-        assert host_ip == "127.0.0.1", p
-        assert target == "8000", p
+            out.append((parts[0], parts[2].split("/")[0]))
+    return out
+
+
+def test_only_the_entry_point_publishes_a_port_on_loopback(compose: dict) -> None:
+    api = service(compose, "api")
+    assert _published(api) == [("127.0.0.1", "8000")]
+    for name, svc in compose["services"].items():
+        if name != "api" and "profiles" not in svc:  # monitoring: test_monitoring.py
+            assert not svc.get("ports"), f"{name}: a published port stops --scale {name}=N"
+    router = service(compose, "router")
     assert env(router)["PDSERVE_PORT"] == "8000"
-    assert env(router)["PDSERVE_HOST"] == "0.0.0.0"  # inside the container; the publish limits it
+    assert env(router)["PDSERVE_HOST"] == "0.0.0.0"  # inside the container; the network limits it
+    assert {"8000", "8001"} <= {str(p) for p in router.get("expose") or []}
+    assert "router" in api["depends_on"]
 
 
-def test_workers_are_scalable(compose: dict) -> None:
+def test_every_stage_is_scalable(compose: dict) -> None:
     # Any of these pins one container per service, and `--scale N` then fails or collides.
-    for name in WORKERS:
+    for name in STAGES:
         svc = service(compose, name)
         for key in ("ports", "container_name", "hostname"):
             assert key not in svc, f"{name}: {key} prevents --scale"
-        assert "PDSERVE_KV_ADVERTISE_HOST" not in env(svc), name
+    for name in WORKERS:
+        assert "PDSERVE_KV_ADVERTISE_HOST" not in env(service(compose, name)), name
+
+
+def _nginx_directives(text: str) -> list[tuple[str, list[str]]]:
+    """(name, arguments) of every simple directive in an nginx config, blocks flattened."""
+    text = re.sub(r"#.*", "", text)
+    out = []
+    for statement in re.split(r"[;{}]", text):
+        words = statement.split()
+        if words:
+            out.append((words[0], words[1:]))
+    return out
+
+
+def test_entry_point_spreads_requests_over_every_router(compose: dict) -> None:
+    api = service(compose, "api")
+    (mount,) = [m for m in api["volumes"] if m.split(":")[1].startswith("/etc/nginx/")]
+    source, target = mount.split(":")[:2]
+    assert (COMPOSE.parent / source).resolve() == NGINX_CONF
+    assert target == "/etc/nginx/conf.d/default.conf"  # replaces the image's default server
+    directives = dict(_nginx_directives(NGINX_CONF.read_text()))
+    assert directives["listen"] == ["8000"]
+    # Docker's DNS, looked up at request time (a variable): replicas that come and go are followed.
+    assert directives["resolver"][0] == "127.0.0.11"
+    valid = next(a for a in directives["resolver"] if a.startswith("valid="))
+    assert int(valid.removeprefix("valid=").rstrip("s")) <= 10
+    variable, upstream = directives["set"]
+    assert upstream == f"router:{env(service(compose, 'router'))['PDSERVE_PORT']}"
+    assert directives["proxy_pass"] == [f"http://{variable}"]
+    # Streams pass through as they come, and live as long as a request may (600 s by default).
+    assert directives["proxy_buffering"] == ["off"]
+    assert int(directives["proxy_read_timeout"][0].rstrip("s")) > 600
+    assert directives["proxy_http_version"] == ["1.1"]
+    # A stopped replica, or one without workers yet (503), costs a retry, not an error.
+    assert {"error", "http_503", "non_idempotent"} <= set(directives["proxy_next_upstream"])
+
+
+def test_same_cluster_secret_for_every_router_replica(compose: dict) -> None:
+    # Replicas share the service's definition: the one secret file in the one model-cache volume.
+    router = service(compose, "router")
+    assert ("model-cache", "/cache") in _mounts(router)
+    assert env(router)["PDSERVE_CLUSTER_SECRET_FILE"].startswith("/cache/")
 
 
 def test_router_healthcheck_hits_health(compose: dict) -> None:
@@ -419,7 +473,8 @@ def _calls(tmp_path: Path) -> list[str]:
     [
         [],
         ["decode"],
-        ["router", "2"],
+        ["router", "0"],
+        ["api", "2"],
         ["pull", "1"],
         ["decode", "x"],
         ["decode", "-1"],
@@ -444,7 +499,9 @@ def test_scale_help() -> None:
     assert result.stdout.startswith("usage:")
 
 
-@pytest.mark.parametrize("stage, n", [("decode", "3"), ("prefill", "0"), ("prefill", "08")])
+@pytest.mark.parametrize(
+    "stage, n", [("decode", "3"), ("prefill", "0"), ("prefill", "08"), ("router", "2")]
+)
 def test_scale_runs_docker_compose_plugin(stage: str, n: str, tmp_path: Path) -> None:
     shims = _shim_dir(tmp_path, v2=True, v1=True)
     # From another directory: the script finds the compose file relative to itself.

@@ -1,7 +1,7 @@
 """The compose `monitoring` profile and the Grafana dashboard, checked with no Docker engine.
 
 `docker-compose --profile monitoring config` (and `docker compose ...` where installed) validates
-the profile; the structural checks: Prometheus scrapes the router's /metrics, Grafana gets that
+the profile; the structural checks: Prometheus scrapes every router's /metrics, Grafana gets that
 Prometheus as its data source and the dashboard from deploy/grafana/pdserve.json, both publish on
 loopback only, and a plain `up` starts neither. The dashboard itself: well-formed panels, and
 queries that cover what issue 13 lists (latency percentiles, token throughput, load, KV usage and
@@ -80,16 +80,20 @@ def test_monitoring_only_with_its_profile(compose: dict) -> None:
             assert str(port).startswith("127.0.0.1:"), (name, port)
 
 
-def test_prometheus_scrapes_the_router(compose: dict) -> None:
+def test_prometheus_scrapes_every_router(compose: dict) -> None:
     prometheus = compose["services"]["prometheus"]
     mounts = _bind_mounts(prometheus)
     config_flag = next(a for a in prometheus["command"] if a.startswith("--config.file="))
     config = yaml.safe_load(mounts[config_flag.split("=", 1)[1]].read_text())
     (job,) = config["scrape_configs"]
     assert job.get("metrics_path", "/metrics") == "/metrics"
-    (targets,) = [sc["targets"] for sc in job["static_configs"]]
+    # One target per router replica (DNS service discovery on the service name): a static
+    # `router:8000` would scrape whichever replica the name gave that time.
+    assert "static_configs" not in job
+    (sd,) = job["dns_sd_configs"]
     router_port = env(compose["services"]["router"])["PDSERVE_PORT"]
-    assert targets == [f"router:{router_port}"]
+    assert sd["names"] == ["router"] and sd.get("type", "SRV") == "A"
+    assert str(sd["port"]) == router_port
     assert "router" in prometheus["depends_on"]
 
 

@@ -51,6 +51,7 @@ def _calls(tmp_path: Path) -> list[str]:
         (["--k8s", "decode", "3"], "pdserve", "decode", 3),
         (["--kubernetes", "-n", "prod", "prefill", "0"], "prod", "prefill", 0),
         (["--k8s", "--namespace", "llm", "--", "prefill", "07"], "llm", "prefill", 7),
+        (["--k8s", "router", "3"], "pdserve", "router", 3),
     ],
 )
 def test_scale_k8s_runs_kubectl_scale(args, namespace, stage, n, tmp_path: Path) -> None:
@@ -65,7 +66,7 @@ def test_scale_k8s_runs_kubectl_scale(args, namespace, stage, n, tmp_path: Path)
 def test_scale_k8s_names_deployments_the_manifests_define() -> None:
     objects = kustomize.render(ROOT / "deploy" / "k8s" / "base")
     deployments = {o["metadata"]["name"] for o in objects if o["kind"] == "Deployment"}
-    assert {"pdserve-prefill", "pdserve-decode"} <= deployments
+    assert {"pdserve-prefill", "pdserve-decode", "pdserve-router"} <= deployments
     namespaces = {o["metadata"]["namespace"] for o in objects if o["kind"] == "Deployment"}
     assert namespaces == {"pdserve"}  # scale.sh's default namespace
 
@@ -81,7 +82,8 @@ def test_scale_k8s_warns_when_an_hpa_manages_the_stage(tmp_path: Path) -> None:
     "args",
     [
         ["--k8s", "decode", "0"],
-        ["--k8s", "router", "1"],
+        ["--k8s", "router", "0"],
+        ["--k8s", "api", "1"],
         ["--k8s", "-n"],
         ["--k8s", "-n", "", "decode", "1"],
         ["-n", "prod", "decode", "1"],  # a namespace without --k8s
@@ -94,6 +96,13 @@ def test_scale_k8s_rejects_bad_arguments(args: list[str], tmp_path: Path) -> Non
     assert result.returncode == 2, result.stderr
     assert "usage:" in result.stderr
     assert _calls(tmp_path) == []
+
+
+def test_scale_k8s_one_router_warns(tmp_path: Path) -> None:
+    result = _scale(["--k8s", "router", "1"], _kubectl_dir(tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert "PodDisruptionBudget" in result.stderr
+    assert _calls(tmp_path)[-1] == "kubectl -n pdserve scale deployment/pdserve-router --replicas=1"
 
 
 def test_scale_k8s_without_kubectl(tmp_path: Path) -> None:
