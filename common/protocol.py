@@ -32,7 +32,8 @@ from msgspec import Meta
 
 from common.sampling_params import MAX_PROMPT_LOGPROB_TOKENS, MAX_TOP_LOGPROBS, SamplingParams
 
-PROTOCOL_VERSION = 7  # 6: TokenBatch (a v5 router cannot read v6 tokens); 7: KVAck.recompute
+# 6: TokenBatch (a v5 router cannot read v6 tokens); 7: KVAck.recompute, Generate's output tokens
+PROTOCOL_VERSION = 7
 MAX_CONTROL_MESSAGE_BYTES = 64 * 2**20  # a 128k-token prompt of int ids fits with room to spare
 # Messages that are small by nature have a smaller limit, checked from the tag before decoding: a
 # 40 MiB heartbeat would otherwise stall the router's event loop while it is decoded.
@@ -190,11 +191,14 @@ class Prefill(msgspec.Struct, tag="prefill", forbid_unknown_fields=True):
 
 
 class Generate(msgspec.Struct, tag="generate", forbid_unknown_fields=True):
-    """Router -> decode: prefill locally and decode (colocated mode, short prompts)."""
+    """Router -> decode: prefill locally and decode (colocated mode, short prompts). A migrated
+    request (its decode worker died) carries the tokens it already produced at the end of
+    `prompt_token_ids`: the last `num_output_tokens` of them are output, not prompt."""
 
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    num_output_tokens: Count = 0
 
 
 class Abort(msgspec.Struct, tag="abort", forbid_unknown_fields=True):

@@ -122,7 +122,10 @@ class DecodeWorker(WorkerBase):
         elif isinstance(message, Generate):
             try:
                 self.engine.add_request(
-                    message.request_id, message.prompt_token_ids, message.params
+                    rid,
+                    message.prompt_token_ids,
+                    message.params,
+                    num_output_tokens=message.num_output_tokens,
                 )
             except ValueError as exc:
                 self.reply(rid, RequestFailed(rid, "decode", str(exc)))

@@ -7,14 +7,16 @@ decode worker. A refusal (or a reservation that does not come back in time) move
 decode worker; when none takes it within the queue timeout the request gets a 503. Worker messages
 come back through `on_message`: a `TokenBatch`'s (or a lone `TokenOutput`'s) tokens go to each
 flight's event buffer (`router.relay`), `RequestFailed` fails it.
-A dead decode worker fails its flights; a dead prefill worker's flights that have not started
-decoding go to another prefill worker (or, with none left, prefill on the decode worker itself).
+A dead (or stalled) decode worker's flights move to another decode worker, which prefills the
+prompt and the tokens relayed so far and goes on (`_migrate`; at most MAX_MIGRATIONS times, then
+the flight fails); a dead prefill worker's flights that have not started decoding go to another
+prefill worker (or, with none left, prefill on the decode worker itself).
 `router.job.Job` groups the flights of one HTTP request around one event buffer.
 
 Called by `router.app` (dispatch, release) and by `router.control` (worker messages, worker
 deaths). Single-threaded: everything runs on the router's event loop.
 
-Why one module of ~410 lines: `Dispatcher` is one state machine over a flight's life (reserve,
+Why one module of ~470 lines: `Dispatcher` is one state machine over a flight's life (reserve,
 prefill, generate, refusal, failure, failover, release), and each transition updates the same
 books (worker loads, reservations, the prefix index's pending keys); split across files, the
 places that must undo each other's bookkeeping would no longer be read together.
@@ -26,7 +28,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 
@@ -58,6 +60,7 @@ from router.relay import EventBuffer
 
 log = logging.getLogger(__name__)
 
+MAX_MIGRATIONS = 2  # moves to another decode worker per flight; then it fails as before
 QUEUE_POLL_S = 0.05  # how often a queued request looks for a decode worker again
 REFUSAL_BACKOFF_S = 0.5  # a decode worker that refused gets no new requests for this long
 
@@ -92,6 +95,8 @@ class Flight:
     started_decoding: bool = False
     redispatched: bool = False  # its prefill moved to another worker at least once
     finished: bool = False
+    output_token_ids: list[int] = field(default_factory=list)  # relayed so far
+    migrations: int = 0  # times it moved to another decode worker (its own died or stalled)
 
     @property
     def request_id(self) -> str:
@@ -128,6 +133,8 @@ class Dispatcher:
         self.prefill_deadline_s = prefill_deadline_s
         self.clock = clock
         self.flights: dict[str, Flight] = {}  # by request_id
+        self.num_migrations = 0  # flights moved off a dead decode worker (a counter)
+        self._moving: set[asyncio.Task] = set()  # migrations looking for a decode worker
         self.num_waiting = 0  # flights looking for a decode worker
         self.line = WaitingLine()  # flights looking for a decode worker, first come first served
 
@@ -328,6 +335,7 @@ class Dispatcher:
             if flight.redispatched and flight.prefill is not None:
                 self._send(flight.prefill, Abort(flight.request_id))  # a second prefill is moot
             self._release_prefill(flight)
+        flight.output_token_ids += msg.token_ids
         if msg.finished:
             flight.finished = True
             self._release_decode(flight)
@@ -353,12 +361,15 @@ class Dispatcher:
                 continue
             if flight.decode is worker:
                 future = flight.reserve_reply
-                if future is None:
+                if future is not None:
+                    if not future.done():
+                        future.set_result(
+                            ReserveReply(flight.request_id, ok=False, reason="worker stopped")
+                        )
+                elif flight.migrations < MAX_MIGRATIONS:
+                    self._migrate(flight, worker)
+                else:
                     self._fail(flight, f"decode worker {worker.worker_id} stopped responding")
-                elif not future.done():
-                    future.set_result(
-                        ReserveReply(flight.request_id, ok=False, reason="worker stopped")
-                    )
             elif flight.prefill is worker:
                 log.warning(
                     "%s: prefill worker %s died; re-dispatching", flight.base_id, worker.worker_id
@@ -366,6 +377,53 @@ class Dispatcher:
                 self._release_prefill(flight)
                 flight.redispatched = True
                 self._send_prefill(flight, frozenset({worker.worker_id}))
+
+    # ---- migration ------------------------------------------------------------------------------
+
+    def _migrate(self, flight: Flight, dead: Worker) -> None:
+        """Move a flight off a decode worker that died or stalled: another decode worker
+        prefills its prompt and the tokens relayed so far and goes on from there (its stop
+        rules, penalties, grammar and seeded generator continue where they were); the client
+        sees a pause, not an error."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no event loop to look for a worker in
+            self._fail(flight, f"decode worker {dead.worker_id} stopped responding")
+            return
+        log.warning(
+            "%s: decode worker %s stopped after %d tokens; moving it to another",
+            flight.base_id, dead.worker_id, len(flight.output_token_ids),
+        )  # fmt: skip
+        if flight.prefill is not None:  # its KV has nowhere to go now
+            self._send(flight.prefill, Abort(flight.request_id))
+            self._release_prefill(flight)
+        self._release_decode(flight)
+        self._rekey(flight)  # a late output of the dead worker is not taken for the new one's
+        flight.migrations += 1
+        self.num_migrations += 1
+        task = loop.create_task(self._resume(flight))
+        self._moving.add(task)
+        task.add_done_callback(self._moving.discard)
+
+    async def _resume(self, flight: Flight) -> None:
+        """Start a migrated flight on the least loaded live decode worker, within the queue
+        timeout; else it fails as it would have without migration."""
+        deadline = self.clock() + self.queue_timeout_s
+        while not flight.finished:
+            decode = pick_decode(self.registry.live("decode"), self.clock())
+            if decode is not None:
+                self._assign_decode(flight, decode)
+                tokens = flight.prompt_token_ids + flight.output_token_ids
+                message = Generate(
+                    flight.request_id, tokens, flight.params, len(flight.output_token_ids)
+                )
+                if self._send(decode, message):
+                    return
+                self._refused(flight, decode, "unreachable")
+            if self.clock() >= deadline:
+                self._fail(flight, "its decode worker stopped and no other could take it")
+                return
+            await asyncio.sleep(QUEUE_POLL_S)
 
     # ---- the end of a flight --------------------------------------------------------------------
 

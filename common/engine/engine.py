@@ -139,12 +139,17 @@ class Engine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         hold_blocks: bool = False,
+        num_output_tokens: int = 0,
     ) -> None:
         """Queue a request; ValueError for a bad prompt or parameters (nothing is queued then).
 
         With `hold_blocks` the finished sequence keeps its KV blocks (see `held`) until `release`.
+        `num_output_tokens`: the last that many of `prompt_token_ids` are output already produced
+        elsewhere (a migrated request): it goes on from there as if it had produced them here.
         """
         seq = self._new_sequence(request_id, prompt_token_ids, params)
+        if num_output_tokens:
+            self._resume(seq, num_output_tokens)
         seq.hold_blocks = hold_blocks
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
@@ -164,6 +169,21 @@ class Engine:
         if params.structured_output is not None:
             seq.grammar = self.grammars.matcher(params.structured_output)  # ValueError if bad
         return seq
+
+    def _resume(self, seq: SequenceState, num_output_tokens: int) -> None:
+        """Make the last `num_output_tokens` of `seq`'s tokens output: the stop rules, penalties
+        and grammar count them, and a seeded generator is where it was after drawing them (one
+        row of noise per sampled token, as the sampler draws without speculation)."""
+        if not 0 < num_output_tokens < seq.num_tokens:
+            raise ValueError(f"num_output_tokens must be in [0, {seq.num_tokens})")
+        seq.num_prompt_tokens = seq.num_tokens - num_output_tokens
+        if seq.num_output_tokens >= seq.params.max_tokens:
+            raise ValueError("the request already produced max_tokens tokens")
+        if seq.generator is not None and seq.params.temperature > 0:
+            for _ in range(num_output_tokens):
+                torch.rand(self.vocab_size, generator=seq.generator, device=seq.generator.device)
+        if seq.grammar is not None:
+            seq.grammar.sync(seq.token_ids, seq.num_prompt_tokens)
 
     def _check_new(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams

@@ -234,8 +234,10 @@ class FakeWorker:
             elif self.reserve_mode == "refuse":
                 self._send(ReserveReply(msg.request_id, False, reason="no free KV blocks"))
         elif isinstance(msg, Generate):
-            if self.generate_mode == "echo":
-                self._start_stream(msg.request_id, msg.prompt_token_ids, msg.params)
+            if self.generate_mode == "echo":  # a migrated request goes on where it was
+                n = msg.num_output_tokens
+                prompt = msg.prompt_token_ids[: len(msg.prompt_token_ids) - n]
+                self._start_stream(msg.request_id, prompt, msg.params, num_sent=n)
             elif self.generate_mode == "fail":
                 self._send(RequestFailed(msg.request_id, "decode", "injected failure"))
         elif isinstance(msg, Prefill):
@@ -251,9 +253,13 @@ class FakeWorker:
         elif isinstance(msg, BlockBooksQuery) and self.answer_block_books:
             self._send(BlockBooksReply(self.worker_id, msg.query_id, 1000, 1000, 0, 0, 0, 0, []))
 
-    def _start_stream(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
+    def _start_stream(
+        self, request_id: str, prompt: list[int], params: SamplingParams, num_sent: int = 0
+    ) -> None:
         tokens = self.output_token_ids or prompt
-        self._streams[request_id] = _Stream(request_id, list(tokens), params, list(prompt))
+        stream = _Stream(request_id, list(tokens), params, list(prompt))
+        stream.num_sent = num_sent
+        self._streams[request_id] = stream
 
     def _emit_due(self, now: float) -> None:
         outputs = []

@@ -6,6 +6,7 @@ refusals, silent workers, worker deaths and client disconnects.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -186,7 +187,7 @@ def test_last_prefill_worker_death_falls_back_to_local_prefill(router: RouterThr
     assert generate.prompt_token_ids == LONG
 
 
-def test_decode_worker_death_fails_its_requests_only() -> None:
+def test_a_dead_decode_workers_streams_move_to_another_without_an_error() -> None:
     with RouterThread(colocated=True) as router:  # the real heartbeat timeout
         d0 = router.worker("decode", "d0", token_delay_s=0.05)
         d1 = router.worker("decode", "d1", token_delay_s=0.05)
@@ -204,17 +205,49 @@ def test_decode_worker_death_fails_its_requests_only() -> None:
         d1.wait_for(Generate)
         time.sleep(0.3)
         d0.die()
-        died = time.monotonic()
-        threads[0].join(HEARTBEAT_TIMEOUT_S + 3)
-        assert not threads[0].is_alive()
-        assert time.monotonic() - died < HEARTBEAT_TIMEOUT_S + 1.0
-        assert any('"error"' in line and "d0" in line for line in lines["a"]), lines["a"][-3:]
-        assert lines["a"][-2] == "data: [DONE]"
+        # d1 gets a's prompt and the tokens relayed so far, and goes on from there
+        moved = d1.wait_for(
+            Generate, lambda m: m.num_output_tokens > 0, timeout_s=HEARTBEAT_TIMEOUT_S + 3
+        )
+        assert 0 < moved.num_output_tokens < 100
+        assert moved.prompt_token_ids[: len(SHORT)] == SHORT
+        for thread in threads:
+            thread.join(30)
+        for name in lines:  # both whole, no error: the client saw a pause
+            assert lines[name][-2] == "data: [DONE]", lines[name][-3:]
+            assert not any('"error"' in line for line in lines[name]), name
+            assert '"finish_reason": "length"' in lines[name][-4]
+        texts = [
+            "".join(json.loads(x[6:])["choices"][0]["text"] for x in lines[name][:-2] if x)
+            for name in lines
+        ]
+        assert texts[0] == texts[1]  # the same echo text as the undisturbed stream
+        assert router.server.dispatcher.num_migrations == 1
         assert complete(router, SHORT).status_code == 200  # new requests go to the survivor
-        threads[1].join(15)
-        assert lines["b"][-2] == "data: [DONE]"
-        assert not any('"error"' in line for line in lines["b"])
-        assert '"finish_reason": "length"' in lines["b"][-4]
+
+
+def test_a_stream_fails_once_its_migrations_are_spent(monkeypatch) -> None:
+    from router import dispatch
+
+    monkeypatch.setattr(dispatch, "MAX_MIGRATIONS", 0)  # fail as before migration existed
+    with RouterThread(colocated=True) as router:
+        d0 = router.worker("decode", "d0", token_delay_s=0.05)
+        router.worker("decode", "d1", token_delay_s=0.05)
+        body = {"prompt": SHORT, "max_tokens": 100, "stream": True}
+        lines: list[str] = []
+
+        def stream() -> None:
+            with httpx.stream("POST", router.url + "/v1/completions", json=body, timeout=30) as r:
+                lines.extend(r.iter_lines())
+
+        thread = threading.Thread(target=stream)
+        thread.start()
+        d0.wait_for(Generate)
+        time.sleep(0.3)
+        d0.die()
+        thread.join(HEARTBEAT_TIMEOUT_S + 3)
+        assert any('"error"' in line and "d0" in line for line in lines), lines[-3:]
+        assert lines[-2] == "data: [DONE]"
 
 
 def test_worker_failure_becomes_a_503(router: RouterThread) -> None:
