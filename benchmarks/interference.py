@@ -12,7 +12,7 @@ of that alone ("idle"), a `--long-tokens`-token prompt (random ids, 1 output tok
 every `--long-every-s` seconds for `--mixed-s` seconds ("mixed"). ITL = the gap between two
 streamed chunks of one chat; each gap is assigned to the phase it ends in.
 
-Expectation (issue 4): colocated p99 ITL spikes while long prompts prefill; the split keeps p99 ITL
+Expectation: colocated p99 ITL spikes while long prompts prefill; the split keeps p99 ITL
 within 2x of its idle value.
 
     python benchmarks/interference.py [--model default] [--dtype bfloat16] [--streams 4]

@@ -15,8 +15,8 @@ prefix routing gives each worker about half the tenants.
 
 Hit rate = prefix-cache hit tokens / query tokens on the prefill workers. Achievable = what a
 single worker with an unlimited cache would hit on the same prompts: every request but each
-tenant's first hits the full blocks of the longest prefix its tenant's prompts share. Targets
-(issue 4): prefix's hit rate >= 90% of the achievable, its TTFT p50 >= 2x better than round robin.
+tenant's first hits the full blocks of the longest prefix its tenant's prompts share. Targets:
+prefix's hit rate >= 90% of the achievable, its TTFT p50 >= 2x better than round robin.
 
     python benchmarks/prefix_routing.py [--model default] [--dtype bfloat16] [--tenants 8]
         [--system-prompt-tokens 1024] [--question-tokens 24] [--output-tokens 16]

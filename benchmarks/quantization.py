@@ -1,7 +1,7 @@
 """Weight formats on the default model, same process, same prompts: bf16 vs int8 vs int4 (Q4_1).
 
 Formats (all from the default GGUF, so the weights are the same up to their format):
-  bf16   --quantization none: everything dequantized to --dtype (the behaviour before issue 10)
+  bf16   --quantization none: everything dequantized to --dtype (as before native int4/int8)
   int8   the Q4_1 projections dequantized, then round-to-nearest int8 per channel
          (--quantization int8 on a 16-bit checkpoint)
   int4   --quantization auto: the file's Q4_1 blocks served natively (int4, groups of 32)

@@ -99,8 +99,10 @@ class KVSender:
         if header.transport not in TRANSPORTS:
             raise ValueError(f"unknown kv transport {header.transport!r}")
         mismatch = payload.layout_mismatch(header, self.kv_cache)
-        assert not mismatch, f"header does not describe this kv_cache: {mismatch}"
-        assert header.num_blocks == len(block_ids), "header.num_blocks != len(block_ids)"
+        if mismatch:  # raised, not asserted: part of the header comes from the router's Prefill
+            raise ValueError(f"header does not describe this kv_cache: {mismatch}")
+        if header.num_blocks != len(block_ids):
+            raise ValueError(f"header says {header.num_blocks} blocks, {len(block_ids)} given")
         index = payload.block_index(block_ids, self.kv_cache.shape[2], self.kv_cache.device)
         now = time.monotonic()
         transfer = _Transfer(address, header, started=now, deadline=now + deadline_s)

@@ -1,5 +1,5 @@
-"""Giving the heap a large request freed back to the OS (issue 11: router memory back near its
-baseline after a large request).
+"""Giving the heap a large request freed back to the OS (router memory back near its baseline
+after a large request).
 
 glibc keeps what a large request freed (a 10 MB body read and parsed, a /detokenize of a million
 tokens and its 10 MB answer) in its arenas, one per tokenizer thread, so the router's RSS stays at

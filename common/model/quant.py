@@ -1,11 +1,11 @@
 """Weight-only quantization: the in-memory format, round-to-nearest quantization, quantized layers.
 
-Owns `QuantizedTensor` (the format agreed in QUANT-FORMAT.md: int4 with a group-wise scale and
-zero point, or int8 per channel / per group; activations stay 16/32-bit), RTN quantization of a
-dense weight, and the two modules the Llama family swaps in when its checkpoint or `--quantization`
-asks for it: `QuantLinear` (projections, LM head) and `QuantEmbedding` (row lookup, dequantized per
-row). The matmul dispatches on the device: CPU -> `common.kernels.cpu_quant`, CUDA ->
-`common.kernels.triton_quant.quant_matmul` (imported lazily, never on CPU), anything else ->
+Owns `QuantizedTensor` (int4 with a group-wise scale and zero point, or int8 per channel / per
+group; activations 16/32-bit, or int8 per token in `common.kernels.cpu_qgemm`), RTN quantization of
+a dense weight, and the two modules the Llama family swaps in when its checkpoint or
+`--quantization` asks for it: `QuantLinear` (projections, LM head) and `QuantEmbedding` (row lookup,
+dequantized per row). The matmul dispatches on the device: CPU -> `common.kernels.cpu_quant`, CUDA
+-> `common.kernels.triton_quant.quant_matmul` (imported lazily, never on CPU), anything else ->
 dequantize then matmul (the reference every kernel is tested against). Called by
 `common.model.llama` (load_weights) and the weight loaders in `common.model.weights`.
 """

@@ -4,7 +4,7 @@
 the profile; the structural checks: Prometheus scrapes every router's /metrics, Grafana gets that
 Prometheus as its data source and the dashboard from deploy/grafana/pdserve.json, both publish on
 loopback only, and a plain `up` starts neither. The dashboard itself: well-formed panels, and
-queries that cover what issue 13 lists (latency percentiles, token throughput, load, KV usage and
+queries that cover what operators watch (latency percentiles, token throughput, load, KV usage and
 prefix hits per worker, KV transfer, speculation). That every queried metric exists in a running
 cluster's /metrics is tests/deploy/test_k8s_cluster.py's job.
 """

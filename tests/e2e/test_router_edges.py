@@ -1,4 +1,4 @@
-"""The router process under a burst and after large requests (issue 11, items 3 and 5).
+"""The router process under a burst and after large requests.
 
 One real router process (`common.runtime.launcher`, `--max-waiting-requests 16`) and a fake decode
 worker in this process (tests/router/fake_worker.py: real ZeroMQ, no model), shared by the tests:

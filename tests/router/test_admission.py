@@ -1,4 +1,4 @@
-"""Admission control (issue 11, item 5): `--max-waiting-requests`, the 429 with Retry-After beyond
+"""Admission control: `--max-waiting-requests`, the 429 with Retry-After beyond
 it, first-come-first-served dispatch of the waiting, and the metrics. router/admission.py and the
 dispatcher's line, through a real router and fake workers.
 """
@@ -70,7 +70,7 @@ def test_waiting_requests_are_served_in_order_and_beyond_the_limit_get_429() -> 
 
 
 def test_a_burst_gets_only_200s_and_429s() -> None:
-    """Issue 11: 1000 requests at once gave 290 x 503 and a queue of 640; 300 here, on 2 cores."""
+    """Reported: 1000 requests at once gave 290 x 503 and a queue of 640; 300 here, on 2 cores."""
 
     async def burst(url: str) -> list[int]:
         limits = httpx.Limits(max_connections=300)
@@ -125,7 +125,7 @@ def test_waiting_line_order() -> None:
 
 
 def test_long_prompt_waits_for_room_while_decode_is_busy() -> None:
-    """Issue 11: a long prompt whose reservation found no free blocks got a 503 after the queue
+    """Reported: a long prompt whose reservation found no free blocks got a 503 after the queue
     timeout even though the decode worker's running requests would soon free room. Now it waits
     (up to --max-queue-wait-s) while the worker is busy, and is served once room frees up."""
     long_prompt = list(range(1000, 1040))

@@ -1,4 +1,4 @@
-"""The router's edges (issue 11): inputs that once gave 500/503 give 400, the body limit, the API
+"""The router's edges: inputs that once gave 500/503 give 400, the body limit, the API
 key on every endpoint, the OpenAPI document, and an event loop that big inputs do not block.
 
 Real HTTP against a `RouterThread` with a fake decode worker (tests/router/fake_worker.py).
@@ -37,7 +37,7 @@ def _assert_openai_error(r: httpx.Response, status: int) -> dict:
 
 
 _CHAT = '{"messages": [{"role": "user", "content": %s}], "max_tokens": 2}'
-# The seven inputs of issue 11 that gave a 500 or 503 (and one more of the same kind).
+# The seven reported inputs that gave a 500 or 503 (and one more of the same kind).
 HOSTILE = {
     "5000-digit integer": b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}",
     "100k-deep JSON": b'{"prompt": "x", "user": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
@@ -113,7 +113,7 @@ def _stream_gaps(router: RouterThread, out: dict, started: threading.Event) -> N
 
 
 def test_big_tokenize_does_not_stall_a_concurrent_stream() -> None:
-    """Issue 11: a 10 MB /tokenize froze every stream for 18 s. 2.5 MB here (a --max-model-len
+    """Reported: a 10 MB /tokenize froze every stream for 18 s. 2.5 MB here (a --max-model-len
     large enough that it must really be tokenized, ~3 s of tokenizer time on a slow CPU) while a
     stream runs: its chunks keep coming, at most 1 s apart."""
     with RouterThread(colocated=True, max_model_len=10**6) as router:

@@ -1,4 +1,4 @@
-"""schemathesis against the router's own OpenAPI document (issue 11, item 4): no server error.
+"""schemathesis against the router's own OpenAPI document: no server error.
 
 Bodies generated from `/openapi.json` (`common.api.schemas`), both schema-valid (positive) and
 schema-violating (negative), go to every endpoint of a real router (`RouterThread`) with a fake
