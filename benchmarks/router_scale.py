@@ -333,6 +333,37 @@ def index_bytes_per_million(num_blocks: int, num_workers: int = 8) -> float:
     return used / (per * num_workers) * 1e6
 
 
+# ---- routing decisions alone --------------------------------------------------------------------
+
+
+def decision_us(num_workers: int, routing: str, repeats: int = 300) -> float:
+    """Microseconds the router's decode choice takes (`Dispatcher._pick_decode`, no HTTP) with
+    `num_workers` decode workers registered and heartbeating, best of 3 rounds."""
+    from common import protocol
+    from common.protocol import Heartbeat, Register
+    from common.sampling_params import SamplingParams
+    from router.dispatch import Dispatcher, Flight
+    from router.registry import Registry
+
+    registry = Registry({"default"})
+    for i in range(num_workers):
+        wid = f"w{i}"
+        registry.register(wid.encode(), Register(
+            protocol.PROTOCOL_VERSION, "decode", wid, "default", 16, 100_000, 8192,
+            "float32", "bench", kv_salt=b"salt",
+        ))  # fmt: skip
+        registry.on_heartbeat(Heartbeat(wid, i % 7, 0, 100_000, 100_000))
+    dispatcher = Dispatcher(registry, lambda w, m: True, routing=routing)
+    flight = Flight("r", 0, list(range(100)), SamplingParams(), None)  # type: ignore[arg-type]
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            dispatcher._pick_decode(flight)
+        best = min(best, (time.perf_counter() - t0) / repeats)
+    return best * 1e6
+
+
 # ---- the run ------------------------------------------------------------------------------------
 
 
@@ -460,6 +491,8 @@ def main() -> None:
         "router_rss_kib_per_stream": (relayed["rss_peak"] - relayed["rss0"]) / 1024 / args.streams,
     }
     figures["index_mib_per_million_blocks"] = index_bytes_per_million(args.index_blocks) / 2**20
+    for routing in ("least_loaded", "prefix"):
+        figures[f"decision_us_{routing}"] = decision_us(args.workers, routing)
     width = max(len(k) for k in figures)
     for k, v in figures.items():
         print(f"{k:<{width}}  {v:.4g}" if isinstance(v, float) else f"{k:<{width}}  {v}")
