@@ -7,6 +7,14 @@ every counter a worker reports in `Heartbeat.counters` and every histogram in
 `Heartbeat.histograms`, passed through as `pdserve:<name>`. Names are `pdserve:` + vLLM's
 suffix where vLLM has one. No prometheus_client dependency: the text format is small.
 
+Every family users query is there from the first scrape, HELP and TYPE included, so dashboards,
+autoscaler rules and alerts see zeros, not "no data", on a cluster that has served nothing:
+request_success_total and request_errors_total start at 0 for every finish reason and error code
+the router answers with, and the worker series in `WORKER_FAMILIES` at 0 for each worker that
+heartbeats without them; before any worker is live, the per-worker families carry HELP and TYPE
+only (they have no worker to label yet). Worker counters are the worker's own totals, replaced by
+each heartbeat, never summed here: a worker's prefix-cache queries count once per request.
+
 Called by `router.app` (a `RequestTimer` per request, `render` for /metrics, with the admission
 counts of `router.admission`).
 """
@@ -21,7 +29,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from common.protocol import HistogramSnapshot
-from common.runtime.histogram import Histogram
+from common.runtime.histogram import KV_TRANSFER_BUCKETS, Histogram
 from router.admission import Admission
 from router.kv_index import PrefixIndex
 from router.registry import Worker
@@ -35,6 +43,53 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15
 E2E_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
                40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
 _NAME_BAD_CHARS = re.compile(r"[^a-zA-Z0-9_:]")
+
+# Series at 0 from the first scrape: what a choice can finish with, the codes requests fail with.
+FINISH_REASONS = ("stop", "length", "tool_calls")
+ERROR_CODES = (400, 404, 413, 429, 499, 500, 503, 504)
+
+# What workers report in their heartbeats: name -> (type, help, roles that report it).
+WORKER_FAMILIES: dict[str, tuple[str, str, tuple[str, ...]]] = {
+    "num_preemptions_total": ("counter", "Sequences preempted (KV freed, recomputed later).",
+                              ("prefill", "decode")),
+    "prefix_cache_queries_total": ("counter", "Prompt tokens looked up in the worker's prefix "
+                                   "cache, once per request.", ("prefill", "decode")),
+    "prefix_cache_hits_total": ("counter", "Prompt tokens found in the worker's prefix cache.",
+                                ("prefill", "decode")),
+    "spec_decode_num_drafts_total": ("counter", "Verify steps of drafting sequences.",
+                                     ("prefill", "decode")),
+    "spec_decode_num_draft_tokens_total": ("counter", "Draft tokens proposed.",
+                                           ("prefill", "decode")),
+    "spec_decode_num_accepted_tokens_total": ("counter", "Draft tokens accepted.",
+                                              ("prefill", "decode")),
+    "kv_transfer_failures_total": ("counter", "KV transfers that failed.", ("prefill", "decode")),
+    "kv_transfer_bytes_total": ("counter", "KV bytes sent to decode workers.", ("prefill",)),
+    "kv_transfer_seconds": ("histogram", "KV transfer, send to acknowledgement.", ("prefill",)),
+    "kv_transfer_received_bytes_total": ("counter", "KV bytes received from prefill workers.",
+                                         ("decode",)),
+    "kv_transfer_recomputed_total": ("counter", "KV transfers that arrived damaged and were "
+                                     "prefilled on the decode worker instead.", ("decode",)),
+}  # fmt: skip
+
+# Per-worker series the router derives itself (its own counts, heartbeat gauges): name -> (type,
+# help).
+_ROUTER_WORKER_FAMILIES = {
+    "worker_num_requests_in_flight": ("gauge", "Requests the router has on the worker."),
+    "prefill_dispatched_total": ("counter", "Prompts the router sent to the worker."),
+    "prefix_routing_matched_tokens_total": ("counter", "Prompt tokens the router's index said "
+                                            "the worker held when it got the prompt."),
+    "prefill_queued_tokens": ("gauge", "Prompt tokens dispatched to the worker, first token not "
+                              "yet back (routing load)."),
+    "kv_index_blocks": ("gauge", "Prefix blocks the router's index holds for a worker."),
+    "num_free_blocks": ("gauge", "Free KV blocks (heartbeat)."),
+    "num_blocks": ("gauge", "KV blocks (heartbeat)."),
+    "kv_cache_usage_perc": ("gauge", "KV cache usage, 1 = full."),
+    "worker_num_requests_running": ("gauge", "Sequences running (heartbeat)."),
+    "worker_num_requests_waiting": ("gauge", "Sequences waiting (heartbeat)."),
+    "worker_queued_prefill_tokens": ("gauge", "Prompt tokens queued (heartbeat)."),
+    "spec_decode_mean_accepted_length": ("gauge", "Tokens a drafting sequence gains per verify "
+                                         "step: 1 + accepted / drafts."),
+}  # fmt: skip
 
 Labels = tuple[tuple[str, str], ...]
 
@@ -73,6 +128,10 @@ class RouterMetrics:
     ) -> str:
         families: dict[str, _Family] = {}
 
+        def declare(name: str, type_: str, help_: str) -> None:
+            """HELP and TYPE even while the family has no sample (no worker to label yet)."""
+            families.setdefault(name, _Family(type_, help_))
+
         def add(name: str, type_: str, help_: str, value: float, labels: Labels = ()) -> None:
             family = families.setdefault(name, _Family(type_, help_))
             family.samples.append(("", labels, value))
@@ -110,74 +169,91 @@ class RouterMetrics:
             self.generation_tokens_total,
         )
         success_help = "Finished choices by finish reason."
-        for reason, n in sorted(self.request_success_total.items()):
+        for reason in sorted({*FINISH_REASONS, *self.request_success_total}):
+            n = self.request_success_total.get(reason, 0)
             add("request_success_total", "counter", success_help, n, (("finished_reason", reason),))
-        for code, n in sorted(self.request_errors_total.items()):
-            add("request_errors_total", "counter", "Requests answered with an error.", n,
-                (("code", str(code)),))  # fmt: skip
+        for code in sorted({*ERROR_CODES, *self.request_errors_total}):
+            add("request_errors_total", "counter", "Requests answered with an error.",
+                self.request_errors_total.get(code, 0), (("code", str(code)),))  # fmt: skip
         if index is not None:
             add("kv_index_resyncs_total", "counter",
                 "Full KV snapshots the router asked workers for (lost KV events).",
                 index.num_resyncs_asked)  # fmt: skip
-        _add_workers(add, add_histogram, list(workers), index)
+        _add_workers(declare, add, add_histogram, list(workers), index)
         return _render(families)
 
 
 def _add_workers(
+    declare: Callable[[str, str, str], None],
     add: Callable[..., None],
     add_histogram: Callable[..., None],
     workers: list[Worker],
     index: PrefixIndex | None,
 ) -> None:
+    for name, (kind, help_) in _ROUTER_WORKER_FAMILIES.items():
+        if name != "kv_index_blocks" or index is not None:
+            declare(name, kind, help_)
+    for name, (kind, _, _) in WORKER_FAMILIES.items():
+        declare(name, kind, _worker_help(name))
     for role in ("prefill", "decode"):
         n = sum(w.role == role for w in workers)
         add("num_workers", "gauge", "Live workers by role.", n, (("role", role),))
     for w in sorted(workers, key=lambda w: w.worker_id):
         labels = (("worker", w.worker_id), ("role", w.role))
-        add("worker_num_requests_in_flight", "gauge", "Requests the router has on the worker.",
-            w.num_in_flight, labels)  # fmt: skip
+
+        def put(name: str, value: float, labels: Labels = labels) -> None:
+            kind, help_ = _ROUTER_WORKER_FAMILIES[name]
+            add(name, kind, help_, value, labels)
+
+        put("worker_num_requests_in_flight", w.num_in_flight)
         if w.role == "prefill":
-            add("prefill_dispatched_total", "counter", "Prompts the router sent to the worker.",
-                w.num_prefill_dispatched, labels)  # fmt: skip
-            add("prefix_routing_matched_tokens_total", "counter",
-                "Prompt tokens the router's index said the worker held when it got the prompt.",
-                w.prefix_matched_tokens, labels)  # fmt: skip
-            add("prefill_queued_tokens", "gauge",
-                "Prompt tokens dispatched to the worker, first token not yet back (routing load).",
-                w.queued_prefill_tokens, labels)  # fmt: skip
+            put("prefill_dispatched_total", w.num_prefill_dispatched)
+            put("prefix_routing_matched_tokens_total", w.prefix_matched_tokens)
+            put("prefill_queued_tokens", w.queued_prefill_tokens)
         if index is not None:
-            add("kv_index_blocks", "gauge", "Prefix blocks the router's index holds for a worker.",
-                index.num_keys(w.worker_id), labels)  # fmt: skip
+            put("kv_index_blocks", index.num_keys(w.worker_id))
         hb = w.heartbeat
         if hb is None:
             continue
-        add("num_free_blocks", "gauge", "Free KV blocks (heartbeat).", hb.num_free_blocks, labels)
-        add("num_blocks", "gauge", "KV blocks (heartbeat).", hb.num_blocks, labels)
+        put("num_free_blocks", hb.num_free_blocks)
+        put("num_blocks", hb.num_blocks)
         usage = w.kv_cache_usage
         if usage is not None:
-            add("kv_cache_usage_perc", "gauge", "KV cache usage, 1 = full.", usage, labels)
-        add("worker_num_requests_running", "gauge", "Sequences running (heartbeat).",
-            hb.num_running, labels)  # fmt: skip
-        add("worker_num_requests_waiting", "gauge", "Sequences waiting (heartbeat).",
-            hb.num_waiting, labels)  # fmt: skip
-        add("worker_queued_prefill_tokens", "gauge", "Prompt tokens queued (heartbeat).",
-            hb.queued_prefill_tokens, labels)  # fmt: skip
-        for name, value in sorted(hb.counters.items()):
+            put("kv_cache_usage_perc", usage)
+        put("worker_num_requests_running", hb.num_running)
+        put("worker_num_requests_waiting", hb.num_waiting)
+        put("worker_queued_prefill_tokens", hb.queued_prefill_tokens)
+        # What the worker reports (its own totals, replaced by each heartbeat), and 0 for the
+        # documented series its role has that it left out.
+        counters = {
+            name: 0.0
+            for name, (kind, _, roles) in WORKER_FAMILIES.items()
+            if kind == "counter" and w.role in roles
+        }
+        counters.update(hb.counters)
+        for name, value in sorted(counters.items()):
             name = _NAME_BAD_CHARS.sub("_", name)
             if not name or name[0].isdigit():
                 continue
             kind = "counter" if name.endswith("_total") else "gauge"
-            add(name, kind, "Reported by workers.", value, labels)
+            add(name, kind, _worker_help(name), value, labels)
         drafts = hb.counters.get("spec_decode_num_drafts_total", 0.0)
         if drafts > 0:
             accepted = hb.counters.get("spec_decode_num_accepted_tokens_total", 0.0)
-            add("spec_decode_mean_accepted_length", "gauge",
-                "Tokens a drafting sequence gains per verify step: 1 + accepted / drafts.",
-                1.0 + accepted / drafts, labels)  # fmt: skip
-        for name, snapshot in sorted(hb.histograms.items()):
+            put("spec_decode_mean_accepted_length", 1.0 + accepted / drafts)
+        histograms: dict[str, Histogram | HistogramSnapshot] = {}
+        if w.role == "prefill":
+            histograms["kv_transfer_seconds"] = Histogram(KV_TRANSFER_BUCKETS)  # none sent yet
+        histograms.update(hb.histograms)
+        for name, snapshot in sorted(histograms.items()):
             name = _NAME_BAD_CHARS.sub("_", name)
             if name and not name[0].isdigit() and len(snapshot.counts) == len(snapshot.buckets) + 1:
-                add_histogram(name, "Reported by workers.", snapshot, labels)
+                add_histogram(name, _worker_help(name), snapshot, labels)
+
+
+def _worker_help(name: str) -> str:
+    family = WORKER_FAMILIES.get(name)
+    return family[1] + " Reported by the worker." if family else "Reported by workers."
 
 
 def _render(families: dict[str, _Family]) -> str:

@@ -1,17 +1,28 @@
 """router/metrics.py without processes: a request's timings on a hand-set clock, and the /metrics
-text (parsed back with prometheus_client) for router series and workers' heartbeats."""
+text (parsed back with prometheus_client) for router series and workers' heartbeats. Then a fresh
+in-process router's first scrapes (tests/router/fake_worker.py): every metric name that deploy/
+queries (Grafana dashboard, prometheus-adapter rules and HPAs, alert and recording rules; read
+out of those files) and that the README documents is there before any request."""
 
 from __future__ import annotations
 
 import math
+import re
+import time
+from pathlib import Path
 
+import httpx
 import pytest
+import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from common.protocol import PROTOCOL_VERSION, Heartbeat, HistogramSnapshot, KVEvents, Register
+from common.runtime.launcher import parse_metrics
 from router.kv_index import PrefixIndex
 from router.metrics import RouterMetrics
 from router.registry import Worker
+from tests.deploy.promql import ROOT, metric_names, queried_metrics
+from tests.router.fake_worker import RouterThread
 
 
 class Clock:
@@ -102,10 +113,19 @@ def test_render_router_series() -> None:
     assert samples(ttft, ttft.name + "_count") == [({}, 1.0)]
     assert samples(ttft, ttft.name + "_sum")[0][1] == pytest.approx(0.03)
     assert samples(fams["pdserve:prompt_tokens"], "pdserve:prompt_tokens_total") == [({}, 5.0)]
+    # Every finish reason and error code is a series from the start, at 0 until counted.
     success = fams["pdserve:request_success"]
-    assert samples(success, "pdserve:request_success_total") == [({"finished_reason": "length"}, 1)]
+    assert sorted(
+        (labels["finished_reason"], value)
+        for labels, value in samples(success, "pdserve:request_success_total")
+    ) == [("length", 1), ("stop", 0), ("tool_calls", 0)]
     errors = fams["pdserve:request_errors"]
-    assert samples(errors, "pdserve:request_errors_total") == [({"code": "504"}, 1.0)]
+    errors_by_code = {
+        labels["code"]: value for labels, value in samples(errors, "pdserve:request_errors_total")
+    }
+    assert errors_by_code["504"] == 1.0
+    assert {v for c, v in errors_by_code.items() if c != "504"} == {0.0}
+    assert {"400", "429", "503"} <= errors_by_code.keys()
     workers = fams["pdserve:num_workers"]
     assert sorted((s.labels["role"], s.value) for s in workers.samples) == [
         ("decode", 0),
@@ -189,4 +209,116 @@ def test_number_format_of_infinities_and_nan() -> None:
     assert 'pdserve:up_gauge{worker="d0",role="decode"} +Inf' in text
     assert 'pdserve:down_gauge{worker="d0",role="decode"} -Inf' in text
     assert 'pdserve:unknown_gauge{worker="d0",role="decode"} NaN' in text
-    assert "kv_cache_usage_perc" not in text
+    assert "pdserve:kv_cache_usage_perc{" not in text  # HELP and TYPE only
+
+
+def test_worker_counters_are_the_workers_totals_never_summed() -> None:
+    """Each heartbeat replaces a worker's counters: a request's prefix-cache query counts once
+    however many heartbeats and scrapes pass."""
+    metrics = RouterMetrics()
+
+    def queries(total: float) -> list:
+        hb = Heartbeat("p0", 0, 0, 10, 10, 0, {"prefix_cache_queries_total": total})
+        fams = families(metrics.render(0, 0, [worker("p0", "prefill", hb)]))
+        family = fams["pdserve:prefix_cache_queries"]
+        return [v for _, v in samples(family, "pdserve:prefix_cache_queries_total")]
+
+    assert queries(100.0) == [100.0]
+    assert queries(100.0) == [100.0]  # scraped again: the same
+    assert queries(150.0) == [150.0]
+
+
+def _rule_exprs() -> dict[str, str]:
+    """expr -> where, of every Prometheus alerting or recording rule under deploy/ (rule files and
+    PrometheusRule objects alike: any mapping with `expr` beside `alert` or `record`)."""
+    found: dict[str, str] = {}
+
+    def walk(node: object, path: Path) -> None:
+        if isinstance(node, dict):
+            if isinstance(node.get("expr"), str) and ("alert" in node or "record" in node):
+                found[node["expr"]] = f"{path.name} rule {node.get('alert') or node['record']}"
+            for value in node.values():
+                walk(value, path)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value, path)
+
+    for path in sorted((ROOT / "deploy").rglob("*.y*ml")):
+        try:
+            docs = list(yaml.safe_load_all(path.read_text()))
+        except yaml.YAMLError:
+            continue  # not plain YAML (a Helm template): its rules are not ours to read
+        for doc in docs:
+            walk(doc, path)
+    return found
+
+
+def _documented() -> dict[str, str]:
+    """Metric names the README's Metrics section names -> where."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("### Metrics", 1)[1].split("\n#", 1)[0]
+    names = re.findall(r"`(?:pdserve:)?([a-z][a-z0-9_]*)(?:\{[^}`]*\})?`", section)
+    # (a label such as `worker` has no underscore; every metric name here has one)
+    return {f"pdserve:{name}": "README's Metrics section" for name in names if "_" in name}
+
+
+def _wanted() -> dict[str, str]:
+    wanted = queried_metrics()
+    for expr, where in _rule_exprs().items():
+        for name in metric_names(expr):
+            wanted.setdefault(name, where)
+    for name, where in _documented().items():
+        wanted.setdefault(name, where)
+    return wanted
+
+
+def _family(name: str, types: dict[str, str]) -> str | None:
+    """The family a sample name belongs to (a histogram's _bucket / _sum / _count)."""
+    if name in types:
+        return name
+    base = re.sub(r"_(bucket|sum|count)$", "", name)
+    return base if types.get(base) == "histogram" else None
+
+
+def test_a_fresh_routers_first_scrape_has_every_queried_and_documented_metric() -> None:
+    wanted = _wanted()
+    assert "pdserve:request_errors_total" in wanted and "pdserve:kv_cache_usage_perc" in wanted
+    with RouterThread() as router:
+        text = httpx.get(router.url + "/metrics", timeout=10).text  # the very first scrape
+        types = dict(re.findall(r"^# TYPE (\S+) (\S+)$", text, re.M))
+        helps = set(re.findall(r"^# HELP (\S+) ", text, re.M))
+        missing = {n: w for n, w in wanted.items() if _family(n, types) not in helps}
+        assert not missing, f"no HELP/TYPE on the first scrape: {missing}"
+        # With no worker yet, every series that needs none has its zero sample already.
+        sampled = {name for name, _, _ in parse_metrics(text)}
+        for name in (
+            "request_errors_total",
+            "request_success_total",
+            "prompt_tokens_total",
+            "num_requests_running",
+            "num_workers",
+            "time_to_first_token_seconds_bucket",
+        ):
+            assert "pdserve:" + name in sampled, name
+
+        # A prefill and a decode worker whose heartbeats carry none of the documented counters
+        # (the fake's): from their first heartbeat every queried name has a sample.
+        router.worker("prefill", "p0")
+        router.worker("decode", "d0")
+        deadline = time.monotonic() + 10
+        while True:
+            text = httpx.get(router.url + "/metrics", timeout=10).text
+            samples_ = parse_metrics(text)
+            beating = {lb.get("worker") for n, lb, _ in samples_ if n == "pdserve:num_blocks"}
+            if beating >= {"p0", "d0"} or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert beating >= {"p0", "d0"}
+        types = dict(re.findall(r"^# TYPE (\S+) (\S+)$", text, re.M))
+        sampled = {name for name, _, _ in samples_}
+        sampled |= {_family(name, types) for name in sampled}  # a histogram's family name too
+        queried = {
+            n: w for n, w in wanted.items() if n != "pdserve:spec_decode_mean_accepted_length"
+        }
+        missing = {n: w for n, w in queried.items() if n not in sampled}
+        assert not missing, f"no sample with a prefill and a decode worker live: {missing}"
