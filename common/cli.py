@@ -104,8 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
     batch.add_argument(
         "--tool-call-parser",
         default="",
-        choices=("", "hermes"),
-        help="read tool calls in tool_choice 'auto' answers (as the router's flag)",
+        choices=("", "hermes", "generic"),
+        help="the tool-call format, as the router's flag (hermes, or generic: the default)",
     )
     add_engine_args(batch)
     batch.set_defaults(func=cmd_run_batch)

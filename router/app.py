@@ -47,7 +47,13 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from common.api import schemas
 from common.api.body import check_prompt_chars, parse_json_object
 from common.api.choice import Choice
-from common.api.prompts import EngineInput, chat_prompt_ids, choice_params, engine_inputs
+from common.api.prompts import (
+    EngineInput,
+    chat_prompt_ids,
+    choice_params,
+    engine_inputs,
+    tool_call_format,
+)
 from common.api.requests import (
     CHAT_URL,
     COMPLETIONS_URL,
@@ -89,7 +95,7 @@ class RouterState:
     max_model_len: int | None = None  # --max-model-len, when set
     api_key: str = ""
     metrics_without_key: bool = False
-    tool_call_parser: str = ""  # --tool-call-parser: reads tool_choice "auto" answers
+    tool_call_parser: str = ""  # --tool-call-parser: hermes, or generic (also when unset)
     colocated: bool = False
     request_timeout_s: float = 600.0
     created: int = 0
@@ -103,6 +109,10 @@ class RouterState:
     async def offload(self, fn: Callable[..., T], *args: Any) -> T:
         """Run fn(*args) on the tokenizer pool, off the event loop."""
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    def tool_format(self) -> str:
+        """hermes or generic: --tool-call-parser as the chat template allows (cached there)."""
+        return tool_call_format(self.tool_call_parser, self.tokenizer)
 
     def context_len(self) -> int:
         if self.max_model_len:
@@ -249,7 +259,7 @@ def create_app(state: RouterState) -> FastAPI:
         _check_model(state, body)
         if "messages" in body:
             chat = {**body, "max_tokens": 1}
-            gen = parse_request(CHAT_URL, chat, state.served_model_names, state.tool_call_parser)
+            gen = parse_request(CHAT_URL, chat, state.served_model_names, state.tool_format())
             check_prompt_chars(_texts(gen), state.context_len(), "messages")
             ids = await state.offload(chat_prompt_ids, gen, state.tokenizer)
         else:
@@ -319,7 +329,7 @@ async def _validated(
 ) -> tuple[GenerationRequest, list[EngineInput]]:
     """The request read, validated and tokenized (off the loop): RequestError when it is bad."""
     body = await _json_body(state, request)
-    gen = parse_request(url, body, state.served_model_names, state.tool_call_parser)
+    gen = parse_request(url, body, state.served_model_names, state.tool_format())
     context_len = state.context_len()
     check_prompt_chars(_texts(gen), context_len, "messages" if url == CHAT_URL else "prompt")
     if gen.params.structured_output is not None:  # compiles (cached): a 400 names what fails

@@ -5,13 +5,15 @@ token ids allow (empty prompt, ids outside the vocabulary, the context-length ch
 numbers as OpenAI does), resolving `max_tokens` per prompt against the context, and the distinct
 seeds of a prompt's n choices. Called by `router.app` and `common.runtime.run_batch` after
 `common.api.requests` has validated the body. A chat request's tools are rendered by the chat
-template too, when it reads them (`chat_template_tools`).
+template in the hermes format, and as plain messages in the generic one
+(`common.api.generic_tools`); `tool_call_format` says which a server uses.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from common.api.generic_tools import generic_messages
 from common.api.requests import GenerationRequest, RequestError
 from common.api.tokenizer import Tokenizer
 from common.sampling_params import MAX_PROMPT_LOGPROB_TOKENS, SamplingParams
@@ -56,37 +58,30 @@ def engine_inputs(
 def chat_prompt_ids(request: GenerationRequest, tokenizer: Tokenizer) -> list[int]:
     """A chat request's messages (and tools) through the chat template; RequestError when the
     template fails."""
-    if request.tools is not None:
-        request.tools.check_schemas()
-    tools = chat_template_tools(request, tokenizer)
+    messages, tools = request.messages, request.tools
+    if tools is not None:
+        tools.check_schemas()
+    # Generic: the tools and the tool traffic as plain messages; so too the traffic of a request
+    # without tools, where the template cannot render it.
+    generic = tools.generic if tools is not None else not tokenizer.renders_tools()
+    if generic:
+        messages = generic_messages(messages, tools)
     try:
         return tokenizer.apply_chat_template(
-            request.messages, add_generation_prompt=request.add_generation_prompt, tools=tools
+            messages,
+            add_generation_prompt=request.add_generation_prompt,
+            tools=None if generic or tools is None else tools.tools,
         )
     except Exception as e:  # template errors (e.g. roles must alternate) are the caller's
         raise RequestError(f"could not apply the chat template: {e}", "messages") from None
 
 
-def chat_template_tools(request: GenerationRequest, tokenizer: Tokenizer) -> list[dict] | None:
-    """The tools the chat template renders, None for none.
-
-    A template that ignores tools cannot offer them to the model: tool_choice "auto" there is a
-    400. "required" and a named function still work (the grammar forces the call) and "none"
-    needs no tools, so those go on without them.
-    """
-    tools = request.tools
-    if tools is None:
-        return None
-    if tokenizer.renders_tools():
-        return tools.tools
-    if tools.choice == "auto":
-        raise RequestError(
-            "this model's chat template does not render tools, so the model cannot choose "
-            'among them: send tool_choice "required" or a named function (the server then '
-            "forces a call), or use a model whose template supports tools",
-            "tools",
-        )
-    return None
+def tool_call_format(tool_call_parser: str, tokenizer: Tokenizer) -> str:
+    """The tool format a server uses: "hermes" when `--tool-call-parser hermes` and the chat
+    template renders tools; "generic" otherwise (`common.api.generic_tools`), for any model."""
+    if tool_call_parser == "hermes" and tokenizer.renders_tools():
+        return "hermes"
+    return "generic"
 
 
 def _resolve_max_tokens(

@@ -10,9 +10,13 @@ the two readers of output, both incremental so that streams and whole bodies agr
   as written; an unclosed block at the end is a call when its JSON is one (vLLM reads those too).
   Once a call was made, whitespace at the start or the end of the content is not content (the
   newlines around a `<tool_call>` block); content is otherwise the text with the calls cut out.
-- `ForcedCallParser` (tool_choice "required" or a named function): the grammar made the whole
-  output JSON (`ToolRequest.forced_schema`); it is read once complete. Output that is not the
-  expected JSON (cut short by max_tokens or a stop string) is returned as content.
+  The generic format (`common.api.generic_tools`, every tool_choice) writes the same blocks,
+  its grammar keeping text and calls apart; there a block cut short by max_tokens is the call so
+  far (`partial=True`): its name, and its arguments text as far as it came, as OpenAI returns one.
+- `ForcedCallParser` (hermes format, tool_choice "required" or a named function): the grammar
+  made the whole output JSON (`ToolRequest.forced_schema`); it is read once complete. Cut short
+  (max_tokens, a stop string), the calls so far are returned, the last one's arguments text
+  truncated; output without even one call's name is returned as content.
 
 `output_parser` picks one for a request. Called by `common.api.choice`.
 """
@@ -20,10 +24,12 @@ the two readers of output, both incremental so that streams and whole bodies agr
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from common.api.generic_tools import partial_call
 from common.api.tools import ToolRequest
 
 HERMES_START, HERMES_END = "<tool_call>", "</tool_call>"
@@ -80,8 +86,9 @@ def _arguments_text(args: Any) -> str | None:
 class HermesParser:
     """`<tool_call>` JSON blocks among text; see the module docstring. Feed text, then finish."""
 
-    def __init__(self, max_calls: int | None = None) -> None:
+    def __init__(self, max_calls: int | None = None, partial: bool = False) -> None:
         self.max_calls = max_calls  # 1 when parallel_tool_calls is false: later calls are dropped
+        self.partial = partial  # an unclosed block at the end is the call so far (generic format)
         self.num_calls = 0
         self._buf = ""  # text not yet classified
         self._in_call = False  # inside <tool_call>, waiting for </tool_call>
@@ -115,7 +122,11 @@ class HermesParser:
     def finish(self) -> Parsed:
         """The end of the output: an unclosed block or a held-back prefix is settled."""
         out = Parsed()
-        if self._in_call:
+        if self._in_call and self.partial:
+            cut = partial_call(self._buf)
+            if cut is not None:
+                out += self._call(ToolCall(*cut))
+        elif self._in_call:
             out += self._block(self._buf, HERMES_START + self._buf)
         else:
             out.content += self._content(self._buf)
@@ -129,6 +140,9 @@ class HermesParser:
         call = _hermes_call(raw)
         if call is None:
             return Parsed(self._content(as_written))
+        return self._call(call)
+
+    def _call(self, call: ToolCall) -> Parsed:
         self.num_calls += 1
         if self.max_calls is not None and self.num_calls > self.max_calls:
             return Parsed()
@@ -184,7 +198,7 @@ class ForcedCallParser:
         try:
             obj = json.loads(text)
         except ValueError:
-            return []
+            return self._cut_calls(text)
         if self.function_name is not None:
             arguments = _arguments_text(obj)
             return [] if arguments is None else [ToolCall(self.function_name, arguments)]
@@ -200,7 +214,33 @@ class ForcedCallParser:
             calls.append(ToolCall(item["name"], arguments))
         return calls
 
+    def _cut_calls(self, text: str) -> list[ToolCall]:
+        """The calls of JSON cut short (the grammar's spelling, JSON_OPTIONS): whole calls, then
+        the last one's name and arguments text so far; [] when not even a name is complete."""
+        if self.function_name is not None:
+            return [ToolCall(self.function_name, text)] if text.startswith("{") else []
+        calls, decoder, at = [], json.JSONDecoder(), 1
+        if not text.startswith("["):
+            return []
+        while at < len(text):
+            try:
+                item, end = decoder.raw_decode(text, at)
+            except ValueError:
+                head = _FORCED_HEAD.match(text, at)
+                if head is not None:
+                    calls.append(ToolCall(head.group(1), text[head.end() :]))
+                return calls
+            if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+                return calls
+            arguments = _arguments_text(item.get("parameters"))
+            if arguments is None:
+                return calls
+            calls.append(ToolCall(item["name"], arguments))
+            at = end + len(", ") if text.startswith(", ", end) else len(text)
+        return calls
 
+
+_FORCED_HEAD = re.compile(r'\{"name": "([A-Za-z0-9_.\-]+)", "parameters": ')
 OutputParser = HermesParser | ForcedCallParser
 
 
@@ -208,6 +248,8 @@ def output_parser(tools: ToolRequest | None) -> OutputParser | None:
     """The reader of a choice's output for this request's tools; None: the output is all content."""
     if tools is None or tools.choice == "none":
         return None
+    if tools.generic:
+        return HermesParser(max_calls=None if tools.parallel else 1, partial=True)
     if tools.forced:
         return ForcedCallParser(tools.function_name)
     if tools.parser == "hermes":

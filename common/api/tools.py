@@ -4,11 +4,13 @@ Owns validating a chat body's `tools` (names, JSON schemas, bounded counts and s
 `tool_choice` ("none", "auto", "required" or a named function) and `parallel_tool_calls` into a
 `ToolRequest`; the chat messages that carry tool traffic (an assistant message with `tool_calls`,
 a `tool` message with its result), normalized so that chat templates render them (arguments as
-objects, as Qwen's and Hermes' templates expect); and, for "required" and a named function, the
-JSON schema the grammar engine enforces on the output (as vLLM builds it), so that any model and
-any chat template return a valid call. `auto` needs an output parser (`--tool-call-parser`,
-`common.api.tool_parsers`); without one it is refused, as vLLM refuses it without
-`--enable-auto-tool-choice`.
+objects, as Qwen's and Hermes' templates expect); and the grammar the engine enforces on the
+output. Two formats: `hermes` (`--tool-call-parser hermes` with a chat template that renders
+tools: the template writes the prompt, "auto" output is free and read as `<tool_call>` blocks,
+"required" and a named function are forced as the JSON schema vLLM builds) and `generic` (any
+other case: `common.api.generic_tools`, where the grammar makes every answer plain text or
+well-formed calls). Either way tool arguments take only the keys their schema lists unless it
+says otherwise (`generic_tools.closed_schema`).
 
 Called by `common.api.requests` (parse_chat_request), `common.api.prompts` (which tools the chat
 template renders) and `common.api.choice` (which parser reads a choice's output).
@@ -23,13 +25,14 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from common.api.fields import RequestError
+from common.api.generic_tools import closed_schema, generic_grammar
 from common.sampling_params import SamplingParams, StructuredOutput
 
 MAX_TOOLS = 128  # OpenAI's limit
 MAX_TOOLS_CHARS = 512 * 1024  # the tools' JSON, all together: it is rendered into every prompt
 MAX_TOOL_CALLS_PER_MESSAGE = 128
 TOOL_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")  # OpenAI's (a-z, A-Z, 0-9, _ and -) plus dots
-TOOL_CALL_PARSERS = ("hermes",)  # the values --tool-call-parser takes ("" = none)
+TOOL_CALL_PARSERS = ("hermes", "generic")  # the values --tool-call-parser takes ("": generic)
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 ToolChoice = Literal["none", "auto", "required", "function"]
 
@@ -38,15 +41,21 @@ ToolChoice = Literal["none", "auto", "required", "function"]
 class ToolRequest:
     """A chat request's validated tools and how the answer may use them.
 
-    `choice` "function" forces `function_name`; `parser` names the output parser for "auto".
+    `choice` "function" forces `function_name`; `parser` is the format, "hermes" or "generic"
+    (the router's `--tool-call-parser` as the chat template allows: `prompts.tool_call_format`).
+    `parameters` are the tools' schemas closed against extra keys, for the grammar.
     """
 
     tools: list[dict[str, Any]]  # {"type": "function", "function": {name, description?, ...}}
     choice: ToolChoice
     function_name: str | None = None
     parallel: bool = True
-    parser: str = ""
+    parser: str = "generic"
     parameters: dict[str, dict] = field(default_factory=dict)  # name -> parameters schema
+
+    @property
+    def generic(self) -> bool:
+        return self.parser != "hermes"
 
     @property
     def forced(self) -> bool:
@@ -107,24 +116,33 @@ class ToolRequest:
                 raise RequestError(f"{param} {error}", param)
 
     def constrain(self, params: SamplingParams) -> None:
-        """Set the grammar that forces a call ("required" / named) on `params`."""
-        schema = self.forced_schema()
-        if schema is None:
+        """Set the grammar of the answer on `params`: generic, every choice but "none"; hermes,
+        a forced call ("required" / named). A JSON response_format with generic "auto" becomes
+        the grammar's non-call answer; any other combination with a structured output is a 400."""
+        so = params.structured_output
+        if self.choice == "none" or (not self.generic and not self.forced):
             return
-        if params.structured_output is not None:
+        if so is not None and (self.forced or so.kind not in ("json", "json_object")):
             raise RequestError(
                 'tool_choice "required" or a named function cannot be combined with another '
-                "structured output (response_format, structured_outputs, guided_*)",
+                "structured output (response_format, structured_outputs, guided_*); with "
+                '"auto", only a JSON one',
                 "tool_choice",
             )
-        params.structured_output = StructuredOutput("json", json.dumps(schema))
+        if not self.generic:
+            schema = self.forced_schema()
+            params.structured_output = StructuredOutput("json", json.dumps(schema))
+            return
+        text_schema = None if so is None else _text_schema(so)
+        params.structured_output = StructuredOutput("grammar", generic_grammar(self, text_schema))
 
 
 def parse_tools(body: dict, tool_call_parser: str = "") -> ToolRequest | None:
     """The body's `tools` / `tool_choice` / `parallel_tool_calls`; None when it has no tools.
 
-    RequestError (400) for a malformed tool, an unknown function name in tool_choice, a choice
-    that needs tools without them, and "auto" without an output parser.
+    RequestError (400) for a malformed tool, an unknown function name in tool_choice and a
+    choice that needs tools without them. `tool_call_parser`: the format, "hermes" or "generic"
+    ("" is generic).
     """
     for legacy in ("functions", "function_call"):
         if body.get(legacy) is not None:
@@ -138,15 +156,9 @@ def parse_tools(body: dict, tool_call_parser: str = "") -> ToolRequest | None:
     choice, name = _tool_choice(body.get("tool_choice"), tools)
     if not tools:
         return None
-    if choice == "auto" and not tool_call_parser:
-        raise RequestError(
-            'tool_choice "auto" (the default when tools are given) needs the server to parse the '
-            "model's tool calls: start the router with --tool-call-parser hermes, or send "
-            'tool_choice "required", a named function, or "none"',
-            "tool_choice",
-        )
-    params = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
-    return ToolRequest(tools, choice, name, parallel, tool_call_parser, params)
+    params = {t["function"]["name"]: closed_schema(t["function"]["parameters"]) for t in tools}
+    parser = tool_call_parser or "generic"
+    return ToolRequest(tools, choice, name, parallel, parser, params)
 
 
 def _tools(tools: Any) -> list[dict[str, Any]]:
@@ -193,6 +205,19 @@ def _tools(tools: Any) -> list[dict[str, Any]]:
         function["parameters"] = parameters
         out.append({"type": "function", "function": function})
     return out
+
+
+def _text_schema(so: StructuredOutput) -> dict | bool:
+    """The JSON schema of a json / json_object structured output."""
+    if so.kind == "json_object":
+        return {"type": "object"}
+    try:
+        schema = json.loads(so.spec)
+    except ValueError as e:
+        raise RequestError(f"the JSON schema is not valid JSON: {e}", "response_format") from None
+    if not isinstance(schema, dict | bool):
+        raise RequestError("a JSON schema must be an object (or true/false)", "response_format")
+    return schema
 
 
 def _check_schema(schema: Any, param: str) -> None:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any, TextIO
 
 from common.api.choice import Choice
-from common.api.prompts import choice_params, engine_inputs
+from common.api.prompts import choice_params, engine_inputs, tool_call_format
 from common.api.requests import GenerationRequest, RequestError, parse_request
 from common.api.responses import chat_body, completion_body
 from common.api.tokenizer import Tokenizer
@@ -93,7 +93,8 @@ class BatchRunner:
         self.engine = engine
         self.tokenizer = tokenizer
         self.served_model_names = served_model_names
-        self.tool_call_parser = tool_call_parser  # --tool-call-parser: tool_choice "auto"
+        # --tool-call-parser as the chat template allows: hermes or generic
+        self.tool_call_parser = tool_call_format(tool_call_parser, tokenizer)
         # Engine requests admitted ahead of the running batch, so the scheduler always has work.
         self.max_in_flight = 2 * engine.config.max_num_seqs
         self._running: dict[str, tuple[int, Choice]] = {}  # engine request id: (line_no, choice)

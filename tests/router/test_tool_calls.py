@@ -141,7 +141,11 @@ def test_round_trip_messages_and_named_choice(router: RouterThread, tok: Tokeniz
     (call,) = first.choices[0].message.tool_calls
     assert (call.function.name, call.function.arguments) == ("get_weather", '{"city": "Tokyo"}')
     sent = worker.messages(Generate)[-1].params.structured_output
-    assert json.loads(sent.spec) == TOOLS[0]["function"]["parameters"]
+    # The tool's schema, closed against keys it does not list.
+    assert json.loads(sent.spec) == {
+        **TOOLS[0]["function"]["parameters"],
+        "additionalProperties": False,
+    }
     # The call and its result go back; the template renders both into the next prompt.
     emit(router, tok, "Sunny in Tokyo.")
     history = MESSAGES + [

@@ -31,8 +31,12 @@ def parse(
     return out + parser.finish()
 
 
-def calls(parsed: Parsed) -> list[tuple[str, dict]]:
-    return [(c.name, json.loads(c.arguments)) for c in parsed.calls]
+def calls(parsed: Parsed, raw: bool = False) -> list[tuple[str, dict | str]]:
+    """(name, arguments) of each call: as an object, or `raw`, the JSON text as it came."""
+    return [(c.name, c.arguments if raw else json.loads(c.arguments)) for c in parsed.calls]
+
+
+WEATHER_GENERIC = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
 
 
 @pytest.mark.parametrize("step", [0, 1, 3])
@@ -104,10 +108,17 @@ def test_forced_named_and_required() -> None:
         ForcedCallParser(None),
     )
     assert calls(required) == [("a", {"x": 1}), ("b", {})]
-    # Output cut short (max_tokens) or not of the forced shape: content, no calls.
+    # Cut short (max_tokens) after a name: the calls so far, the last one's arguments cut.
+    assert calls(parse('{"city": "Pa', ForcedCallParser("f")), raw=True) == [("f", '{"city": "Pa')]
+    cut = '[{"name": "a", "parameters": {"x": 1}}, {"name": "b", "parameters": {"y": [1, '
+    assert calls(parse(cut, ForcedCallParser(None)), raw=True) == [
+        ("a", '{"x": 1}'),
+        ("b", '{"y": [1, '),
+    ]
+    # Not of the forced shape, or cut before a name: content, no calls.
     for parser, text in [
-        (ForcedCallParser("f"), '{"city": "Pa'),
         (ForcedCallParser("f"), "[1]"),
+        (ForcedCallParser(None), '[{"name": "a'),
         (ForcedCallParser(None), '[{"name": "a"}]'),
         (ForcedCallParser(None), '{"name": "a", "parameters": {}}'),
     ]:
@@ -122,8 +133,31 @@ def test_output_parser_per_choice() -> None:
     assert output_parser(req("none", "hermes")) is None
     assert isinstance(output_parser(req("auto", "hermes")), HermesParser)
     assert output_parser(req("auto", "hermes", parallel=False)).max_calls == 1
-    assert output_parser(req("function", name="f")).function_name == "f"
-    assert output_parser(req("required")).function_name is None
+    assert output_parser(req("function", "hermes", name="f")).function_name == "f"
+    assert output_parser(req("required", "hermes")).function_name is None
+    # generic: every choice reads <tool_call> blocks, a cut one as the call so far
+    for choice in ("auto", "required", "function"):
+        parser = output_parser(req(choice, "generic", parallel=False))
+        assert isinstance(parser, HermesParser) and parser.partial and parser.max_calls == 1
+
+
+@pytest.mark.parametrize("step", [0, 1, 4])
+def test_generic_calls_whole_streamed_and_cut_short(step: int) -> None:
+    two = f'{WEATHER_GENERIC}\n<tool_call>{{"name": "get_time", "arguments": {{}}}}</tool_call>'
+    out = parse(two, HermesParser(partial=True), step=step)
+    assert calls(out) == [("get_weather", {"city": "Paris"}), ("get_time", {})]
+    assert out.content == ""
+    # Cut by max_tokens: inside the arguments, inside the end tag, before the name is whole.
+    for text, expected in [
+        ('<tool_call>{"name": "get_weather", "arguments": {"city": "Pa', '{"city": "Pa'),
+        (WEATHER_GENERIC[:-3], '{"city": "Paris"}'),
+        ('<tool_call>{"name": "get_weather", "arguments": ', ""),
+    ]:
+        out = parse(text, HermesParser(partial=True), step=step)
+        assert calls(out, raw=True) == [("get_weather", expected)] and out.content == ""
+    assert parse('<tool_call>{"name": "get_w', HermesParser(partial=True), step=step) == Parsed()
+    # Plain text (the grammar keeps the tag out of it) is the content exactly.
+    assert parse("Hi <tool", HermesParser(partial=True), step=step) == Parsed("Hi <tool")
 
 
 def test_tool_call_shapes() -> None:
