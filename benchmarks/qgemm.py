@@ -12,10 +12,13 @@ both formats are run on every shape. Shapes (SmolLM2-135M, N x K): fused q/k/v 9
 Each repeat times every path once, in a rotated order (calls repeated to >= 20 ms); a path's
 figure is its best repeat: GFLOP/s = 2 M N K / time. Caches are hot (the same weight each call).
 Output: a markdown table per format, one row per (shape, M), and "a8 / float32" (the same run's
-ratio); progress on stderr. Noisy on shared machines: compare the ratios.
+ratio); progress on stderr. Noisy on shared machines: compare the ratios. `--clock cpu` times
+with the process's CPU time instead of the wall clock: on a machine shared with other jobs, use it
+with `--threads 1` (time spent waiting for a core is then not counted; with more threads OpenMP's
+waits would be).
 
     python benchmarks/qgemm.py [--formats q4_1,q8_0] [--shapes qkv,o,gate_up,down,lm_head]
-        [--rows 1,2,4,8,16,32,64,128] [--repeats 5] [--threads N]
+        [--rows 1,2,4,8,16,32,64,128] [--repeats 5] [--threads N] [--clock wall|cpu]
 """
 
 from __future__ import annotations
@@ -44,13 +47,14 @@ SHAPES = {
 FORMATS = {"q4_1": (4, True), "q8_0": (8, False)}  # bits, zero point
 PATHS = ("a8", "c", "f32tiles", "float32")
 MIN_TIME_S = 0.02
+clock = time.perf_counter  # --clock cpu: time.process_time
 
 
 def timed(fn, calls: int) -> float:
-    start = time.perf_counter()
+    start = clock()
     for _ in range(calls):
         fn()
-    return (time.perf_counter() - start) / calls
+    return (clock() - start) / calls
 
 
 def rates(n: int, k: int, bits: int, zero: bool, m: int, repeats: int) -> dict[str, float]:
@@ -87,7 +91,10 @@ def main() -> None:
     parser.add_argument("--rows", default="1,2,4,8,16,32,64,128")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's)")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall")
     args = parser.parse_args()
+    global clock
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -95,6 +102,7 @@ def main() -> None:
     print(
         f"# Quantized GEMM, GFLOP/s (best of {args.repeats}, interleaved)\n\n"
         f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
+        f"{args.clock} clock, "
         f"torch {torch.__version__}, cpu_qgemm section {cpu_qgemm.isa()}\n"
     )
     for fmt in args.formats.split(","):
