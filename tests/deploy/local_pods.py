@@ -4,8 +4,10 @@ Owns turning one Deployment's container (its `command`, `args`, `env` and `envFr
 and an environment for a local process, with the few substitutions that stand in for the cluster:
 - each pod gets local ports for its containerPorts (pods have their own network namespace; local
   processes share one), and an env value equal to one of them becomes the local port;
-- a Service name with a port (`pdserve-router-control:8001`) becomes 127.0.0.1 and the local port
-  of the containerPort the Service targets in the pod it selects;
+- a Service name with a port (`pdserve-router:8000`) becomes 127.0.0.1 and the local port
+  of the containerPort the Service targets in the pod it selects; a headless Service (clusterIP
+  None) stands for every pod it selects, as its DNS name does: `tcp://name:port` becomes the
+  comma-separated list of their addresses (which `--router` takes as it takes such a name);
 - `0.0.0.0` becomes 127.0.0.1 (the test binds loopback only);
 - the downward API: `metadata.name` is the pod's name, `status.podIP` 127.0.0.1, a
   `resourceFieldRef` the container's request (rounded up by the divisor, as the kubelet does);
@@ -128,7 +130,7 @@ class LocalPod:
     ) -> dict[str, str]:
         """The container's environment as the kubelet would set it, then localised (see above).
 
-        `pods`: every pod by Deployment name (to resolve Services); `mounts`: mountPath -> local
+        `pods`: every pod, by any key (to resolve Services); `mounts`: mountPath -> local
         directory; `secrets`: Secret name -> data."""
         raw: dict[str, str] = {}
         for source in self.container.get("envFrom", []):
@@ -183,26 +185,34 @@ class LocalPod:
             return str(self.ports[int(value)])
 
         def service(m: re.Match) -> str:
-            svc = find(objects, "Service", m.group(1))
-            port = next(p for p in svc["spec"]["ports"] if int(p["port"]) == int(m.group(2)))
-            pod = _selected_pod(svc, pods)
-            return f"127.0.0.1:{pod.local_port(port.get('targetPort', port['port']))}"
+            scheme, name, number = m.group(1), m.group(2), int(m.group(3))
+            svc = find(objects, "Service", name)
+            port = next(p for p in svc["spec"]["ports"] if int(p["port"]) == number)
+            target = port.get("targetPort", port["port"])
+            chosen = _selected_pods(svc, pods)
+            if svc["spec"].get("clusterIP") != "None":
+                chosen = chosen[:1]  # one virtual address: any one pod behind it answers
+            if len(chosen) > 1 and not scheme:
+                raise ValueError(f"{self.name}: headless {name} in {value!r}: no list form known")
+            prefix = f"{scheme}://" if scheme else ""
+            return ",".join(f"{prefix}127.0.0.1:{p.local_port(target)}" for p in chosen)
 
         names = [o["metadata"]["name"] for o in objects if o["kind"] == "Service"]
         if not names:
             return value
-        pattern = r"\b(" + "|".join(map(re.escape, names)) + r")(?:\.[\w.-]+)?:(\d+)\b"
+        names.sort(key=len, reverse=True)  # the longest first: a name may start another
+        pattern = r"\b(?:(\w+)://)?(" + "|".join(map(re.escape, names)) + r")(?:\.[\w.-]+)?:(\d+)\b"
         return re.sub(pattern, service, value)
 
 
-def _selected_pod(service: Manifest, pods: dict[str, LocalPod]) -> LocalPod:
-    """The pod a Service's selector picks (one, as every Service here selects one Deployment)."""
+def _selected_pods(service: Manifest, pods: dict[str, LocalPod]) -> list[LocalPod]:
+    """The pods a Service's selector picks, in `pods`' order."""
     selector = service["spec"]["selector"]
     chosen = [
         p
         for p in pods.values()
         if selector.items() <= p.deployment["spec"]["template"]["metadata"]["labels"].items()
     ]
-    if len(chosen) != 1:
-        raise ValueError(f"Service {service['metadata']['name']} selects {len(chosen)} pods")
-    return chosen[0]
+    if not chosen:
+        raise ValueError(f"Service {service['metadata']['name']} selects no pod")
+    return chosen
