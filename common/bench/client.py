@@ -10,11 +10,12 @@ import asyncio
 import json
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any
-
-import httpx
+from typing import TYPE_CHECKING, Any
 
 from common.bench.datasets import BenchRequest
+
+if TYPE_CHECKING:
+    import httpx
 
 
 @dataclass
@@ -75,6 +76,8 @@ async def send_request(
 ) -> RequestResult:
     """Streams one request and appends its result to `sink`, also when cancelled (then marked
     "cancelled" and re-raised); other failures become the result's `error`."""
+    import httpx  # here, not at the top: `pdserve --help` does not need it
+
     result = RequestResult(index=index, start_s=time.perf_counter() - t0)
     try:
         async with client.stream("POST", request.path.lstrip("/"), json=request.body(model)) as r:

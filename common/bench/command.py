@@ -9,13 +9,13 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any
-
-import httpx
+from typing import TYPE_CHECKING, Any
 
 from common.bench.datasets import BenchRequest, build_dataset
 from common.bench.profiles import PROFILES, Run, execute, request_rate, sweep_rates
-from common.bench.report import markdown, summarize, write_outputs
+
+if TYPE_CHECKING:  # httpx and the report's numpy load when a benchmark runs, not for `--help`
+    import httpx
 
 EXIT_INTERRUPTED = 130
 DEFAULT_NUM_REQUESTS = 100
@@ -72,6 +72,8 @@ class Bench:
         )
 
     async def main(self) -> None:
+        import httpx
+
         a = self.args
         headers = {"Authorization": f"Bearer {a.api_key}"} if a.api_key else {}
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
@@ -150,6 +152,8 @@ async def _run_until_interrupted(bench: Bench) -> bool:
 
 
 def run_bench_command(args: argparse.Namespace) -> int:
+    from common.bench.report import markdown, summarize, write_outputs
+
     n = args.num_requests or DEFAULT_NUM_REQUESTS
     dataset = build_dataset(
         args.dataset,

@@ -13,11 +13,13 @@ import asyncio
 import random
 import time
 from dataclasses import dataclass, field
-
-import httpx
+from typing import TYPE_CHECKING
 
 from common.bench.client import RequestResult, send_request
 from common.bench.datasets import BenchRequest
+
+if TYPE_CHECKING:
+    import httpx
 
 PROFILES = ("synchronous", "concurrent", "constant", "poisson", "sweep")
 NUM_SWEEP_RATES = 5
