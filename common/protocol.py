@@ -32,8 +32,9 @@ from msgspec import Meta
 
 from common.sampling_params import MAX_PROMPT_LOGPROB_TOKENS, MAX_TOP_LOGPROBS, SamplingParams
 
-# 6: TokenBatch (a v5 router cannot read v6 tokens); 7: KVAck.recompute, Generate's output tokens
-PROTOCOL_VERSION = 7
+# 6: TokenBatch (a v5 router cannot read v6 tokens); 7: KVAck.recompute, Generate's output tokens;
+# 8: SamplingParams.logit_bias (a v7 worker would drop it silently)
+PROTOCOL_VERSION = 8
 MAX_CONTROL_MESSAGE_BYTES = 64 * 2**20  # a 128k-token prompt of int ids fits with room to spare
 # Messages that are small by nature have a smaller limit, checked from the tag before decoding: a
 # 40 MiB heartbeat would otherwise stall the router's event loop while it is decoded.

@@ -5,6 +5,7 @@ Owned here so that the router, run-batch and the engine validate them the same w
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 MAX_TOP_LOGPROBS = 20
@@ -12,6 +13,8 @@ MAX_PROMPT_LOGPROB_TOKENS = 2**17  # longest prompt whose logprobs are returned 
 # What a structured output may ask for (see StructuredOutput.spec for each kind's text).
 STRUCTURED_OUTPUT_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 MAX_STRUCTURED_SPEC_CHARS = 2**20  # a schema or grammar this long is a mistake, not a format
+MAX_LOGIT_BIAS = 300  # entries of logit_bias, as OpenAI allows: it travels with every request
+MAX_LOGIT_BIAS_VALUE = 100.0  # OpenAI's range, -100 (bans a token) to 100 (forces it)
 
 
 @dataclass
@@ -49,6 +52,8 @@ class SamplingParams:
     top alternatives to return per token (0 = only the chosen token's logprob; None = no logprobs).
     `prompt_logprobs` (vLLM's extension) is the same for every prompt token but the first: its
     logprob given the tokens before it, its rank and that many best alternatives.
+    `logit_bias` (OpenAI's) adds to a token id's logit before sampling (after the raw logprobs,
+    which report the model's own): -100 bans a token, +100 all but forces it.
     """
 
     max_tokens: int = 16
@@ -67,6 +72,7 @@ class SamplingParams:
     disable_speculation: bool = False  # decode this request one token a step even when drafting
     structured_output: StructuredOutput | None = None  # the output must match this
     prompt_logprobs: int | None = None  # see common.engine.prompt_logprobs
+    logit_bias: dict[int, float] | None = None  # token id -> bias added to its logit
 
     @property
     def greedy(self) -> bool:
@@ -116,3 +122,19 @@ class SamplingParams:
             raise ValueError("stop_token_ids must be non-negative integers")
         if self.structured_output is not None:
             self.structured_output.validate()
+        if self.logit_bias is not None:
+            _check_logit_bias(self.logit_bias)
+
+
+def _check_logit_bias(bias: dict[int, float]) -> None:
+    if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS:
+        raise ValueError(f"logit_bias must map at most {MAX_LOGIT_BIAS} token ids to biases")
+    for token_id, value in bias.items():
+        if not isinstance(token_id, int) or isinstance(token_id, bool) or token_id < 0:
+            raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {token_id!r}")
+        ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+        if not ok or abs(value) > MAX_LOGIT_BIAS_VALUE:
+            raise ValueError(
+                f"logit_bias values must be numbers in [-{MAX_LOGIT_BIAS_VALUE:g}, "
+                f"{MAX_LOGIT_BIAS_VALUE:g}], got {value!r} for token {token_id}"
+            )

@@ -1,12 +1,12 @@
 """From a validated request to what the engine takes: token ids and fully resolved parameters.
 
-Owns tokenizing each prompt (chat messages through the model's chat template), the checks only
-token ids allow (empty prompt, ids outside the vocabulary, the context-length check that names both
-numbers as OpenAI does), resolving `max_tokens` per prompt against the context, and the distinct
-seeds of a prompt's n choices. Called by `router.app` and `common.runtime.run_batch` after
-`common.api.requests` has validated the body. A chat request's tools are rendered by the chat
-template in the hermes format, and as plain messages in the generic one
-(`common.api.generic_tools`); `tool_call_format` says which a server uses.
+Owns tokenizing each prompt (chat messages through the model's chat template), the checks only token
+ids allow (empty prompt, ids outside the vocabulary in the prompt or logit_bias, the context-length
+check that names both numbers as OpenAI does), resolving `max_tokens` per prompt against the
+context, and the distinct seeds of a prompt's n choices. Called by `router.app` and
+`common.runtime.run_batch` after `common.api.requests` has validated the body. A chat request's
+tools are rendered by the chat template in the hermes format, and as plain messages in the generic
+one (`common.api.generic_tools`); `tool_call_format` says which a server uses.
 """
 
 from __future__ import annotations
@@ -39,6 +39,11 @@ def engine_inputs(
             for p in request.prompts
         ]
     vocab_size = tokenizer.vocab_size
+    bias = request.params.logit_bias
+    if bias and max(bias) >= vocab_size:
+        raise RequestError(
+            f"logit_bias keys must be token ids in [0, {vocab_size}), got {max(bias)}", "logit_bias"
+        )
     inputs = []
     for ids in prompts:
         if not ids:

@@ -5,7 +5,7 @@ served model names) and the `GenerationRequest` they become; `RequestError` and 
 readers live in `common.api.fields` (shared with `structured` and `tools`). No HTTP and no
 tokenizer here: the router (`router.app`) and `pdserve run-batch` (`common.runtime.run_batch`)
 both call it; `common.api.prompts` then turns a request into engine inputs. Unknown body fields
-are ignored (OpenAI clients send extras); known fields we cannot honour (suffix, logit_bias,
+are ignored (OpenAI clients send extras); known fields we cannot honour (suffix, best_of,
 functions, ...) are rejected rather than silently dropped. Every integer and float field is
 bounded here, before anything reaches a worker (see `common.api.fields` for the bounds' reasons).
 """
@@ -23,7 +23,12 @@ from common.api.fields import is_int as _is_int
 from common.api.fields import json_object as _object
 from common.api.structured import parse_structured_output
 from common.api.tools import ToolRequest, assistant_tool_calls, parse_tools, tool_message
-from common.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
+from common.sampling_params import (
+    MAX_LOGIT_BIAS,
+    MAX_LOGIT_BIAS_VALUE,
+    MAX_TOP_LOGPROBS,
+    SamplingParams,
+)
 
 COMPLETIONS_URL = "/v1/completions"
 CHAT_URL = "/v1/chat/completions"
@@ -162,8 +167,6 @@ def _common(
     **fields: Any,
 ) -> GenerationRequest:
     """The sampling and output fields both endpoints share."""
-    if body.get("logit_bias"):
-        raise RequestError("logit_bias is not supported", "logit_bias")
     stream = _bool(body, "stream", False)
     stream_options = body.get("stream_options")
     include_usage = False
@@ -200,6 +203,7 @@ def _common(
         disable_speculation=_bool(body, "disable_speculation", False),
         # response_format, structured_outputs or guided_*: common.api.structured
         structured_output=parse_structured_output(body),
+        logit_bias=_logit_bias(body.get("logit_bias")),
     )
     if max_tokens is not None and params.min_tokens > max_tokens:
         raise RequestError(
@@ -321,6 +325,31 @@ def _stop(stop: Any) -> list[str]:
     if len(stops) > MAX_STOP:
         raise RequestError(f"at most {MAX_STOP} stop strings are allowed", "stop")
     return list(stops)
+
+
+def _logit_bias(bias: Any) -> dict[int, float] | None:
+    """OpenAI's logit_bias: {"token id": bias}, at most MAX_LOGIT_BIAS entries, biases in
+    [-100, 100]. Ids beyond the vocabulary are refused once it is known (common.api.prompts)."""
+    if bias is None or bias == {}:
+        return None
+    if not isinstance(bias, dict):
+        raise RequestError('logit_bias must be an object like {"50256": -100}', "logit_bias")
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise RequestError(
+            f"logit_bias may have at most {MAX_LOGIT_BIAS} entries, got {len(bias)}", "logit_bias"
+        )
+    out = {}
+    for key, value in bias.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 10):
+            raise RequestError(
+                f"logit_bias keys must be token ids (decimal integers), got {key!r}", "logit_bias"
+            )
+        name = f"logit_bias[{key}]"
+        if value is None:
+            raise RequestError(f"{name} must be a number", name)
+        hi = MAX_LOGIT_BIAS_VALUE
+        out[int(key)] = _float({name: value}, name, 0.0, lo=-hi, hi=hi)
+    return out
 
 
 def _stop_token_ids(ids: Any) -> list[int]:

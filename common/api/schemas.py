@@ -13,7 +13,7 @@ from typing import Any
 
 from common.api.requests import MAX_INT32, MAX_N, MAX_STOP, MAX_STOP_TOKEN_IDS
 from common.api.tools import MAX_TOOLS
-from common.sampling_params import MAX_TOP_LOGPROBS
+from common.sampling_params import MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_VALUE, MAX_TOP_LOGPROBS
 
 _TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
 _STOP = {
@@ -64,6 +64,17 @@ _SAMPLING: dict[str, Any] = {
     "return_tokens_as_token_ids": {"type": "boolean", "default": False},
     "disable_speculation": {"type": "boolean", "default": False},
     "prompt_logprobs": _integer(0, MAX_TOP_LOGPROBS),
+    "logit_bias": {
+        "type": "object",
+        "description": "token id (as a string) -> bias added to its logit",
+        "propertyNames": {"pattern": "^[0-9]{1,10}$"},
+        "additionalProperties": {
+            "type": "number",
+            "minimum": -MAX_LOGIT_BIAS_VALUE,
+            "maximum": MAX_LOGIT_BIAS_VALUE,
+        },
+        "maxProperties": MAX_LOGIT_BIAS,
+    },
     "user": {"type": "string"},
 }
 

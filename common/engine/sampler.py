@@ -1,5 +1,5 @@
-"""The sampler: turns a step's logits into next tokens (min_tokens, penalties, temperature, top-k,
-top-p, min-p, per-request seeds, logprobs).
+"""The sampler: turns a step's logits into next tokens (min_tokens, logit_bias, penalties,
+temperature, top-k, top-p, min-p, per-request seeds, logprobs).
 
 The engine (prefill and decode workers) builds one `SamplingState` per running sequence each step
 and calls `Sampler()(logits, states)`. Semantics follow vLLM v1: logprobs come from the raw model
@@ -131,7 +131,7 @@ class Sampler:
         blocked = [_min_tokens_blocked(s) for s in states]
         needs_processing = (
             any(blocked)
-            or any(s.params.has_penalties for s in states)
+            or any(s.params.has_penalties or s.params.logit_bias for s in states)
             or any(s.token_bitmask is not None for s in states)
         )
         wants_logprobs = any(s.params.logprobs is not None for s in states)
@@ -150,6 +150,7 @@ class Sampler:
         raw = _raw_logprobs(x, states, scratch) if wants_logprobs else None
         if needs_processing:
             _mask_min_tokens(x, blocked)
+            _add_logit_bias(x, states)
             apply_penalties(x, states)
             if refused is not None:  # after the raw logprobs, which report the model's own
                 x.masked_fill_(refused, -math.inf)
@@ -170,14 +171,16 @@ class Sampler:
     def process_logits(self, logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
         """The float32 scores each row's token is drawn from, as a new tensor.
 
-        min_tokens masking and penalties for every row; for random rows also temperature and
-        top-k/top-p/min-p (dropped tokens at -inf). A greedy row's token is the argmax, a random
-        row's distribution is the softmax: what speculative decoding verifies drafts against.
+        min_tokens masking, logit_bias and penalties for every row; for random rows also
+        temperature and top-k/top-p/min-p (dropped tokens at -inf). A greedy row's token is the
+        argmax, a random row's distribution is the softmax: what speculative decoding verifies
+        drafts against.
         """
         x = logits.float().clone()
         blocked = [_min_tokens_blocked(s) for s in states]
-        if any(blocked) or any(s.params.has_penalties for s in states):
+        if any(blocked) or any(s.params.has_penalties or s.params.logit_bias for s in states):
             _mask_min_tokens(x, blocked)
+            _add_logit_bias(x, states)
             apply_penalties(x, states)
         refused = _grammar_refusals(states, x.shape[1], x.device)
         if refused is not None:
@@ -251,6 +254,22 @@ def _mask_min_tokens(x: torch.Tensor, blocked: list[list[int]]) -> None:
     cols = [t for ids in blocked for t in ids if t < vocab]
     if rows:
         x[torch.tensor(rows, device=x.device), torch.tensor(cols, device=x.device)] = -math.inf
+
+
+def _add_logit_bias(x: torch.Tensor, states: list[SamplingState]) -> None:
+    """Each row's logit_bias added to its logits, in place (one scatter for the batch); ids past
+    the logits' width are ignored (the router refuses ids outside the vocabulary)."""
+    vocab = x.shape[1]
+    rows, cols, biases = [], [], []
+    for i, s in enumerate(states):
+        for token_id, bias in (s.params.logit_bias or {}).items():
+            if token_id < vocab:
+                rows.append(i)
+                cols.append(token_id)
+                biases.append(bias)
+    if rows:
+        index = (torch.tensor(rows, device=x.device), torch.tensor(cols, device=x.device))
+        x.index_put_(index, torch.tensor(biases, dtype=x.dtype, device=x.device), accumulate=True)
 
 
 def _grammar_refusals(

@@ -65,6 +65,15 @@ def test_bad_token_ids_and_empty_prompt(tok: Tokenizer) -> None:
             engine_inputs(req, tok, max_model_len=2048)
 
 
+def test_logit_bias_ids_outside_the_vocabulary_are_refused(tok: Tokenizer) -> None:
+    req = parse_chat_request({**CHAT, "logit_bias": {str(tok.vocab_size): 1}}, SERVED)
+    with pytest.raises(RequestError, match="logit_bias keys must be token ids in") as e:
+        engine_inputs(req, tok, max_model_len=2048)
+    assert e.value.param == "logit_bias"
+    req = parse_chat_request({**CHAT, "logit_bias": {str(tok.vocab_size - 1): 1}}, SERVED)
+    assert engine_inputs(req, tok, max_model_len=2048)[0].params.logit_bias
+
+
 def test_min_tokens_above_the_filled_context_is_refused(tok: Tokenizer) -> None:
     req = parse_chat_request({**CHAT, "min_tokens": 90}, SERVED)
     with pytest.raises(RequestError, match="min_tokens"):

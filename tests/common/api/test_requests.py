@@ -174,7 +174,13 @@ BAD_BODIES = [
     (COMPLETIONS_URL, {**COMPLETION, "prompt_logprobs": -1}, 400, "prompt_logprobs", "[0, 20]"),
     (COMPLETIONS_URL, {**COMPLETION, "suffix": "x"}, 400, "suffix", "not supported"),
     (COMPLETIONS_URL, {**COMPLETION, "best_of": 3}, 400, "best_of", "not supported"),
-    (COMPLETIONS_URL, {**COMPLETION, "logit_bias": {"5": 1}}, 400, "logit_bias", ""),
+    (COMPLETIONS_URL, {**COMPLETION, "logit_bias": [5]}, 400, "logit_bias", "object"),
+    (CHAT_URL, {**CHAT, "logit_bias": {"x": 1}}, 400, "logit_bias", "token ids"),
+    (CHAT_URL, {**CHAT, "logit_bias": {"-5": 1}}, 400, "logit_bias", "token ids"),
+    (CHAT_URL, {**CHAT, "logit_bias": {"5": 101}}, 400, "logit_bias[5]", "[-100.0, 100.0]"),
+    (CHAT_URL, {**CHAT, "logit_bias": {"5": "1"}}, 400, "logit_bias[5]", "number"),
+    (CHAT_URL, {**CHAT, "logit_bias": {"5": None}}, 400, "logit_bias[5]", "number"),
+    (CHAT_URL, {**CHAT, "logit_bias": {str(i): 1 for i in range(301)}}, 400, "logit_bias", "300"),
     (COMPLETIONS_URL, {**COMPLETION, "temperature": "hot"}, 400, "temperature", "number"),
     (COMPLETIONS_URL, {**COMPLETION, "temperature": 2.5}, 400, "temperature", "[0.0, 2.0]"),
     (COMPLETIONS_URL, {**COMPLETION, "top_p": 0}, 400, "top_p", "(0.0, 1.0]"),
@@ -214,3 +220,11 @@ def test_bad_bodies_give_openai_errors(url, body, status, param, fragment) -> No
     if param is not None:
         assert err["param"] == param
     assert fragment in err["message"]
+
+
+def test_logit_bias_reaches_the_params() -> None:
+    body = {**CHAT, "logit_bias": {"5": -100, "17": 2.5, "0": 100.0}}
+    assert parse_chat_request(body, SERVED).params.logit_bias == {5: -100.0, 17: 2.5, 0: 100.0}
+    assert parse_chat_request({**CHAT, "logit_bias": {}}, SERVED).params.logit_bias is None
+    body = {**COMPLETION, "logit_bias": {str(i): 1 for i in range(300)}}  # OpenAI's limit
+    assert len(parse_completion_request(body, SERVED).params.logit_bias) == 300

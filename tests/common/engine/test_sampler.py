@@ -416,3 +416,50 @@ def test_sampling_state_cost_does_not_grow_with_the_context():
     assert copied_per_step(10, plain) == copied_per_step(50_000, plain) == 0
     penalized = SamplingParams(temperature=0.0, frequency_penalty=0.5)
     assert copied_per_step(10, penalized) == copied_per_step(50_000, penalized) == 1  # the new one
+
+
+# ---- logit_bias ----------------------------------------------------------------------------------
+
+
+def test_logit_bias_is_added_before_greedy_and_random_choice(logits):
+    low = logits.argmin(-1).tolist()
+    biased = [SamplingParams(temperature=0.0, logit_bias={low[i]: 100.0}) for i in range(3)]
+    plain = [SamplingParams(temperature=0.0, logprobs=0)] * 3
+    results = Sampler()(logits, [state(p) for p in biased + plain])
+    assert tokens(results)[:3] == low[:3]  # +100 makes greedy pick the worst token
+    assert tokens(results)[3:] == logits[3:].argmax(-1).tolist()  # rows without a bias: as before
+    # -100 bans the best token: greedy takes the next best, as logits + bias says.
+    best = logits.argmax(-1).tolist()
+    banned = [SamplingParams(temperature=0.0, logit_bias={best[i]: -100.0}) for i in range(6)]
+    reference = logits.clone()
+    reference[range(6), best] -= 100.0
+    assert tokens(Sampler()(logits, [state(p) for p in banned])) == reference.argmax(-1).tolist()
+    # Random rows never draw a banned token; logprobs stay the model's own (raw logits).
+    n = 2000
+    params = SamplingParams(temperature=1.0, seed=3, logprobs=0, logit_bias={0: -100.0, 1: -100.0})
+    flat = torch.zeros(1, 4).expand(n, -1)
+    results = Sampler()(flat, [state(params)] * n)
+    assert set(tokens(results)) == {2, 3}
+    assert all(math.isclose(r.logprob, math.log(0.25), rel_tol=1e-5) for r in results)
+
+
+def test_logit_bias_applies_under_a_grammar_and_in_process_logits(logits):
+    # A grammar's refusal wins over any bias; among allowed tokens the bias decides.
+    allowed = [4, 9, 30]
+    mask = torch.zeros(2, dtype=torch.int32)
+    for t in allowed:
+        mask[t // 32] |= 1 << (t % 32)
+    for bias, expected in [({0: 100.0}, None), ({9: 100.0}, 9), ({30: 100.0, 0: 50.0}, 30)]:
+        st = state(SamplingParams(temperature=0.0, logit_bias=bias))
+        st.token_bitmask = mask
+        token = tokens(Sampler()(logits[:1], [st]))[0]
+        assert token in allowed and (expected is None or token == expected)
+    # Speculative decoding verifies against process_logits: the bias is in its scores too.
+    bias = {5: 7.5, 6: -2.0}
+    scores = Sampler().process_logits(
+        logits, [state(SamplingParams(temperature=0.0, logit_bias=bias))] * 6
+    )
+    reference = logits.clone()
+    reference[:, 5] += 7.5
+    reference[:, 6] -= 2.0
+    torch.testing.assert_close(scores, reference)

@@ -489,3 +489,25 @@ def test_adaptive_engine_stops_a_slow_proposer_and_keeps_the_output(tiny_llama) 
     assert engine.governor.num_pauses >= 1
     assert proposer.calls < 40  # most of the ~60 steps ran without drafting
     assert engine.pool.num_free == engine.pool.num_blocks
+
+
+@pytest.mark.parametrize("mode", [None, "ngram"])
+def test_logit_bias_matches_transformers(tiny_llama, mode) -> None:
+    """logit_bias against HF generate's sequence_bias (the same addition to the logits), with and
+    without speculation; +100 makes greedy pick one token every step."""
+    hf_model, _ = tiny_llama
+    engine = make_engine(tiny_llama, mode)
+    prompt = repetitive(5)
+    bias = {17: 4.0, 90: -3.0, 91: 2.5}
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logit_bias=bias)
+    (seq,) = engine.generate([prompt], params)
+    ids = torch.tensor([prompt])
+    reference = hf_model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
+        eos_token_id=None, pad_token_id=0, sequence_bias={(t,): b for t, b in bias.items()},
+    )[0, len(prompt) :].tolist()  # fmt: skip
+    assert seq.output_token_ids == reference
+    unbiased = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    assert engine.generate([prompt], unbiased)[0].output_token_ids != reference  # it mattered
+    forced = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logit_bias={42: 100})
+    assert engine.generate([prompt], forced)[0].output_token_ids == [42] * 8
