@@ -43,6 +43,7 @@ class RouterConfig:
     prefill_deadline_s: float = 120.0
     heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S
     worker_stall_timeout_s: float = 30.0
+    drain_timeout_s: float = 2.0
     max_model_len: int = 0
     block_size: int = 0
     log_level: str = "info"
@@ -90,6 +91,9 @@ HELP = {
     "heartbeat_timeout_s": "a worker silent this long is dead",
     "worker_stall_timeout_s": "a worker whose main loop made no progress this long while it had "
     "work is dead (its heartbeats count the loop's turns; 0 = never)",
+    "drain_timeout_s": "on SIGTERM the router stops taking connections and lets the streams it "
+    "relays finish for up to this long (a rolling update of several routers: 20 or so); the "
+    "workers abort what is left when it closes",
     "max_model_len": "longest prompt + output (0 = the smallest any live worker allows)",
     "block_size": "KV block size workers must use (0 = whatever the first worker uses)",
     "log_level": "debug | info | warning | error",

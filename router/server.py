@@ -161,7 +161,7 @@ class RouterServer:
                 log_level=cfg.log_level,
                 access_log=cfg.log_level == "debug",
                 lifespan="off",
-                timeout_graceful_shutdown=2,
+                timeout_graceful_shutdown=cfg.drain_timeout_s,
             )
         )
         tasks = [

@@ -331,3 +331,29 @@ def test_prefix_index_routes_resyncs_and_forgets_dead_workers() -> None:
             assert time.monotonic() < deadline
             time.sleep(0.05)
         assert 'worker="p1"' not in httpx.get(router.url + "/metrics").text
+
+
+def test_a_stopping_router_lets_its_streams_finish_within_the_drain_timeout() -> None:
+    router = RouterThread(colocated=True, drain_timeout_s=15)
+    try:
+        d0 = router.worker("decode", "d0", token_delay_s=0.05)  # 5 s of stream: > the old 2 s
+        body = {"prompt": SHORT, "max_tokens": 100, "stream": True}
+        lines: list[str] = []
+
+        def stream() -> None:
+            with httpx.stream("POST", router.url + "/v1/completions", json=body, timeout=30) as r:
+                lines.extend(r.iter_lines())
+
+        thread = threading.Thread(target=stream)
+        thread.start()
+        d0.wait_for(Generate)
+        time.sleep(0.3)  # mid-stream: a few of 100 tokens relayed
+        stopping = threading.Thread(target=router.server.stop)
+        stopping.start()
+        thread.join(15)
+        assert lines[-2] == "data: [DONE]", lines[-3:]  # the whole stream, no error
+        assert not any('"error"' in line for line in lines)
+        with pytest.raises(httpx.HTTPError):  # meanwhile it took no new connection
+            httpx.post(router.url + "/v1/completions", json=body, timeout=2)
+    finally:
+        router.stop()
