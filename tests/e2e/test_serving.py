@@ -429,18 +429,22 @@ def test_1p1d_with_ngram_speculation_matches_plain_decoding(tmp_path):
 
 def test_1p1d_int4_weights_match_the_engine(chat_model_dir, tmp_path):
     """Both workers quantize the 16-bit checkpoint to int4 on load; the KV they exchange comes
-    from the quantized model, and the output equals the in-process engine's with the same flag."""
+    from the quantized model, and the output equals the in-process engine's with the same flag.
+    Float activations: int8 ones (the default, from 2 tokens a step) would round the engine's
+    batched steps and the cluster's one-request steps differently."""
     model = str(chat_model_dir)
     tokenizer = Tokenizer.from_source(resolve_model(model))
     prompts = [tokenizer.encode(t) for t in COMPLETIONS]
     config = EngineConfig(
-        model=model, dtype="float32", kv_cache_memory="64MiB", quantization="int4"
-    )
+        model=model, dtype="float32", kv_cache_memory="64MiB", quantization="int4",
+        cpu_activations="float",
+    )  # fmt: skip
     engine = Engine(config)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     expected = [tokenizer.decode(s.output_token_ids) for s in engine.generate(prompts, params)]
     with Cluster(
-        model, tmp_path, prefill=1, decode=1, engine_flags=("--quantization", "int4"),
+        model, tmp_path, prefill=1, decode=1,
+        engine_flags=("--quantization", "int4", "--cpu-activations", "float"),
         router_flags=("--local-prefill-max-tokens", "0"),
     ) as cluster:  # fmt: skip
         c = client(cluster)
