@@ -33,7 +33,7 @@ def run_router(args: argparse.Namespace) -> int:
     from common.api.tokenizer import Tokenizer
     from common.model.model_files import resolve_model
     from common.runtime.ports import check_port_free
-    from router.memory import pin_malloc_thresholds
+    from router.memory import freeze_startup_heap, pin_malloc_thresholds
     from router.server import RouterServer
 
     config = config_from_args(args)
@@ -49,6 +49,10 @@ def run_router(args: argparse.Namespace) -> int:
     tokenizer = Tokenizer.from_source(source)
     model_max_len = int(getattr(source.hf_config, "max_position_embeddings", 0) or 2048)
     server = RouterServer(config, tokenizer, model_max_len)
+    import fastapi  # noqa: F401  (imported by serve(): loaded before the heap is frozen)
+    import uvicorn  # noqa: F401
+
+    logging.info("%d objects exempted from garbage collection", freeze_startup_heap())
     # uvicorn handles SIGINT / SIGTERM while serving and re-raises them afterwards: by then we
     # have shut down cleanly, so the re-raised signal must not kill the process.
     for signum in (signal.SIGINT, signal.SIGTERM):
