@@ -238,6 +238,7 @@ def create_app(state: RouterState) -> FastAPI:
             state.registry.workers.values(),
             state.dispatcher.prefix_index,
             state.admission,
+            state.dispatcher.num_migrations,
         )
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 

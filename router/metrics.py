@@ -125,6 +125,7 @@ class RouterMetrics:
         workers: Iterable[Worker],
         index: PrefixIndex | None = None,
         admission: Admission | None = None,
+        num_migrations: int = 0,
     ) -> str:
         families: dict[str, _Family] = {}
 
@@ -175,6 +176,9 @@ class RouterMetrics:
         for code in sorted({*ERROR_CODES, *self.request_errors_total}):
             add("request_errors_total", "counter", "Requests answered with an error.",
                 self.request_errors_total.get(code, 0), (("code", str(code)),))  # fmt: skip
+        add("request_migrations_total", "counter",
+            "Choices moved to another decode worker after theirs died or stalled mid-stream.",
+            num_migrations)  # fmt: skip
         if index is not None:
             add("kv_index_resyncs_total", "counter",
                 "Full KV snapshots the router asked workers for (lost KV events).",
