@@ -5,7 +5,9 @@ and the workers' flags; the processes themselves are started, watched and stoppe
 `common.runtime.launcher.LocalCluster`, with a cluster secret it generates and hands to its
 children in the environment (`common.runtime.auth`), supervised: a worker that dies is restarted
 (with backoff; after `--max-worker-restarts` in a row, every 30 s) while the others keep serving.
-Prints the URL once the cluster serves, and stops every process on Ctrl-C / SIGTERM or when the
+Checks its ports before starting anything (`common.runtime.ports`; the control port is any free
+one unless given), prints the URL once the cluster serves (and, with prefill workers, which
+prompts stay on the decode workers), and stops every process on Ctrl-C / SIGTERM or when the
 router dies.
 Called by `common.cli`.
 """

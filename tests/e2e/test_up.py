@@ -86,6 +86,10 @@ def test_up_serves_and_stops_everything(chat_model_dir):
         m = re.search(r"http://127\.0\.0\.1:(\d+)/v1", line)
         assert m and int(m.group(1)) > 0, line
         port = int(m.group(1))
+        # With prefill workers the banner says which prompts reach them (the router's setting).
+        note = proc.stdout.readline()
+        assert "every prompt is prefilled on a prefill worker" in note, note
+        assert "--local-prefill-max-tokens 0" in note, note
         children = children_alive(marker)
         assert len(children) == 4
         router = [c for c in children if " router " in c]
