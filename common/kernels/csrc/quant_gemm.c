@@ -85,6 +85,19 @@ static inline float quantize_block(const float *v, int8_t *q, int *qsum) {
     _mm_storeu_si128((__m128i *)q, _mm512_cvtepi32_epi8(q0));
     _mm_storeu_si128((__m128i *)(q + 16), _mm512_cvtepi32_epi8(q1));
     *qsum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+#elif defined(__AVX2__)
+    const __m256 d = _mm256_set1_ps(xs);
+    __m256i sum = _mm256_setzero_si256();
+    for (int j = 0; j < QB; j += 8) {
+        const __m256i t = _mm256_cvtps_epi32(_mm256_div_ps(_mm256_loadu_ps(v + j), d));
+        sum = _mm256_add_epi32(sum, t);
+        const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+        _mm_storel_epi64((__m128i *)(q + j), _mm_packs_epi16(w, w));
+    }
+    __m128i h = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+    h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
+    h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xB1));
+    *qsum = _mm_cvtsi128_si32(h);
 #else
     int s = 0;
     for (int j = 0; j < QB; j++) {
@@ -105,10 +118,19 @@ static void quantize_x(const void *x, long stride, int xdtype, int M, int gs, in
         float v[QB], gsum = 0.0f;
         for (int b = 0; b < KB; b++) {
             const long src = (long)m * stride + (long)b * QB;
-            if (xdtype == 0)
+            if (xdtype == 0) {
                 memcpy(v, (const float *)x + src, sizeof v);
-            else
+            } else {
+#if defined(__AVX2__)
+                for (int j = 0; j < QB; j += 8) { /* bfloat16: the high half of a float32 */
+                    const __m256i h = _mm256_cvtepu16_epi32(
+                        _mm_loadu_si128((const __m128i *)((const uint16_t *)x + src + j)));
+                    _mm256_storeu_ps(v + j, _mm256_castsi256_ps(_mm256_slli_epi32(h, 16)));
+                }
+#else
                 for (int j = 0; j < QB; j++) v[j] = x_at(x, src + j, 1);
+#endif
+            }
             int qsum;
             const float xs = quantize_block(v, a->xq + (long)m * K + (long)b * QB, &qsum);
             a->xs[(long)m * KB + b] = xs;
