@@ -120,5 +120,23 @@ def build_engine(args: argparse.Namespace) -> Engine:
 
     config = config_from_args(args)
     engine = load_engine(config)
+    if engine.runner.device.type == "cpu":
+        build_cpu_kernels()
     seed_generators(config.seed)
     return engine
+
+
+def build_cpu_kernels() -> None:
+    """Build the CPU path's C kernels (or load them from the cache) before the worker registers.
+    Built on first use instead, a fresh cache's first request waits through the compiles (over
+    30 s on a busy 2-core machine) and the router takes the silent worker for a stalled one."""
+    from common.kernels import cpu_attention, cpu_layer, cpu_ops, cpu_qgemm, cpu_quant
+
+    for available in (
+        cpu_ops.available,
+        cpu_attention.available,
+        cpu_layer.available,
+        cpu_quant.c_available,
+        cpu_qgemm.available,
+    ):
+        available()  # False (the torch path runs) when there is no compiler: logged there
