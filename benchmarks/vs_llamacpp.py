@@ -1,0 +1,491 @@
+"""pdserve vs llama.cpp's llama-server: same GGUF, same client, same cores, one run, ratios.
+
+Systems, one after the other, each a real server on loopback ports:
+  llama-server  llama.cpp's server (`--llama-server PATH`) on the default model's GGUF,
+                `--parallel N` (N = `--concurrency`), `-t T` (T = `--threads`, default the cores)
+  colocated     what `pdserve up --prefill 0 --decode 1 --num-threads T` starts (router + one
+                decode worker that prefills its own prompts)
+  1P1D          what `pdserve up --prefill 1 --decode 1 --num-threads T/2
+                --local-prefill-max-tokens 0` starts: every prompt is prefilled on the prefill
+                worker and its KV sent to the decode worker (checked: the KV bytes sent)
+Each gets `--warmup` untimed requests, then the load of `pdserve bench` (common.bench: its random
+dataset of `--prompt-len` token ids -> `--output-len` tokens, greedy, ignore_eos; its profiles and
+report), first `synchronous` (1 stream, `--requests-1` requests), then `concurrent` with
+`--concurrency` streams (`--requests-n` requests). Every phase has its own prompts, so no prefix
+cache helps. Per phase: output tok/s, ITL p50 (gaps between streamed chunks), TTFT p50.
+
+Limits (common.bench.limits, measured in this process on T threads before any server starts;
+floors from common.bench.step_cost on the model pdserve serves, loaded here with the workers'
+engine flags): tok/s beside its ceiling (tokens / the least time for the phase's work: one
+prefill of the prompts, then output_len - 1 decode steps at the mean context; at 1 stream per
+request, at N streams N at once), ITL beside the decode step's limit at that batch (the larger of
+its read floor, bytes read / read bandwidth, and its compute floor, FLOPs / the best rate of the
+dtype each linear computes in), TTFT beside the prefill floor of one prompt (a bound for any
+request; at N streams a request also waits for the others' prefills and decode steps).
+
+    python benchmarks/vs_llamacpp.py --llama-server PATH [--systems llama,colocated,disagg]
+        [--threads T] [--prompt-len 256] [--output-len 128] [--concurrency 16]
+        [--requests-1 8] [--requests-n 64] [--warmup 2] [--seed 0] [--quick] [--json PATH]
+        [--log-dir DIR] [-- ENGINE FLAGS]
+
+Result on stdout: the machine line, the limits' table, one Markdown table (per phase and metric:
+each system's figure with its % of the limit, the limit, pdserve / llama-server ratios, the
+target), then the targets met or missed; progress on stderr. With `--json PATH` the same as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a plain checkout too
+
+from common.bench import limits as machine_limits  # noqa: E402
+from common.bench.datasets import random_dataset  # noqa: E402
+from common.bench.profiles import Run, execute  # noqa: E402
+from common.bench.report import summarize  # noqa: E402
+from common.bench.step_cost import decode_floor, generate_floor_s  # noqa: E402
+from common.model.model_files import resolve_model  # noqa: E402
+
+SYSTEMS = {"llama": "llama-server", "colocated": "colocated", "disagg": "1P1D"}
+MODEL_NAME = "default"
+
+
+def log(msg: str) -> None:
+    print(f"[vs_llamacpp] {msg}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Limits
+
+
+def measure_floors(args, engine_args: list[str]) -> tuple[machine_limits.Limits, dict]:
+    """The machine's limits on `args.threads` threads and the floors of this benchmark's work on
+    the model the workers serve (loaded here with their engine flags, then freed)."""
+    from common.config import add_engine_args, config_from_args
+    from common.engine.engine import Engine
+
+    torch.set_num_threads(args.threads)
+    source = resolve_model(MODEL_NAME)
+    log(f"measuring the machine's limits on {args.threads} threads")
+    limits = machine_limits.measure(source.hf_config)
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    flags = ["--model", MODEL_NAME, "--dtype", args.dtype, *engine_args]
+    flags += ["--kv-cache-memory", "128MiB", "--max-model-len", "2048"]
+    flags += ["--num-threads", str(args.threads)]  # floors only: a small cache
+    engine = Engine(config_from_args(parser.parse_known_args(flags)[0]))
+    model, cfg, act = engine.runner.model, source.hf_config, engine.runner.dtype
+    p, o, n = args.prompt_len, args.output_len, args.concurrency
+    ctx = p + o // 2  # a stream's mean context
+    step1 = decode_floor(limits, model, cfg, 1, ctx, act)
+    step_n = decode_floor(limits, model, cfg, n, ctx, act)
+    floors = {
+        "step_1": {"read_ms": step1.read_s * 1e3, "compute_ms": step1.compute_s * 1e3,
+                   "limit_ms": step1.limit_s * 1e3, "dtypes": list(step1.dtypes)},
+        "step_n": {"read_ms": step_n.read_s * 1e3, "compute_ms": step_n.compute_s * 1e3,
+                   "limit_ms": step_n.limit_s * 1e3, "dtypes": list(step_n.dtypes)},
+        "prefill_1_ms": generate_floor_s(limits, model, cfg, act, 1, p, 1) * 1e3,
+        "ceiling_1_tok_s": o / generate_floor_s(limits, model, cfg, act, 1, p, o),
+        "ceiling_n_tok_s": n * o / generate_floor_s(limits, model, cfg, act, n, p, o),
+        "act_dtype": str(act).removeprefix("torch."),
+    }  # fmt: skip
+    del engine, model
+    gc.collect()
+    return limits, floors
+
+
+# ---------------------------------------------------------------------------------------------
+# Servers
+
+
+def free_port() -> int:
+    """A free loopback port for llama-server (it cannot report one chosen by the OS)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LlamaServer:
+    """llama.cpp's server on the GGUF, `--parallel` slots of prompt + output tokens each."""
+
+    def __init__(self, path: str, gguf: Path, args, log_dir: Path) -> None:
+        self.port = free_port()
+        ctx = args.concurrency * (args.prompt_len + args.output_len + 64)
+        self.cmd = [
+            path, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(self.port),
+            "-c", str(ctx), "--parallel", str(args.concurrency), "-t", str(args.threads),
+            "-tb", str(args.threads),
+        ]  # fmt: skip
+        self.log_path = log_dir / "llama-server.log"
+        self.timeout_s = args.startup_timeout_s
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> LlamaServer:
+        log(f"llama-server: {' '.join(self.cmd)}")
+        with open(self.log_path, "wb") as out:
+            self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + self.timeout_s
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2, trust_env=False).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            if self.proc.poll() is not None:
+                tail = self.log_path.read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"llama-server exited with {self.proc.returncode}:\n{tail}")
+            time.sleep(0.5)
+        self.__exit__()
+        raise TimeoutError(f"llama-server not healthy in {self.timeout_s} s")
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def pdserve_cluster(name: str, args, engine_args: list[str], log_dir: Path):
+    """The processes `pdserve up` starts for this configuration, with up's own flag handling."""
+    from common.runtime.up import add_up_args, cluster_from_args
+
+    prefill = 1 if name == "disagg" else 0
+    threads = max(1, args.threads // (prefill + 1))  # T threads in all, as llama-server has
+    flags = [
+        "--model", MODEL_NAME, "--dtype", args.dtype, "--prefill", str(prefill),
+        "--decode", "1", "--port", "0", "--control-port", "0", "--num-threads", str(threads),
+    ]  # fmt: skip
+    if prefill:
+        flags += ["--local-prefill-max-tokens", "0"]  # every prompt to the prefill worker
+    if engine_args:
+        flags += ["--", *engine_args]
+    up = argparse.ArgumentParser()
+    add_up_args(up)
+    cluster = cluster_from_args(up.parse_args(flags), log_dir=log_dir, name=name)
+    cluster.startup_timeout_s = args.startup_timeout_s
+    return cluster
+
+
+# ---------------------------------------------------------------------------------------------
+# Load: pdserve bench's client, dataset, profiles and report
+
+
+async def run_phase(url: str, run: Run, dataset, timeout_s: float) -> Run:
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+    async with httpx.AsyncClient(
+        base_url=url + "/v1/",
+        limits=limits,
+        timeout=httpx.Timeout(timeout_s, connect=10.0),
+        trust_env=False,
+    ) as client:
+        return await execute(run, client, MODEL_NAME, dataset, len(dataset), None)
+
+
+def phases(args) -> list[tuple[str, Run, int, int]]:
+    """(key, run, requests, dataset seed) of each timed phase, warm-up first."""
+    n = args.concurrency
+    return [
+        ("warmup", Run("warm-up", "concurrent", concurrency=n), args.warmup, args.seed + 1000),
+        ("s1", Run("synchronous", "synchronous"), args.requests_1, args.seed + 1),
+        (f"s{n}", Run(f"concurrent@{n}", "concurrent", concurrency=n), args.requests_n, args.seed),
+    ]
+
+
+def measure_system(name: str, url: str, args) -> dict:
+    label = SYSTEMS[name]
+    out: dict = {}
+    for key, run, count, seed in phases(args):
+        if count < 1:
+            continue
+        output_len = min(8, args.output_len) if key == "warmup" else args.output_len
+        dataset = random_dataset(count, args.prompt_len, output_len, seed)
+        log(f"{label}: {run.name}, {count} requests of {args.prompt_len} -> {output_len}")
+        asyncio.run(run_phase(url, run, dataset, args.request_timeout_s))
+        for r in run.results:  # ignore_eos asks for exactly output_len tokens
+            if r.ok and r.output_tokens != output_len:
+                r.error = f"{r.output_tokens} output tokens, not {output_len}"
+        summary = summarize(run, None, None)
+        errors = sorted({r.error for r in run.results if r.error})
+        if errors:
+            log(f"{label}: {run.name}: {len(errors)} kinds of error, first: {errors[0]}")
+        summary["first_errors"] = errors[:3]
+        if key != "warmup":
+            summary["raw"] = [r.to_dict() for r in sorted(run.results, key=lambda r: r.index)]
+            log(
+                f"{label}: {run.name}: {summary['output_token_throughput']:.1f} tok/s, ITL p50 "
+                f"{summary['itl_p50_ms']} ms, TTFT p50 {summary['ttft_p50_ms']} ms"
+            )
+        out[key] = summary
+    return out
+
+
+def run_system(name: str, args, engine_args: list[str], log_dir: Path, gguf: Path) -> dict:
+    t0 = time.monotonic()
+    if name == "llama":
+        with LlamaServer(args.llama_server, gguf, args, log_dir) as server:
+            log(f"llama-server: ready after {time.monotonic() - t0:.1f} s")
+            return measure_system(name, server.url, args)
+    cluster = pdserve_cluster(name, args, engine_args, log_dir)
+    with cluster:
+        log(f"{SYSTEMS[name]}: ready after {time.monotonic() - t0:.1f} s at {cluster.url}")
+        result = measure_system(name, cluster.url, args)
+        if name == "disagg":  # counters travel with heartbeats: poll a while
+            kv = cluster.wait_counter("kv_transfer_bytes_total", 1, timeout_s=5)
+            result["kv_sent_mb"] = kv / 1e6
+    return result
+
+
+# ---------------------------------------------------------------------------------------------
+# Report
+
+
+def cell(value: float | None, spec: str, pct: float | None = None) -> str:
+    if value is None:
+        return "-"
+    return spec.format(value) + (f" ({pct:.0f}%)" if pct is not None else "")
+
+
+def report_rows(results: dict, floors: dict, args) -> list[dict]:
+    """One row per (phase, metric): each system's value, the limit, % of limit, ratios."""
+    n = args.concurrency
+    step_n, step_1 = floors["step_n"], floors["step_1"]
+    specs = [
+        ("s1", "output tok/s", "output_token_throughput", floors["ceiling_1_tok_s"], "rate",
+         "ceiling"),
+        ("s1", "ITL p50 ms", "itl_p50_ms", step_1["limit_ms"], "time",
+         f"batch-1 step limit ({'/'.join(step_1['dtypes'])})"),
+        ("s1", "TTFT p50 ms", "ttft_p50_ms", floors["prefill_1_ms"], "time", "prefill floor"),
+        (f"s{n}", "output tok/s", "output_token_throughput", floors["ceiling_n_tok_s"], "rate",
+         "ceiling"),
+        (f"s{n}", "ITL p50 ms", "itl_p50_ms", step_n["limit_ms"], "time",
+         f"batch-{n} step limit ({'/'.join(step_n['dtypes'])})"),
+        (f"s{n}", "TTFT p50 ms", "ttft_p50_ms", floors["prefill_1_ms"], "time",
+         "one prompt's prefill floor"),
+    ]  # fmt: skip
+    rows = []
+    for phase, metric, key, limit, kind, limit_name in specs:
+        row = {"phase": phase, "metric": metric, "limit": limit, "limit_name": limit_name}
+        for name, res in results.items():
+            v = res.get(phase, {}).get(key)
+            row[name] = v
+            if v:
+                row[f"{name}_pct_of_limit"] = 100 * (v / limit if kind == "rate" else limit / v)
+        ref = row.get("llama")
+        for name in results:
+            if name != "llama" and ref and row.get(name) is not None:
+                row[f"{name}_vs_llama"] = row[name] / ref
+        rows.append(row)
+    return rows
+
+
+TARGETS = {  # (phase, metric) -> (text, the most or least pdserve / llama-server may be)
+    ("sN", "output tok/s"): (">= 3x llama-server", 3.0),
+    ("sN", "TTFT p50 ms"): ("<= llama-server", 1.0),
+    ("s1", "ITL p50 ms"): ("<= 0.5x llama-server; <= 1.5x its limit", 0.5),
+}
+STEP_LIMIT_TARGET = 1.5  # the batch-1 step (1-stream ITL p50) over its limit
+
+
+def target_key(row: dict) -> tuple[str, str]:
+    return ("s1" if row["phase"] == "s1" else "sN", row["metric"])
+
+
+def _needs(row: dict, goal: float) -> str:
+    """What a target asks for, against the limit: a rate as % of its ceiling, a time as % of
+    its limit (over 100%: beyond the machine's limit, out of reach)."""
+    pct = 100 * (goal / row["limit"] if row["metric"] == "output tok/s" else row["limit"] / goal)
+    spec = "{:.1f}" if row["metric"] == "output tok/s" else "{:.2f}"
+    return f"needs {spec.format(goal)} = {pct:.0f}% of the limit"
+
+
+def targets(rows: list[dict], args) -> list[dict]:
+    """Each target for each pdserve system: the figure it is judged on, met or not, and what
+    meeting it would take as a fraction of the machine's limit."""
+    out = []
+    pdserve = [s for s in args.systems if s != "llama"]
+    for row in rows:
+        if target_key(row) not in TARGETS:
+            continue
+        text, bound = TARGETS[target_key(row)]
+        higher = row["metric"] == "output tok/s"
+        what = f"{row['phase'][1:]} stream(s) {row['metric']} {text.split(';')[0]}"
+        for name in pdserve:
+            ratio = row.get(f"{name}_vs_llama")
+            met = None if ratio is None else (ratio >= bound if higher else ratio <= bound)
+            shown = "-" if ratio is None else f"{ratio:.2f}x llama-server"
+            if ratio is not None and row.get("llama"):
+                shown += f" ({_needs(row, bound * row['llama'])})"
+            out.append({"system": SYSTEMS[name], "target": what, "value": ratio, "met": met,
+                        "shown": shown})  # fmt: skip
+        if target_key(row) != ("s1", "ITL p50 ms"):
+            continue
+        for name in pdserve:
+            v = row.get(name)
+            x = None if v is None else v / row["limit"]
+            out.append({
+                "system": SYSTEMS[name], "target": "batch-1 step <= 1.5x its limit", "value": x,
+                "met": None if x is None else x <= STEP_LIMIT_TARGET,
+                "shown": "-" if x is None else f"{x:.2f}x ({v:.2f} / {row['limit']:.2f} ms)",
+            })  # fmt: skip
+    return out
+
+
+def print_report(machine: str, load: dict, limits, floors: dict, rows, goals, results, args):
+    n = args.concurrency
+    print(f"machine: {machine}; load average {load['start']} at start, {load['end']} at end\n")
+    print(limits.describe() + "\n")
+    s1, sn = floors["step_1"], floors["step_n"]
+    print(
+        f"work: {args.prompt_len}-token prompts (random ids) -> {args.output_len} tokens "
+        f"(ignore_eos, greedy), `pdserve bench`'s client; {args.threads} threads per system in "
+        f"all; pdserve computes in activations of {floors['act_dtype']}\n"
+        f"floors: batch-1 decode step read {s1['read_ms']:.2f} ms / compute {s1['compute_ms']:.2f}"
+        f" ms ({'/'.join(s1['dtypes'])}); batch-{n} step read {sn['read_ms']:.2f} / compute "
+        f"{sn['compute_ms']:.2f} ms ({'/'.join(sn['dtypes'])}); one prompt's prefill "
+        f"{floors['prefill_1_ms']:.1f} ms\n"
+    )
+    names = list(results)
+    others = [s for s in names if s != "llama"]
+    head = ["streams", "metric", *(SYSTEMS[s] for s in names), "limit"]
+    head += [f"{SYSTEMS[s]} / llama-server" for s in others if "llama" in names] + ["target"]
+    print("| " + " | ".join(head) + " |")
+    print("|---|---|" + "---:|" * (len(head) - 3) + "---|")
+    for row in rows:
+        streams = row["phase"][1:]
+        spec = "{:.1f}" if row["metric"] == "output tok/s" else "{:.2f}"
+        cells = [streams, row["metric"]]
+        cells += [cell(row.get(s), spec, row.get(f"{s}_pct_of_limit")) for s in names]
+        cells.append(f"{spec.format(row['limit'])} ({row['limit_name']})")
+        if "llama" in names:
+            cells += [cell(row.get(f"{s}_vs_llama"), "{:.2f}x") for s in others]
+        cells.append(TARGETS.get(target_key(row), ("",))[0])
+        print("| " + " | ".join(cells) + " |")
+    print(
+        "\n(%): a time's limit / the time, a rate / its ceiling; 100% = the machine's limit. "
+        "Ratios: pdserve / llama-server in this run."
+    )
+    if goals:
+        print()
+        for g in goals:
+            met = {True: "met", False: "MISSED", None: "not measured"}[g["met"]]
+            print(f"- {g['system']}: {g['target']}: {g['shown']}: {met}")
+    for name, res in results.items():
+        if "kv_sent_mb" in res:
+            note = "" if res["kv_sent_mb"] else " (none: prompts were NOT prefilled remotely)"
+            print(f"\n{SYSTEMS[name]}: KV sent prefill -> decode {res['kv_sent_mb']:.1f} MB{note}")
+        for phase, s in res.items():
+            if isinstance(s, dict) and (s["errors"] or s["first_errors"]):
+                print(f"\n{SYSTEMS[name]} {phase}: {s['errors']} errors: {s['first_errors']}")
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    engine_args: list[str] = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, engine_args = argv[:i], argv[i + 1 :]
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--llama-server", metavar="PATH", help="llama.cpp's llama-server binary")
+    p.add_argument("--systems", default="llama,colocated,disagg",
+                   help="comma list of llama,colocated,disagg (run in this order)")  # fmt: skip
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                   help="threads per system in all (default: the cores)")  # fmt: skip
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--concurrency", type=int, default=16, help="streams of the second phase")
+    p.add_argument("--requests-1", type=int, default=8, help="requests at 1 stream")
+    p.add_argument("--requests-n", type=int, default=64, help="requests at --concurrency")
+    p.add_argument("--warmup", type=int, default=2, help="untimed short requests per system")
+    p.add_argument("--startup-timeout-s", type=float, default=900.0)
+    p.add_argument("--request-timeout-s", type=float, default=900.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="tiny sizes: checks that it runs")
+    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--log-dir", type=Path, default=None, help="keep the servers' logs here")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.prompt_len, args.output_len, args.concurrency = 32, 8, 4
+        args.requests_1, args.requests_n, args.warmup = 2, 4, 1
+    args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    if not args.systems or any(s not in SYSTEMS for s in args.systems):
+        p.error(f"--systems: choose from {', '.join(SYSTEMS)}")
+    if "llama" in args.systems and not args.llama_server:
+        p.error("--llama-server PATH is needed (or leave llama out of --systems)")
+    return args, engine_args
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, engine_args = parse_args(sys.argv[1:] if argv is None else argv)
+    signal.signal(signal.SIGTERM, _interrupt)  # unwind, so servers are stopped
+    load = {"start": Path("/proc/loadavg").read_text().split()[:3]}
+    limits, floors = measure_floors(args, engine_args)
+    gguf = resolve_model(MODEL_NAME).path
+    results: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory(prefix="pdserve-vs-llamacpp-") as tmp:
+        log_dir = args.log_dir or Path(tmp)
+        log_dir.mkdir(parents=True, exist_ok=True)
+        for name in args.systems:
+            try:
+                results[name] = run_system(name, args, engine_args, log_dir, gguf)
+            except (RuntimeError, TimeoutError) as e:
+                log(f"{SYSTEMS[name]} failed: {e}")
+                results[name] = {"failed": str(e)[:2000]}
+    load["end"] = Path("/proc/loadavg").read_text().split()[:3]
+    machine = (
+        f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch "
+        f"{torch.__version__}"
+    )
+    rows = report_rows(results, floors, args)
+    goals = targets(rows, args)
+    print_report(machine, load, limits, floors, rows, goals, results, args)
+    if args.json:
+        out = {
+            "machine": machine,
+            "loadavg": load,
+            "limits": limits.as_dict(),
+            "floors": floors,
+            "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+            "engine_args": engine_args,
+            "rows": rows,
+            "targets": goals,
+            "results": results,
+        }
+        args.json.write_text(json.dumps(out, indent=1))
+        log(f"wrote {args.json}")
+    failed = any("failed" in r for r in results.values())
+    errors = any(isinstance(s, dict) and s.get("errors") for r in results.values()
+                 for s in r.values())  # fmt: skip
+    return 1 if failed or errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
