@@ -71,6 +71,7 @@ class EngineConfig:
     quantization: str = "auto"  # auto | none | int8 | int4 (weights only)
     quantization_group_size: int = 0  # 0 = automatic (see the flag's help)
     cpu_activations: str = "auto"  # auto | int8 | float (CPU quantized layers' activations)
+    kv_cache_dtype: str = "auto"  # auto (model dtype) | bfloat16 | float16 | float32 | int8 | fp8
 
     def resolved_device(self) -> torch.device:
         import torch
@@ -91,6 +92,29 @@ class EngineConfig:
             )
         return names[self.dtype]
 
+    def resolved_kv_dtype(self) -> torch.dtype:
+        """The KV cache's element type: the model dtype for auto; int8 and fp8 (e4m3) carry a
+        float32 scale per (token, KV head) beside the cache (common.kernels.kv_quant)."""
+        import torch
+
+        if self.kv_cache_dtype == "auto":
+            return self.resolved_dtype()
+        names = {
+            "float32": torch.float32,
+            "bfloat16": torch.bfloat16,
+            "float16": torch.float16,
+            "int8": torch.int8,
+            "fp8": getattr(torch, "float8_e4m3fn", None),
+        }
+        if self.kv_cache_dtype not in names:
+            raise ValueError(
+                "--kv-cache-dtype must be auto, bfloat16, float16, float32, int8 or fp8, "
+                f"not {self.kv_cache_dtype!r}"
+            )
+        if names[self.kv_cache_dtype] is None:
+            raise ValueError("--kv-cache-dtype fp8 needs a torch with torch.float8_e4m3fn")
+        return names[self.kv_cache_dtype]
+
     def validate(self) -> None:
         if self.block_size not in (8, 16, 32, 64, 128):
             raise ValueError("--block-size must be one of 8, 16, 32, 64, 128")
@@ -101,6 +125,7 @@ class EngineConfig:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("--gpu-memory-utilization must be in (0, 1]")
         self.resolved_dtype()
+        self.resolved_kv_dtype()
         parse_size(self.kv_cache_memory)
         if self.cuda_graph_max_batch < 1:
             raise ValueError("--cuda-graph-max-batch must be >= 1")
@@ -179,7 +204,12 @@ _HELP = {
     "then every 8); larger batches run eagerly",
     "quantization": "weight-only quantization of the linear layers: auto (serve what the "
     "checkpoint holds, e.g. GGUF Q4_1 as int4), none (dequantize to --dtype), int8 or int4 "
-    "(quantize a 16-bit checkpoint on load, round to nearest); the KV cache is unaffected",
+    "(quantize a 16-bit checkpoint on load, round to nearest); the KV cache is unaffected "
+    "(see --kv-cache-dtype)",
+    "kv_cache_dtype": "KV cache element type: auto (the model's --dtype), bfloat16, float16, "
+    "float32, int8 or fp8 (e4m3); int8/fp8 keep a float32 scale per token and KV head beside "
+    "the cache: about half the bytes of 16-bit KV per token, twice the tokens per "
+    "--kv-cache-memory",
     "quantization_group_size": "weights per scale along the input dimension for int8/int4; 0 = "
     "automatic: int4 the largest of 128/64/32 that divides the layer, int8 per output channel",
     "cpu_activations": "activations of the quantized layers on the CPU: int8 (quantized per row "

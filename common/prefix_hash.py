@@ -16,9 +16,11 @@ import numpy as np
 KEY_BYTES = 16
 
 
-def model_salt(model_id: str, dtype: str = "", block_size: int = 0) -> bytes:
-    """Salt that keeps keys of different models, dtypes or block sizes apart."""
-    text = f"{model_id}|{dtype}|{block_size}".encode()
+def model_salt(model_id: str, dtype: str = "", block_size: int = 0, kv_dtype: str = "") -> bytes:
+    """Salt that keeps keys of different models, dtypes, block sizes or KV cache dtypes apart
+    (`kv_dtype` '' for a cache in the model's dtype: the keys of before it existed)."""
+    text = f"{model_id}|{dtype}|{block_size}" + (f"|kv={kv_dtype}" if kv_dtype else "")
+    text = text.encode()
     return hashlib.blake2b(text, digest_size=KEY_BYTES).digest()
 
 

@@ -92,7 +92,8 @@ class Engine:
         self.runner = ModelRunner(config, hf_config, weights)
         self.max_model_len = self.runner.max_model_len
         self.pool = BlockPool(self.runner.num_blocks, config.block_size)
-        salt = model_salt(str(config.model), config.dtype, config.block_size)
+        kv_dtype = "" if config.kv_cache_dtype == "auto" else config.kv_cache_dtype
+        salt = model_salt(str(config.model), config.dtype, config.block_size, kv_dtype)
         self.block_manager = BlockManager(self.pool, salt, config.enable_prefix_caching)
         self.sampler = Sampler()
         runner = self.runner

@@ -8,7 +8,9 @@ prefix plus the new tokens (causally).
 The torch code here is the CPU path and the reference the Triton kernels are tested against.
 
 Cache layout, per layer: `k_cache`, `v_cache` of shape
-[num_blocks, block_size, num_kv_heads, head_dim].
+[num_blocks, block_size, num_kv_heads, head_dim]; an 8-bit cache (int8 / fp8) has `k_scales`,
+`v_scales` [num_blocks, block_size, num_kv_heads] beside it (common.kernels.kv_quant), and every
+reader here dequantizes what it reads.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from common.kernels import cpu_attention
+from common.kernels import cpu_attention, kv_quant
 
 
 @dataclass
@@ -96,19 +98,34 @@ def write_kv_cache(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
 ) -> None:
-    """Store new keys/values [num_tokens, num_kv_heads, head_dim] into their cache slots."""
+    """Store new keys/values [num_tokens, num_kv_heads, head_dim] into their cache slots
+    (quantized per (token, head) into an 8-bit cache and its scales)."""
+    if k_cache.dtype != k.dtype:
+        kv_quant.write(k, v, k_cache, v_cache, k_scales, v_scales, slot_mapping)
+        return
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
 
 
-def _gather_seq(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """A sequence's first `seq_len` cached tokens as [seq_len, num_kv_heads, head_dim]."""
+def _gather_seq(
+    cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_len: int,
+    scales: torch.Tensor | None,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """A sequence's first `seq_len` cached tokens as [seq_len, num_kv_heads, head_dim] in
+    `dtype` (dequantized from an 8-bit cache with its `scales`)."""
     block_size = cache.shape[1]
     num_blocks = (seq_len + block_size - 1) // block_size
-    blocks = cache.index_select(0, block_table[:num_blocks].long())
-    return blocks.flatten(0, 1)[:seq_len]
+    index = block_table[:num_blocks].long()
+    blocks = kv_quant.storage(cache).index_select(0, index).view(cache.dtype)
+    block_scales = None if scales is None else scales.index_select(0, index).flatten(0, 1)[:seq_len]
+    return kv_quant.dequantize(blocks.flatten(0, 1)[:seq_len], block_scales, dtype)
 
 
 def _decode_attention(
@@ -119,20 +136,32 @@ def _decode_attention(
     seq_lens: torch.Tensor,
     max_seq_len: int,
     scale: float,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query per sequence, batched: q [B, H, D] -> [B, H, D]."""
-    if cpu_attention.supports(q, k_cache):
+    if cpu_attention.supports(q, k_cache, k_scales):
         return cpu_attention.paged_decode_attention(
-            q, k_cache, v_cache, block_tables, seq_lens, scale
+            q, k_cache, v_cache, block_tables, seq_lens, scale, k_scales, v_scales
         )
     batch, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
     num_blocks = (max_seq_len + block_size - 1) // block_size
     table = block_tables[:, :num_blocks].long()
+
+    def gather(cache: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
+        """[B, L, Hkv, D] in q's dtype, a gathered copy."""
+        if scales is None and cache.dtype == q.dtype:
+            return cache[table].flatten(1, 2)
+        blocks = kv_quant.storage(cache)[table].view(cache.dtype).flatten(1, 2)
+        return kv_quant.dequantize(
+            blocks, None if scales is None else scales[table].flatten(1, 2), q.dtype
+        )
+
     # [B, nb, bs, Hkv, D] -> [B, Hkv, L, D]
-    k = k_cache[table].flatten(1, 2).permute(0, 2, 1, 3)
-    v = v_cache[table].flatten(1, 2)  # [B, L, Hkv, D], a gathered copy
+    k = gather(k_cache, k_scales).permute(0, 2, 1, 3)
+    v = gather(v_cache, v_scales)  # [B, L, Hkv, D], a gathered copy
     length = v.shape[1]
     mask = torch.arange(length, device=q.device)[None, :] >= seq_lens[:, None].long()
     # Slots past a sequence's end may hold anything (NaN in a torch.empty cache): 0 * NaN = NaN.
@@ -175,17 +204,21 @@ def paged_attention(
     scale: float,
     new_k: torch.Tensor | None = None,
     new_v: torch.Tensor | None = None,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of new tokens q [num_tokens, H, D] over the paged cache (already holding them).
 
     `new_k`/`new_v`, when given, are the new tokens' keys/values: a sequence with no cached prefix
     then attends to them directly instead of gathering them back from the cache (same values, less
-    copying).
+    copying; with an 8-bit cache, the unrounded values, as vLLM's prefill does). `k_scales`,
+    `v_scales`: an 8-bit cache's scales.
     """
     if meta.max_query_len == 1:
         return _decode_attention(
-            q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.max_seq_len, scale
-        )
+            q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.max_seq_len, scale,
+            k_scales, v_scales,
+        )  # fmt: skip
     out = torch.empty_like(q)
     # Decode rows of a mixed batch are batched together; prefill rows go one sequence at a time.
     decode_rows = [i for i, q_len in enumerate(meta.query_lens_cpu) if q_len == 1]
@@ -200,6 +233,8 @@ def paged_attention(
             meta.seq_lens[rows],
             max(meta.seq_lens_cpu[i] for i in decode_rows),
             scale,
+            k_scales,
+            v_scales,
         )
     else:
         decode_rows = []
@@ -212,8 +247,8 @@ def paged_attention(
         if new_k is not None and new_v is not None and q_len == seq_len:
             k, v = new_k[start:end], new_v[start:end]
         else:
-            k = _gather_seq(k_cache, meta.block_tables[i], seq_len)
-            v = _gather_seq(v_cache, meta.block_tables[i], seq_len)
+            k = _gather_seq(k_cache, meta.block_tables[i], seq_len, k_scales, q.dtype)
+            v = _gather_seq(v_cache, meta.block_tables[i], seq_len, v_scales, q.dtype)
         out[start:end] = _prefill_attention(q[start:end], k, v, scale)
         start = end
     return out

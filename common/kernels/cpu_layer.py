@@ -7,7 +7,8 @@ per-op path calls (`fused_ops.c`, `quant_matmul.c`, `paged_decode.c`, linked int
 in the same order with the same rounding, so outputs equal the per-op path's.
 
 It applies to pure decode steps (one new token per sequence) on the CPU with float32 or
-bfloat16 activations, the torch attention backend, and every projection quantized and served by
+bfloat16 activations, a KV cache in that dtype or 8-bit (int8 / fp8 with scales: quantized and
+read in C), the torch attention backend, and every projection quantized and served by
 the C kernel at this batch size (`cpu_quant.path_for`); anything else returns None and the
 caller runs the per-op path. The layers' weight pointers are read once per (batch size, dtype)
 and dropped by the model's `_apply`; the step's positions, slots and block tables once per step.
@@ -51,7 +52,8 @@ class _Layer(ctypes.Structure):
                 ("input_norm", _p), ("post_norm", _p), ("q_norm", _p), ("k_norm", _p),
                 ("eps", _f), ("scale", _f), ("hidden", _i), ("heads", _i), ("kv_heads", _i),
                 ("head_dim", _i), ("intermediate", _i), ("block_size", _i), ("k_cache", _p),
-                ("v_cache", _p), ("num_slots", _l)]  # fmt: skip
+                ("v_cache", _p), ("num_slots", _l), ("k_scales", _p), ("v_scales", _p),
+                ("kv_dtype", _i)]  # fmt: skip
 
 
 class _Step(ctypes.Structure):
@@ -131,12 +133,14 @@ def _make_plan(layer: DecoderLayer, x: torch.Tensor) -> _Layer | None:
     norms = [layer.input_layernorm, layer.post_attention_layernorm]
     if attn.qk_norm:
         norms += [attn.q_norm, attn.k_norm]
-    k_cache = attn.k_cache
+    k_cache, k_scales, v_scales = attn.k_cache, attn.k_scales, attn.v_scales
+    kv8 = k_scales is not None and v_scales is not None
     if not (
         cpu_ops.available()
         and attn.backend == "torch"
         and k_cache.dim() == 4
-        and k_cache.dtype == x.dtype
+        and (k_cache.dtype == x.dtype or (kv8 and k_cache.dtype in cpu_attention._KV_DTYPES))
+        and (not kv8 or (k_scales.is_contiguous() and v_scales.is_contiguous()))
         and k_cache.is_contiguous()
         and attn.v_cache.is_contiguous()
         and attn.num_heads % attn.num_kv_heads == 0
@@ -160,6 +164,8 @@ def _make_plan(layer: DecoderLayer, x: torch.Tensor) -> _Layer | None:
         layer.input_layernorm.eps, attn.scale, x.shape[1], attn.num_heads, attn.num_kv_heads,
         attn.head_dim, mlp.intermediate, k_cache.shape[1], k_cache.data_ptr(),
         attn.v_cache.data_ptr(), k_cache.numel() // (attn.num_kv_heads * attn.head_dim),
+        k_scales.data_ptr() if kv8 else None, v_scales.data_ptr() if kv8 else None,
+        cpu_attention._KV_DTYPES[k_cache.dtype] if kv8 else _DTYPES[x.dtype],
     )  # fmt: skip
 
 

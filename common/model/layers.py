@@ -123,7 +123,11 @@ class RotaryEmbedding(nn.Module):
         """The fused CPU path: rotate q and k inside qkv [T, (H + 2*Hkv) * D] in one pass and,
         when the torch KV writer is in use, store k and v in their cache slots in the same pass.
         Returns whether the cache was written; False means the caller writes it."""
-        store = attn.backend == "torch" and attn.k_cache.is_contiguous()
+        store = (
+            attn.backend == "torch"
+            and attn.k_cache.is_contiguous()
+            and attn.k_cache.dtype == qkv.dtype  # an 8-bit cache is quantized by the torch writer
+        )
         cpu_ops.rope_qk(
             qkv, self.positions, self.cos, self.sin, attn.num_heads,
             attn.num_kv_heads, attn.head_dim, attn.k_cache if store else None,

@@ -56,6 +56,9 @@ class Attention(nn.Module):
         self.rotary = rotary
         self.k_cache = torch.empty(0)  # set by the model runner
         self.v_cache = torch.empty(0)
+        # an 8-bit cache's scales [blocks, block_size, kv heads] (model runner); else None
+        self.k_scales: torch.Tensor | None = None
+        self.v_scales: torch.Tensor | None = None
         self.backend = "torch"  # set through CausalLM.set_attention_backend
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -74,18 +77,24 @@ class Attention(nn.Module):
         else:
             qk = self.rotary(qk)  # q and k rotated in one go
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        if not written:
+        if not written and self.k_cache.dtype != k.dtype:  # an 8-bit (or cast) cache: torch only
+            write_kv_cache(
+                k, v, self.k_cache, self.v_cache, meta.slot_mapping, self.k_scales, self.v_scales
+            )
+        elif not written:
             KV_WRITERS[self.backend](k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         attend = ATTENTION_BACKENDS[self.backend]
-        out = attend(q, self.k_cache, self.v_cache, meta, self.scale, k, v)
+        out = attend(q, self.k_cache, self.v_cache, meta, self.scale, k, v, self.k_scales,
+                     self.v_scales)  # fmt: skip
         return self.o_proj(out.flatten(1))
 
 
-def _torch_backend(q, k_cache, v_cache, meta, scale, new_k, new_v):
-    return paged_attention(q, k_cache, v_cache, meta, scale, new_k, new_v)
+def _torch_backend(q, k_cache, v_cache, meta, scale, new_k, new_v, k_scales, v_scales):
+    return paged_attention(q, k_cache, v_cache, meta, scale, new_k, new_v, k_scales, v_scales)
 
 
-def _triton_backend(q, k_cache, v_cache, meta, scale, new_k, new_v):
+def _triton_backend(q, k_cache, v_cache, meta, scale, new_k, new_v, k_scales, v_scales):
+    # the model runner refuses a cache of another dtype than the model's (8-bit) with Triton
     from common.kernels.triton_attention import paged_attention_triton
 
     return paged_attention_triton(q, k_cache, v_cache, meta, scale)

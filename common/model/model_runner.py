@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from common.config import EngineConfig, parse_size
-from common.kernels import cpu_quant
+from common.kernels import cpu_quant, kv_quant
 from common.kernels.attention import AttentionMetadata, Row, build_batch
 from common.model.llama import CausalLM, head_dim_of
 
@@ -36,18 +36,15 @@ Batch = tuple[torch.Tensor, torch.Tensor, AttentionMetadata]
 
 log = logging.getLogger(__name__)
 
+SCALE_BYTES = 4  # an 8-bit cache's scales are float32
+
 
 def kv_bytes_per_block(hf_config, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one block takes across all layers, K and V."""
+    """Bytes one block takes across all layers, K and V (with an 8-bit cache's float32 scales,
+    one per token and KV head)."""
     elem = torch.empty(0, dtype=dtype).element_size()
-    return (
-        2
-        * hf_config.num_hidden_layers
-        * block_size
-        * hf_config.num_key_value_heads
-        * head_dim_of(hf_config)
-        * elem
-    )
+    row = head_dim_of(hf_config) * elem + (SCALE_BYTES if kv_quant.is_8bit(dtype) else 0)
+    return 2 * hf_config.num_hidden_layers * block_size * hf_config.num_key_value_heads * row
 
 
 class ModelRunner:
@@ -62,6 +59,7 @@ class ModelRunner:
         self.config = config
         self.device = config.resolved_device()
         self.dtype = config.resolved_dtype()
+        self.kv_dtype = config.resolved_kv_dtype()
         self.block_size = config.block_size
         if config.num_threads > 0:
             torch.set_num_threads(config.num_threads)
@@ -70,6 +68,12 @@ class ModelRunner:
         if backend == "auto":
             backend = "triton" if self.device.type == "cuda" else "torch"
         self.attention_backend = backend
+        if backend == "triton" and self.kv_dtype != self.dtype:
+            raise ValueError(
+                f"--kv-cache-dtype {config.kv_cache_dtype} (a cache of another dtype than the "
+                f"model's {self.dtype}) is read by the torch attention backend only: use "
+                "--attention-backend torch, or --kv-cache-dtype auto with Triton"
+            )
         # the row builder the engine hands to a draft proposer (which never sees the runner)
         self.build_rows: Callable[[list[Row]], Batch] = functools.partial(
             build_batch, block_size=self.block_size, device=self.device
@@ -100,36 +104,51 @@ class ModelRunner:
                 f"--max-model-len {self.max_model_len}: raise --kv-cache-memory / "
                 "--gpu-memory-utilization or lower --max-model-len"
             )
-        self.kv_cache = self._allocate_kv_cache(self.model, hf_config)
+        self.kv_cache, self.kv_scales = self._allocate_kv_cache(self.model, hf_config)
         if self.draft_model is not None:
-            self.draft_kv_cache = self._allocate_kv_cache(self.draft_model, self.draft_model.config)
+            self.draft_kv_cache, self.draft_kv_scales = self._allocate_kv_cache(
+                self.draft_model, self.draft_model.config
+            )
         self.graphs: dict[int, DecodeGraphs] = {}  # by query tokens per sequence
         if self.device.type == "cuda" and not config.enforce_eager and backend == "triton":
             self._capture_graphs()
         log.info(
-            "model ready: %d KV blocks of %d tokens (%s, %s)",
+            "model ready: %d KV blocks of %d tokens: %d tokens of KV cache, %d bytes per token "
+            "(KV %s; %s, %s)",
             self.num_blocks,
             self.block_size,
+            self.num_blocks * self.block_size,
+            self.kv_bytes_per_token,
+            str(self.kv_dtype).removeprefix("torch."),
             self.dtype,
             self.device,
         )
 
-    def _allocate_kv_cache(self, model: CausalLM, hf_config) -> torch.Tensor:
-        """[layers, 2 (K, V), blocks, block_size, kv heads, head_dim], bound to model's layers."""
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes one cached token takes (all layers, K and V, scales; the draft's too)."""
+        return self._kv_bytes_per_block() // self.block_size
+
+    def _allocate_kv_cache(
+        self, model: CausalLM, hf_config
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """[layers, 2 (K, V), blocks, block_size, kv heads, head_dim] and, for an 8-bit cache,
+        its float32 scales [layers, 2, blocks, block_size, kv heads]; bound to model's layers."""
+        shape = (hf_config.num_hidden_layers, 2, self.num_blocks, self.block_size,
+                 hf_config.num_key_value_heads)  # fmt: skip
         cache = torch.zeros(
-            hf_config.num_hidden_layers,
-            2,
-            self.num_blocks,
-            self.block_size,
-            hf_config.num_key_value_heads,
-            head_dim_of(hf_config),
-            dtype=self.dtype,
-            device=self.device,
+            *shape, head_dim_of(hf_config), dtype=self.kv_dtype, device=self.device
         )
+        scales = None
+        if kv_quant.is_8bit(self.kv_dtype):
+            scales = torch.zeros(*shape, dtype=torch.float32, device=self.device)
         for i, layer in enumerate(model.layers):
             layer.self_attn.k_cache = cache[i, 0]
             layer.self_attn.v_cache = cache[i, 1]
-        return cache
+            if scales is not None:
+                layer.self_attn.k_scales = scales[i, 0]
+                layer.self_attn.v_scales = scales[i, 1]
+        return cache, scales
 
     def _capture_graphs(self) -> None:
         """CUDA graphs for plain decode steps and, with speculation, for k+1-token verify steps."""
@@ -192,10 +211,16 @@ class ModelRunner:
         draft.set_attention_backend(self.attention_backend)
         return draft
 
-    def _num_blocks(self, hf_config) -> int:
-        per_block = kv_bytes_per_block(hf_config, self.block_size, self.dtype)
+    def _kv_bytes_per_block(self) -> int:
+        per_block = kv_bytes_per_block(self.model.config, self.block_size, self.kv_dtype)
         if self.draft_model is not None:  # the draft's cache has as many blocks as the target's
-            per_block += kv_bytes_per_block(self.draft_model.config, self.block_size, self.dtype)
+            per_block += kv_bytes_per_block(
+                self.draft_model.config, self.block_size, self.kv_dtype
+            )
+        return per_block
+
+    def _num_blocks(self, hf_config) -> int:
+        per_block = self._kv_bytes_per_block()
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             used = total - free

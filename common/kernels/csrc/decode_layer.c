@@ -15,8 +15,13 @@
  * its entry point is decode_layers (at the end).
  *
  * Projections are quantized (common/model/quant.py's format). dtype: 0 = float32, 1 = bfloat16;
- * every activation tensor is contiguous in that dtype.
+ * every activation tensor is contiguous in that dtype. The KV cache is in that dtype too, or
+ * 8-bit (kv_dtype 2 = int8, 3 = float8 e4m3) with float32 scales per (token, kv head): new K/V
+ * rows are then quantized here as common/kernels/kv_quant.py does (absmax / 127 or / 448, the
+ * same float32 division and round-to-nearest-even), so the cache bytes equal the per-op path's.
  */
+#include <float.h>
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -31,9 +36,10 @@ int rope_qk(void *qkv, long qkv_stride, const int64_t *positions, const float *c
             void *v_cache, const int64_t *slot_mapping, long num_slots, int dtype);
 int silu_mul(const void *gate_up, long in_stride, void *out, long out_stride, int T, int I,
              int dtype);
-int paged_decode(const void *q, long q_stride, const void *k_cache, const void *v_cache,
-                 const int32_t *block_tables, const int32_t *seq_lens, void *out, int B, int H,
-                 int Hkv, int D, int bs, int max_blocks, float scale, int dtype, int num_threads);
+int paged_decode_kv(const void *q, long q_stride, const void *k_cache, const void *v_cache,
+                    const float *k_scales, const float *v_scales, const int32_t *block_tables,
+                    const int32_t *seq_lens, void *out, int B, int H, int Hkv, int D, int bs,
+                    int max_blocks, float scale, int dtype, int kv_dtype, int num_threads);
 int quant_matmul(const void *x_in, long x_stride, int xdtype, int M, int K, int N, int bits,
                  int gs, const void *qweight, const void *scale, const void *zero, int sdtype,
                  void *out_, int nthreads);
@@ -51,6 +57,8 @@ typedef struct {
     int hidden, heads, kv_heads, head_dim, intermediate, block_size;
     void *k_cache, *v_cache; /* [blocks, block_size, kv_heads, head_dim], contiguous */
     long num_slots;
+    float *k_scales, *v_scales; /* [blocks, block_size, kv_heads]: 8-bit caches only */
+    int kv_dtype;               /* dtype, or 2 = int8, 3 = fp8 e4m3 */
 } Layer;
 
 /* What every layer of one step shares. */
@@ -61,6 +69,57 @@ typedef struct {
     long max_pos;
     int tokens, max_blocks, dtype, threads;
 } Step;
+
+/* float32 (|y| <= 448, finite) -> float8 e4m3fn, round to nearest even, as torch's cast. */
+static inline uint8_t f32_to_e4m3(float y) {
+    uint32_t bits;
+    memcpy(&bits, &y, 4);
+    const uint8_t sign = (bits >> 24) & 0x80;
+    bits &= 0x7fffffffu;
+    float a;
+    memcpy(&a, &bits, 4);
+    if (a < 0.015625f) return sign | (uint8_t)rintf(a * 512.f); /* below 2^-6: steps of 2^-9 */
+    /* keep 3 mantissa bits (ties to even); the exponent re-biased from 127 to 7 */
+    const uint32_t r = (bits + 0x7ffffu + ((bits >> 20) & 1)) >> 20;
+    return sign | (uint8_t)(r - (120u << 3));
+}
+
+/* The rotated k heads and the v heads of qkv [T, width] quantized into their slots of an 8-bit
+ * cache, one scale per (token, kv head); negative slots are padding. 3 for a slot past the
+ * cache, checked before anything is written. */
+static int store_kv_8bit(const Layer *L, const Step *s, const void *qkv, int width) {
+    const int T = s->tokens, H = L->heads, Hkv = L->kv_heads, D = L->head_dim;
+    const float qmax = L->kv_dtype == 2 ? 127.f : 448.f;
+    for (int t = 0; t < T; t++)
+        if (s->slot_mapping[t] >= L->num_slots) return 3;
+    float row[D];
+    for (int t = 0; t < T; t++) {
+        const int64_t slot = s->slot_mapping[t];
+        if (slot < 0) continue;
+        for (int part = 0; part < 2; part++) { /* K, then V */
+            uint8_t *cache = part ? L->v_cache : L->k_cache;
+            float *scales = part ? L->v_scales : L->k_scales;
+            for (int j = 0; j < Hkv; j++) {
+                const long idx = (long)t * width + (long)(H + part * Hkv + j) * D;
+                for (int d = 0; d < D; d++)
+                    row[d] = s->dtype == 0 ? ((const float *)qkv)[idx + d]
+                                           : bf16_to_f32(((const uint16_t *)qkv)[idx + d]);
+                float amax = 0.f;
+                for (int d = 0; d < D; d++) amax = fabsf(row[d]) > amax ? fabsf(row[d]) : amax;
+                const float scale = amax / qmax, div = scale > FLT_MIN ? scale : FLT_MIN;
+                const long slot_row = slot * Hkv + j;
+                scales[slot_row] = scale;
+                uint8_t *dst = cache + slot_row * D;
+                for (int d = 0; d < D; d++) {
+                    float y = row[d] / div;
+                    y = y > qmax ? qmax : y < -qmax ? -qmax : y;
+                    dst[d] = L->kv_dtype == 2 ? (uint8_t)(int8_t)rintf(y) : f32_to_e4m3(y);
+                }
+            }
+        }
+    }
+    return 0;
+}
 
 /* out [T, n] += bias [n], rounded to dtype as torch's `out + bias` rounds. */
 static void add_bias(void *out, const void *bias, int T, int n, int dtype) {
@@ -122,11 +181,15 @@ static int decode_layer(const Layer *L, const Step *s, const void *x, void *resi
         }
         if (rc) { stage = 30; goto done; }
     }
-    rc = rope_qk(qkv, width, s->positions, s->cos, s->sin, s->max_pos, T, H, Hkv, D, L->k_cache,
-                 L->v_cache, s->slot_mapping, L->num_slots, s->dtype);
+    const int kv8 = L->kv_dtype != s->dtype; /* an 8-bit cache: quantized here, not in rope_qk */
+    rc = rope_qk(qkv, width, s->positions, s->cos, s->sin, s->max_pos, T, H, Hkv, D,
+                 kv8 ? NULL : L->k_cache, kv8 ? NULL : L->v_cache, s->slot_mapping, L->num_slots,
+                 s->dtype);
+    if (rc == 0 && kv8) rc = store_kv_8bit(L, s, qkv, width);
     if (rc) { stage = 40; goto done; }
-    rc = paged_decode(qkv, width, L->k_cache, L->v_cache, s->block_tables, s->seq_lens, attn, T,
-                      H, Hkv, D, L->block_size, s->max_blocks, L->scale, s->dtype, s->threads);
+    rc = paged_decode_kv(qkv, width, L->k_cache, L->v_cache, L->k_scales, L->v_scales,
+                         s->block_tables, s->seq_lens, attn, T, H, Hkv, D, L->block_size,
+                         s->max_blocks, L->scale, s->dtype, L->kv_dtype, s->threads);
     if (rc) { stage = 50; goto done; }
     /* the o projection's output goes to h: h is free again */
     if ((rc = project(&L->o, s, attn, h))) { stage = 60; goto done; }

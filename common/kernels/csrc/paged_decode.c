@@ -6,7 +6,10 @@
  *
  * Layouts: q [B, H, D] with row stride q_stride (elements); k_cache, v_cache [N, bs, Hkv, D];
  * block_tables [B, max_blocks] int32; seq_lens [B] int32; out [B, H, D] contiguous.
- * dtype: 0 = float32, 1 = bfloat16.
+ * dtype: 0 = float32, 1 = bfloat16. The cache may instead be 8-bit (paged_decode_kv, kv_dtype
+ * 2 = int8, 3 = float8 e4m3) with float32 scales k_scales, v_scales [N, bs, Hkv], one per (token,
+ * kv head): a row is dequantized in registers as value * scale (K's scale folded into the score,
+ * V's into the softmax weight), never written back as floats.
  */
 #include <math.h>
 #include <stdint.h>
@@ -25,7 +28,24 @@ typedef struct {
     int B, H, Hkv, D, bs, max_blocks, dtype;
     long q_stride;
     float scale;
+    int kv_dtype; /* dtype for a 16/32-bit cache, 2 = int8, 3 = fp8 e4m3 */
+    const float *k_scales, *v_scales; /* 8-bit caches only */
 } Job;
+
+/* float8 e4m3 (fn: no infinities, 0x7f/0xff NaN) -> float32, by table: 1 KiB, built at load. */
+static float fp8_table[256];
+
+__attribute__((constructor)) static void build_fp8_table(void) {
+    for (int x = 0; x < 256; x++) {
+        const int e = (x >> 3) & 15, m = x & 7;
+        /* normal: (8 + m) * 2^(e - 10); subnormal (e = 0): m * 2^-9 */
+        float v = e ? (float)(8 + m) : (float)m;
+        for (int p = e ? e - 10 : -9; p < 0; p++) v *= 0.5f;
+        for (int p = e ? e - 10 : -9; p > 0; p--) v *= 2.f;
+        if (e == 15 && m == 7) v = NAN;
+        fp8_table[x] = x & 0x80 ? -v : v;
+    }
+}
 
 static inline void load_row(const void *restrict base, long idx, int D, int dtype,
                             float *restrict dst) {
@@ -34,6 +54,22 @@ static inline void load_row(const void *restrict base, long idx, int D, int dtyp
     } else {
         const uint16_t *restrict src = (const uint16_t *)base + idx;
         for (int d = 0; d < D; d++) dst[d] = bf16_to_f32(src[d]);
+    }
+}
+
+/* K or V row `row` (= token slot * Hkv + kv head) of a cache as floats, dequantized when 8-bit. */
+static inline void load_kv(const void *restrict base, const float *restrict scales, long row,
+                           int D, int kv_dtype, float *restrict dst) {
+    if (kv_dtype < 2) {
+        load_row(base, row * D, D, kv_dtype, dst);
+        return;
+    }
+    const float s = scales[row];
+    const uint8_t *restrict src = (const uint8_t *)base + row * D;
+    if (kv_dtype == 2) {
+        for (int d = 0; d < D; d++) dst[d] = (float)(int8_t)src[d] * s;
+    } else {
+        for (int d = 0; d < D; d++) dst[d] = fp8_table[src[d]] * s;
     }
 }
 
@@ -85,7 +121,7 @@ static inline void attend_part(const Job *j, int b, int h, int t0, int t1, const
         const int off = t % bs, run = bs - off < t1 - t ? bs - off : t1 - t;
         const long base = (long)table[t / bs] * bs + off;
         for (int i = 0; i < run; i++) {
-            load_row(j->k_cache, ((base + i) * Hkv + h) * D, D, j->dtype, row);
+            load_kv(j->k_cache, j->k_scales, (base + i) * Hkv + h, D, j->kv_dtype, row);
             for (int g = 0; g < G; g++) {
                 const float *restrict qg = qf + g * D;
                 float s = 0.f;
@@ -101,7 +137,7 @@ static inline void attend_part(const Job *j, int b, int h, int t0, int t1, const
         const int off = t % bs, run = bs - off < t1 - t ? bs - off : t1 - t;
         const long base = (long)table[t / bs] * bs + off;
         for (int i = 0; i < run; i++) {
-            load_row(j->v_cache, ((base + i) * Hkv + h) * D, D, j->dtype, row);
+            load_kv(j->v_cache, j->v_scales, (base + i) * Hkv + h, D, j->kv_dtype, row);
             for (int g = 0; g < G; g++) {
                 const float p = scores[g * n + (t - t0) + i];
                 float *restrict ag = acc + g * D;
@@ -126,21 +162,31 @@ static inline __m256 load8(const void *base, long idx, int dtype) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
+/* 8 values of an 8-bit cache at element idx as floats, not yet scaled: kvq 2 = int8, 3 = fp8 */
+static inline __m256 load8_q(const void *base, long idx, int kvq) {
+    const __m128i b = _mm_loadl_epi64((const __m128i *)((const int8_t *)base + idx));
+    if (kvq == 2) return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+    return _mm256_i32gather_ps(fp8_table, _mm256_cvtepu8_epi32(b), 4);
+}
+
 /* the 4 sums of a0..a3's lanes, as one vector */
 static inline __m128 reduce4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
     const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
     return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
+/* kvq: 0 for a cache of q's dtype, 1 for an 8-bit one (a constant in every copy; int8 or fp8 is
+ * told apart per load, one well-predicted branch, to keep the copies few) */
 static inline __attribute__((always_inline)) void attend_part_avx2(
-    const Job *j, int b, int h, int t0, int t1, const int G, const int D, float *restrict scores,
-    float *restrict qf, float *restrict acc, float *restrict m, float *restrict l) {
+    const Job *j, int b, int h, int t0, int t1, const int G, const int D, const int kvq,
+    float *restrict scores, float *restrict qf, float *restrict acc, float *restrict m,
+    float *restrict l) {
     const int bs = j->bs, Hkv = j->Hkv, n = t1 - t0, dtype = j->dtype;
     const int32_t *table = j->block_tables + (long)b * j->max_blocks;
     /* Ask for every K and V row of the part up front: in a decode step the weights streamed
      * since the last layer have evicted the cache, and many misses in flight at once cost far
      * less than one at a time as the loops reach them (41 -> 23 us a layer at 256 tokens). */
-    const size_t esize = dtype == 0 ? 4 : 2, row_bytes = (size_t)D * esize;
+    const size_t esize = kvq ? 1 : dtype == 0 ? 4 : 2, row_bytes = (size_t)D * esize;
     for (int tt = t0; tt < t1; tt++) {
         const long off = (((long)table[tt / bs] * bs + tt % bs) * Hkv + h) * D;
         for (size_t c = 0; c < row_bytes; c += 64) {
@@ -152,27 +198,31 @@ static inline __attribute__((always_inline)) void attend_part_avx2(
         load_row(j->q, b * j->q_stride + (long)(h * G + g) * D, D, dtype, qf + g * D);
     /* element offsets of each token's K/V row of this kv head */
     long rows[4];
+    float kscale[4] = {1.f, 1.f, 1.f, 1.f};
     int t = t0;
     while (t < t1) {
         const int count = t1 - t < 4 ? t1 - t : 4;
         for (int i = 0; i < 4; i++) {
             const int ti = t + (i < count ? i : 0); /* a short tail repeats its first token */
-            rows[i] = (((long)table[ti / bs] * bs + ti % bs) * Hkv + h) * D;
+            const long slot_row = ((long)table[ti / bs] * bs + ti % bs) * Hkv + h;
+            rows[i] = slot_row * D;
+            if (kvq) kscale[i] = j->k_scales[slot_row] * j->scale;
         }
         __m256 a[4][4];
         for (int g = 0; g < G; g++)
             for (int i = 0; i < 4; i++) a[g][i] = _mm256_setzero_ps();
         for (int d = 0; d < D; d += 8) {
             for (int i = 0; i < 4; i++) {
-                const __m256 k = load8(j->k_cache, rows[i] + d, dtype);
+                const __m256 k = kvq ? load8_q(j->k_cache, rows[i] + d, j->kv_dtype)
+                                     : load8(j->k_cache, rows[i] + d, dtype);
                 for (int g = 0; g < G; g++)
                     a[g][i] = _mm256_fmadd_ps(_mm256_loadu_ps(qf + g * D + d), k, a[g][i]);
             }
         }
         for (int g = 0; g < G; g++) {
             float s4[4];
-            _mm_storeu_ps(s4, _mm_mul_ps(reduce4(a[g][0], a[g][1], a[g][2], a[g][3]),
-                                         _mm_set1_ps(j->scale)));
+            const __m128 sc = kvq ? _mm_loadu_ps(kscale) : _mm_set1_ps(j->scale);
+            _mm_storeu_ps(s4, _mm_mul_ps(reduce4(a[g][0], a[g][1], a[g][2], a[g][3]), sc));
             for (int i = 0; i < count; i++) scores[g * n + (t - t0) + i] = s4[i];
         }
         t += count;
@@ -188,11 +238,15 @@ static inline __attribute__((always_inline)) void attend_part_avx2(
             for (int r = 0; r < run; r++) {
                 const long row = ((base + r) * Hkv + h) * D + d0;
                 const int idx = tt - t0 + r;
+                const float vs = kvq ? j->v_scales[(base + r) * Hkv + h] : 1.f;
                 for (int i = 0; i < 4; i++) {
-                    const __m256 v = load8(j->v_cache, row + 8 * i, dtype);
-                    for (int g = 0; g < G; g++)
-                        v_acc[g][i] = _mm256_fmadd_ps(_mm256_broadcast_ss(scores + g * n + idx), v,
-                                                      v_acc[g][i]);
+                    const __m256 v = kvq ? load8_q(j->v_cache, row + 8 * i, j->kv_dtype)
+                                         : load8(j->v_cache, row + 8 * i, dtype);
+                    for (int g = 0; g < G; g++) {
+                        const __m256 p = kvq ? _mm256_set1_ps(scores[g * n + idx] * vs)
+                                             : _mm256_broadcast_ss(scores + g * n + idx);
+                        v_acc[g][i] = _mm256_fmadd_ps(p, v, v_acc[g][i]);
+                    }
                 }
             }
             tt += run;
@@ -207,19 +261,28 @@ static void attend_dispatch(const Job *j, int b, int h, int t0, int t1, float *s
                             float *qf, float *acc, float *m, float *l, float *row) {
 #ifdef __AVX2__
     const int G = j->H / j->Hkv;
+#define PART(g, d, q) attend_part_avx2(j, b, h, t0, t1, g, d, q, scores, qf, acc, m, l)
+#define PARTS(q)                                                                                 \
+    switch (G * 1000 + j->D) {                                                                   \
+    case 1064: PART(1, 64, q); return;                                                           \
+    case 2064: PART(2, 64, q); return;                                                           \
+    case 3064: PART(3, 64, q); return;                                                           \
+    case 4064: PART(4, 64, q); return;                                                           \
+    case 1128: PART(1, 128, q); return;                                                          \
+    case 2128: PART(2, 128, q); return;                                                          \
+    case 3128: PART(3, 128, q); return;                                                          \
+    case 4128: PART(4, 128, q); return;                                                          \
+    default: break;                                                                              \
+    }
     if (j->D == 64 || j->D == 128) {
-        switch (G * 1000 + j->D) {
-        case 1064: attend_part_avx2(j, b, h, t0, t1, 1, 64, scores, qf, acc, m, l); return;
-        case 2064: attend_part_avx2(j, b, h, t0, t1, 2, 64, scores, qf, acc, m, l); return;
-        case 3064: attend_part_avx2(j, b, h, t0, t1, 3, 64, scores, qf, acc, m, l); return;
-        case 4064: attend_part_avx2(j, b, h, t0, t1, 4, 64, scores, qf, acc, m, l); return;
-        case 1128: attend_part_avx2(j, b, h, t0, t1, 1, 128, scores, qf, acc, m, l); return;
-        case 2128: attend_part_avx2(j, b, h, t0, t1, 2, 128, scores, qf, acc, m, l); return;
-        case 3128: attend_part_avx2(j, b, h, t0, t1, 3, 128, scores, qf, acc, m, l); return;
-        case 4128: attend_part_avx2(j, b, h, t0, t1, 4, 128, scores, qf, acc, m, l); return;
-        default: break;
+        if (j->kv_dtype < 2) {
+            PARTS(0)
+        } else {
+            PARTS(1)
         }
     }
+#undef PARTS
+#undef PART
 #endif
     switch (j->D) {
     case 64: attend_part(j, b, h, t0, t1, 64, scores, qf, acc, m, l, row); break;
@@ -244,12 +307,14 @@ static inline int thread_num(void) {
  * are enough pairs for the threads; otherwise (a single long sequence, the latency case) each
  * sequence's tokens are split too, flash-decoding style, and the parts' softmax statistics are
  * merged at the end, so both cores work on batch 1. */
-int paged_decode(const void *q, long q_stride, const void *k_cache, const void *v_cache,
-                 const int32_t *block_tables, const int32_t *seq_lens, void *out, int B, int H,
-                 int Hkv, int D, int bs, int max_blocks, float scale, int dtype, int num_threads) {
+int paged_decode_kv(const void *q, long q_stride, const void *k_cache, const void *v_cache,
+                    const float *k_scales, const float *v_scales, const int32_t *block_tables,
+                    const int32_t *seq_lens, void *out, int B, int H, int Hkv, int D, int bs,
+                    int max_blocks, float scale, int dtype, int kv_dtype, int num_threads) {
     if (H % Hkv != 0 || H / Hkv > 64 || bs < 1 || B < 1) return -1;
+    if (kv_dtype != dtype && (kv_dtype < 2 || kv_dtype > 3 || !k_scales || !v_scales)) return -1;
     Job job = {q, k_cache, v_cache, block_tables, seq_lens, out, B, H, Hkv, D, bs, max_blocks,
-               dtype, q_stride, scale};
+               dtype, q_stride, scale, kv_dtype, k_scales, v_scales};
     const int G = H / Hkv, pairs = B * Hkv;
     int max_len = 1;
     long work = 0;
@@ -337,4 +402,12 @@ int paged_decode(const void *q, long q_stride, const void *k_cache, const void *
         free(partial);
     }
     return 0;
+}
+
+/* The cache in q's dtype (no scales): what the per-op path and decode_layer.c call. */
+int paged_decode(const void *q, long q_stride, const void *k_cache, const void *v_cache,
+                 const int32_t *block_tables, const int32_t *seq_lens, void *out, int B, int H,
+                 int Hkv, int D, int bs, int max_blocks, float scale, int dtype, int num_threads) {
+    return paged_decode_kv(q, q_stride, k_cache, v_cache, NULL, NULL, block_tables, seq_lens, out,
+                           B, H, Hkv, D, bs, max_blocks, scale, dtype, dtype, num_threads);
 }

@@ -9,7 +9,8 @@ from tests.common.engine.test_engine import GREEDY, assert_block_pool_full, make
 
 
 def handoff(prefill, decode, rid: str, prompt: list[int], params: SamplingParams):
-    """Prefill on one engine, copy the KV the decode engine lacks, decode there."""
+    """Prefill on one engine, copy the KV (and an 8-bit cache's scales) the decode engine lacks,
+    decode there."""
     cached = decode.reserve(rid, prompt, params)
     assert cached is not None
     first_params = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
@@ -24,6 +25,10 @@ def handoff(prefill, decode, rid: str, prompt: list[int], params: SamplingParams
     assert len(src) == -(-len(prompt) // decode.config.block_size) <= len(dst)
     pk, dk = prefill.runner.kv_cache, decode.runner.kv_cache
     dk[:, :, dst[start : len(src)]] = pk[:, :, src[start:]]
+    if prefill.runner.kv_scales is not None:  # an 8-bit cache: its scales travel with it
+        decode.runner.kv_scales[:, :, dst[start : len(src)]] = prefill.runner.kv_scales[
+            :, :, src[start:]
+        ]
     state = held.generator.get_state().numpy().tobytes() if held.generator is not None else b""
     out = decode.admit_prefilled(rid, held.output_token_ids[0], generator_state=state)
     assert prefill.release(rid)

@@ -22,11 +22,11 @@ BLOCK = 8
 CONTEXTS = [5, 17, 30]  # tokens already cached per sequence (different lengths, partial blocks)
 
 
-def _runner(hf_model, mode: str, dtype: str):
+def _runner(hf_model, mode: str, dtype: str, kv_cache_dtype: str = "auto"):
     # float activations: with int8 ones (auto) batches of 2+ take cpu_quant's a8, not the C layer
     config = EngineConfig(
         model="tiny", dtype=dtype, kv_cache_memory="8MiB", block_size=BLOCK, quantization=mode,
-        cpu_activations="float",
+        cpu_activations="float", kv_cache_dtype=kv_cache_dtype,
     )  # fmt: skip
     return Engine(config, hf_model.config, hf_model.state_dict().items()).runner
 
@@ -78,6 +78,32 @@ def test_decode_layer_equals_per_op_path(tiny_model, mode, dtype, monkeypatch) -
     assert torch.equal(fused, per_op), (family, (fused.float() - per_op.float()).abs().max())
     for attn, (k, v) in zip(_attns(runner), caches):  # the same K/V written to the same slots
         assert torch.equal(attn.k_cache, k) and torch.equal(attn.v_cache, v)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
+def test_decode_layer_with_8bit_kv_equals_per_op_path(
+    tiny_llama, kv_cache_dtype, dtype, monkeypatch
+) -> None:
+    # the C layers quantize new K/V themselves: the same bytes and scales as kv_quant.write
+    from common.kernels import kv_quant
+
+    if kv_cache_dtype == "fp8" and kv_quant.FP8 is None:
+        pytest.skip("no float8_e4m3fn in this torch")
+    hf_model, _ = tiny_llama
+    monkeypatch.setenv("PDSERVE_CPU_QUANT_KERNEL", "c")
+    runner = _runner(hf_model, "int8", dtype, kv_cache_dtype)
+    inputs = _prefill_then_decode_inputs(runner)
+    per_op = _forward(runner, inputs, False, monkeypatch)
+    saved = [runner.kv_cache.view(torch.uint8).clone(), runner.kv_scales.clone()]
+    slots = inputs[2].slot_mapping  # wiped: the C layers must write them again
+    runner.kv_cache.view(torch.uint8).flatten(2, 3)[:, :, slots] = 0
+    runner.kv_scales.flatten(2, 3)[:, :, slots] = 0
+    fused = _forward(runner, inputs, True, monkeypatch)
+    assert _stack_in_use(runner)
+    assert torch.equal(fused, per_op), (fused.float() - per_op.float()).abs().max()
+    assert torch.equal(runner.kv_cache.view(torch.uint8), saved[0])
+    assert torch.equal(runner.kv_scales, saved[1])
 
 
 def _attns(runner):
