@@ -33,8 +33,9 @@ from msgspec import Meta
 from common.sampling_params import MAX_PROMPT_LOGPROB_TOKENS, MAX_TOP_LOGPROBS, SamplingParams
 
 # 6: TokenBatch (a v5 router cannot read v6 tokens); 7: KVAck.recompute, Generate's output tokens;
-# 8: SamplingParams.logit_bias (a v7 worker would drop it silently)
-PROTOCOL_VERSION = 8
+# 8: SamplingParams.logit_bias (a v7 worker would drop it silently); 9: 8-bit KV (dtype int8 or
+# float8_e4m3fn in Register and KVHeader, the payload carries the scales after the blocks)
+PROTOCOL_VERSION = 9
 MAX_CONTROL_MESSAGE_BYTES = 64 * 2**20  # a 128k-token prompt of int ids fits with room to spare
 # Messages that are small by nature have a smaller limit, checked from the tag before decoding: a
 # 40 MiB heartbeat would otherwise stall the router's event loop while it is decoded.
@@ -79,7 +80,7 @@ class Register(msgspec.Struct, tag="register", forbid_unknown_fields=True):
     block_size: Count
     num_blocks: Count
     max_model_len: Count
-    dtype: Name  # of its KV cache: float32 | bfloat16 | float16
+    dtype: Name  # of its KV cache: float32 | bfloat16 | float16 | int8 | float8_e4m3fn
     host: Name  # hostname, to pick same-host transports
     kv_address: Annotated[str, Meta(max_length=1024)] = ""  # decode: where prefill pushes KV
     transports: Annotated[list[Name], Meta(max_length=16)] = []  # kv transports it can use
@@ -272,7 +273,9 @@ class KVHeader(msgspec.Struct, tag="kv", forbid_unknown_fields=True):
     """Prefill -> decode: the KV of blocks [start_block, start_block + num_blocks) of a prompt.
 
     Payload layout: [num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, head_dim] in
-    `dtype`, C order, `nbytes` long, `checksum` = zlib.crc32 of the payload bytes.
+    `dtype`, C order; for an 8-bit `dtype` (int8, float8_e4m3fn) followed by its float32 scales
+    [num_layers, 2, num_blocks, block_size, num_kv_heads]. `nbytes` long in all, `checksum` =
+    zlib.crc32 of all the payload bytes.
     """
 
     request_id: str

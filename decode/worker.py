@@ -65,7 +65,11 @@ class DecodeWorker(WorkerBase):
     ) -> None:
         super().__init__(engine, router_address, worker_id, context, keys)
         self.receiver = KVReceiver(
-            engine.runner.kv_cache, bind=kv_bind, context=self.context, keys=keys
+            engine.runner.kv_cache,
+            bind=kv_bind,
+            context=self.context,
+            keys=keys,
+            kv_scales=engine.runner.kv_scales,
         )
         self.receiver.recompute_damaged = True  # damaged KV: prefill here, never fail or use it
         address = self.receiver.address

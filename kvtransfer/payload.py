@@ -2,10 +2,13 @@
 
 A payload is the KV of a list of blocks, `kv_cache[:, :, block_ids]`, as one C-order tensor of
 shape [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim] (the layout `KVHeader`
-describes). The sender gathers it, the receiver checks it against its own cache and scatters it;
-both sides checksum it with CRC-32 (zlib.crc32's value; computed by zlib-ng when installed, about
-four times faster). Used by `kvtransfer.sender`, `kvtransfer.receiver` and
-`kvtransfer.cuda_ipc`; nothing here touches a socket.
+describes). An 8-bit cache (int8 / float8_e4m3fn, common.kernels.kv_quant) ships its float32
+scales too: the payload is then the KV bytes followed by `kv_scales[:, :, block_ids]` ([num_layers,
+2, num_blocks, block_size, num_kv_heads]), one buffer, one checksum over both. The sender gathers
+it, the receiver checks it against its own cache and scatters it; both sides checksum it with
+CRC-32 (zlib.crc32's value; computed by zlib-ng when installed, about four times faster). Used by
+`kvtransfer.sender`, `kvtransfer.receiver` and `kvtransfer.cuda_ipc`; nothing here touches a
+socket.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from common.kernels import kv_quant
 from common.protocol import KVHeader
 
 try:  # the same CRC-32 as zlib.crc32, with carry-less multiply instructions: ~4x faster
@@ -24,7 +28,15 @@ try:  # the same CRC-32 as zlib.crc32, with carry-less multiply instructions: ~4
 except ImportError:
     _fast_crc32 = None
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "int8": torch.int8,
+}
+if kv_quant.FP8 is not None:
+    DTYPES["float8_e4m3fn"] = kv_quant.FP8
+SCALE_DTYPE = torch.float32  # an 8-bit cache's scales, one per (token, KV head)
 LAYOUT_FIELDS = ("num_layers", "block_size", "num_kv_heads", "head_dim", "dtype")
 
 # Above this size the checksum runs in parallel chunks (zlib.crc32 releases the GIL).
@@ -33,7 +45,7 @@ _crc_pool: ThreadPoolExecutor | None = None
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    """'float32', 'bfloat16' or 'float16': the name headers carry."""
+    """'float32', 'bfloat16', 'float16', 'int8' or 'float8_e4m3fn': the name headers carry."""
     return str(dtype).removeprefix("torch.")
 
 
@@ -71,9 +83,14 @@ def payload_shape(header: KVHeader) -> tuple[int, ...]:
     )
 
 
-def payload_nbytes(kv_cache: torch.Tensor, num_blocks: int) -> int:
-    """Bytes of the KV of `num_blocks` blocks of this cache."""
-    return kv_cache[:, :, 0].numel() * kv_cache.element_size() * num_blocks
+def payload_nbytes(
+    kv_cache: torch.Tensor, num_blocks: int, kv_scales: torch.Tensor | None = None
+) -> int:
+    """Bytes of the KV of `num_blocks` blocks of this cache (and of their scales, if 8-bit)."""
+    kv = kv_cache[:, :, 0].numel() * kv_cache.element_size() * num_blocks
+    if kv_scales is None:
+        return kv
+    return kv + kv_scales[:, :, 0].numel() * kv_scales.element_size() * num_blocks
 
 
 def block_index(block_ids: list[int], num_blocks: int, device: torch.device) -> torch.Tensor:
@@ -106,7 +123,64 @@ def gather(
 
 def scatter(kv_cache: torch.Tensor, index: torch.Tensor, payload: torch.Tensor) -> None:
     """Write a payload into the indexed blocks of the cache."""
-    kv_cache.index_copy_(2, index, payload.to(kv_cache.device))
+    kv_quant.storage(kv_cache).index_copy_(
+        2, index, kv_quant.storage(payload).to(kv_cache.device)
+    )
+
+
+def gather_payload(
+    kv_cache: torch.Tensor,
+    kv_scales: torch.Tensor | None,
+    index: torch.Tensor,
+    out: memoryview | None = None,
+) -> torch.Tensor:
+    """The whole payload of the indexed blocks, KV then scales, as one CPU tensor (the cache's
+    dtype without scales, else bytes); written into the byte buffer `out` when given."""
+    if kv_scales is None and out is None:
+        return gather(kv_cache, index).cpu()
+    n = index.numel()
+    if n == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    if out is None:
+        out = memoryview(bytearray(payload_nbytes(kv_cache, n, kv_scales)))
+    kv, scales = _views(out, kv_cache, kv_scales, n)
+    gather(kv_quant.storage(kv_cache), index, out=kv)
+    if kv_scales is not None:
+        gather(kv_scales, index, out=scales)
+    return torch.frombuffer(out, dtype=torch.uint8)
+
+
+def scatter_payload(
+    kv_cache: torch.Tensor, kv_scales: torch.Tensor | None, index: torch.Tensor, buffer
+) -> None:
+    """Write a payload's bytes (KV, then scales for an 8-bit cache) into the indexed blocks."""
+    kv, scales = _views(buffer, kv_cache, kv_scales, index.numel())
+    scatter(kv_cache, index, kv)
+    if kv_scales is not None:
+        kv_scales.index_copy_(2, index, scales.to(kv_scales.device))
+
+
+def _views(
+    buffer, kv_cache: torch.Tensor, kv_scales: torch.Tensor | None, num_blocks: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The payload's KV (in the cache's storage type) and scales as tensors over `buffer`."""
+    storage = kv_quant.storage(kv_cache)
+    kv_shape = (storage.shape[0], 2, num_blocks, *storage.shape[3:])
+    kv_bytes = payload_nbytes(kv_cache, num_blocks)
+    with warnings.catch_warnings():
+        # zmq frames and read-only mmaps are not writable; we only read them.
+        warnings.simplefilter("ignore", UserWarning)
+        view = memoryview(buffer).cast("B")
+        if not kv_bytes:
+            return torch.empty(kv_shape, dtype=storage.dtype), (
+                None if kv_scales is None else torch.empty(0, dtype=SCALE_DTYPE)
+            )
+        kv = torch.frombuffer(view[:kv_bytes], dtype=storage.dtype).view(kv_shape)
+        if kv_scales is None:
+            return kv, None
+        scale_shape = (kv_scales.shape[0], 2, num_blocks, *kv_scales.shape[3:])
+        scales = torch.frombuffer(view[kv_bytes:], dtype=kv_scales.dtype).view(scale_shape)
+    return kv, scales
 
 
 def as_bytes(tensor: torch.Tensor) -> memoryview:

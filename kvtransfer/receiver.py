@@ -68,11 +68,14 @@ class KVReceiver:
         context: zmq.Context | None = None,
         shm_cache_segments: int = shm.CACHE_SEGMENTS,
         keys: ClusterKeys | None = None,
+        kv_scales: torch.Tensor | None = None,
     ) -> None:
         """`keys`: the cluster secret's (common.runtime.auth): only CURVE peers that know it may
-        push KV here, and the tcp payloads travel encrypted."""
+        push KV here, and the tcp payloads travel encrypted. `kv_scales`: an 8-bit cache's
+        scales, which every payload carries after its blocks."""
         payload.kv_layout(kv_cache)  # asserts the cache layout
         self.kv_cache = kv_cache
+        self.kv_scales = kv_scales
         # Set by a receiver that recomputes damaged KV itself (the decode worker): acks say so
         self.recompute_damaged = False
         self._own_context = context is None
@@ -84,7 +87,8 @@ class KVReceiver:
         keepalive(self.socket)
         self.socket.setsockopt(zmq.RCVBUF, SOCKET_BUFFER_BYTES)
         # No legitimate frame is larger than the whole cache: zmq drops a peer that tries.
-        self.socket.setsockopt(zmq.MAXMSGSIZE, max(kv_cache.nbytes, MAX_HEADER_BYTES))
+        cache_bytes = kv_cache.nbytes + (0 if kv_scales is None else kv_scales.nbytes)
+        self.socket.setsockopt(zmq.MAXMSGSIZE, max(cache_bytes, MAX_HEADER_BYTES))
         self.socket.bind(bind)
         self.address: str = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self._ipc = cuda_ipc.CudaIpcImporter()
@@ -152,7 +156,7 @@ class KVReceiver:
             raise _Refused(mismatch)
         if not 0 <= header.num_blocks <= self.kv_cache.shape[2]:
             raise _Refused(f"bad num_blocks {header.num_blocks}")
-        expected = payload.payload_nbytes(self.kv_cache, header.num_blocks)
+        expected = payload.payload_nbytes(self.kv_cache, header.num_blocks, self.kv_scales)
         if header.nbytes != expected:
             raise _Refused(f"nbytes mismatch: header says {header.nbytes}, blocks hold {expected}")
         if header.transport == "tcp":
@@ -178,6 +182,8 @@ class KVReceiver:
         elif header.transport == "cuda_ipc":
             if frames:
                 raise _Refused("cuda_ipc transfer with a payload frame")
+            if self.kv_scales is not None:
+                raise _Refused("an 8-bit KV cache travels over tcp or shm, not cuda_ipc")
             try:
                 ref = cuda_ipc.decode_ref(header.ipc_handle)
                 source = self._ipc.check(ref, header)
@@ -206,7 +212,7 @@ class KVReceiver:
         if checksum != header.checksum:
             raise _Damaged(f"checksum mismatch: {checksum:#010x} != {header.checksum:#010x}")
         if header.nbytes:
-            payload.scatter(self.kv_cache, dst, payload.from_bytes(buffer, header))
+            payload.scatter_payload(self.kv_cache, self.kv_scales, dst, buffer)
 
     def close(self) -> None:
         self.socket.close(linger=0)

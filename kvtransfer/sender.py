@@ -71,10 +71,13 @@ class KVSender:
         context: zmq.Context | None = None,
         shm_pool_bytes: int = shm.POOL_BYTES,
         keys: ClusterKeys | None = None,
+        kv_scales: torch.Tensor | None = None,
     ) -> None:
+        """`kv_scales`: an 8-bit cache's scales, shipped after its blocks in every payload."""
         payload.kv_layout(kv_cache)  # asserts the cache layout
         self.keys = keys  # the cluster secret's: CURVE to every decode worker's receiver
         self.kv_cache = kv_cache
+        self.kv_scales = kv_scales
         self._own_context = context is None
         self.context = context if context is not None else zmq.Context()
         self._peers: dict[str, zmq.Socket] = {}
@@ -123,10 +126,10 @@ class KVSender:
     def _prepare(self, transfer: _Transfer, index: torch.Tensor, block_ids: list[int]) -> list:
         """Fill the header's size, checksum and transport fields; return the payload frames."""
         header = transfer.header
-        header.nbytes = payload.payload_nbytes(self.kv_cache, len(block_ids))
+        header.nbytes = payload.payload_nbytes(self.kv_cache, len(block_ids), self.kv_scales)
         header.checksum = 0
         if header.transport == "tcp":
-            data = payload.gather(self.kv_cache, index).cpu()
+            data = payload.gather_payload(self.kv_cache, self.kv_scales, index)
             transfer.payload = data
             view = payload.as_bytes(data)
             header.checksum = payload.crc32(view)
@@ -136,10 +139,12 @@ class KVSender:
             if header.nbytes:
                 transfer.segment = self.segments.acquire(header.nbytes)
                 data = memoryview(transfer.segment.mapping)[: header.nbytes]
-                payload.gather(self.kv_cache, index, out=payload.from_bytes(data, header))
+                payload.gather_payload(self.kv_cache, self.kv_scales, index, out=data)
                 header.checksum = payload.crc32(data)
                 header.shm_name = transfer.segment.name
             return []
+        if self.kv_scales is not None:
+            raise cuda_ipc.CudaIpcError("an 8-bit KV cache travels over tcp or shm, not cuda_ipc")
         if self.kv_cache.is_cuda:
             # The peer reads our memory directly: the prefill that wrote it must have finished.
             torch.cuda.synchronize(self.kv_cache.device)

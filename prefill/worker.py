@@ -50,7 +50,12 @@ class PrefillWorker(WorkerBase):
     ) -> None:
         super().__init__(engine, router_address, worker_id, context, keys)
         self.kv_transport = kv_transport  # anything but auto overrides the router's choice
-        self.sender = KVSender(engine.runner.kv_cache, context=self.context, keys=keys)
+        self.sender = KVSender(
+            engine.runner.kv_cache,
+            context=self.context,
+            keys=keys,
+            kv_scales=engine.runner.kv_scales,
+        )
         self.jobs: dict[str, _Job] = {}
         self.kv_bytes = 0
         self.kv_seconds = Histogram(KV_TRANSFER_BUCKETS)  # send to ack, successful transfers

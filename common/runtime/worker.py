@@ -199,8 +199,8 @@ class WorkerBase:
         from kvtransfer.payload import kv_layout
 
         transports = ["tcp", "shm"]
-        if self.engine.runner.device.type == "cuda":
-            transports.append("cuda_ipc")
+        if self.engine.runner.device.type == "cuda" and self.engine.runner.kv_scales is None:
+            transports.append("cuda_ipc")  # an 8-bit cache's scales travel by tcp or shm only
         layout = kv_layout(self.engine.runner.kv_cache)  # what a KV transfer depends on
         return Register(
             version=protocol.PROTOCOL_VERSION,

@@ -200,7 +200,14 @@ def test_metrics_text_parses(registry: Registry) -> None:
 
 @pytest.mark.parametrize(
     "field, value",
-    [("dtype", "bfloat16"), ("num_layers", 3), ("num_kv_heads", 1), ("head_dim", 8)],
+    [
+        ("dtype", "bfloat16"),
+        ("dtype", "int8"),  # --kv-cache-dtype int8 on one stage only
+        ("dtype", "float8_e4m3fn"),
+        ("num_layers", 3),
+        ("num_kv_heads", 1),
+        ("head_dim", 8),
+    ],
 )
 def test_register_refuses_a_kv_layout_the_other_role_cannot_use(
     registry: Registry, field: str, value

@@ -1,0 +1,108 @@
+"""An 8-bit KV cache over kvtransfer: the blocks and their scales travel in one checksummed
+payload (tcp and shm), a corrupt scale byte is caught, an 8-bit sender and a 16-bit receiver
+refuse each other, and cuda_ipc is refused for 8-bit KV."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common.kernels import kv_quant
+from kvtransfer import KVReceiver, KVSender, payload
+from tests.kvtransfer import DST_BLOCKS, SRC_BLOCKS, make_cache, make_header, poll_until, transfer
+
+KV_DTYPES = [torch.int8] + ([kv_quant.FP8] if kv_quant.FP8 is not None else [])
+
+
+def make_8bit(dtype: torch.dtype, seed: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(8-bit cache, scales [L, 2, blocks, block_size, kv heads]); zeros for seed None."""
+    values, scales = kv_quant.quantize(make_cache(torch.float32, seed=seed or 0), dtype)
+    if seed is None:
+        return torch.zeros_like(kv_quant.storage(values)).view(dtype), torch.zeros_like(scales)
+    return values, scales
+
+
+@pytest.fixture(params=KV_DTYPES, ids=str)
+def pair(request):
+    cache, scales = make_8bit(request.param, seed=1)
+    sender = KVSender(cache, kv_scales=scales)
+    dst_cache, dst_scales = make_8bit(request.param, seed=None)
+    receiver = KVReceiver(dst_cache, kv_scales=dst_scales)
+    yield sender, receiver
+    sender.close()
+    receiver.close()
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return kv_quant.storage(t)
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_blocks_and_scales_arrive_exactly(pair, transport):
+    sender, receiver = pair
+    received, result = transfer(sender, receiver, transport)
+    assert received.ok and result.ok, received.reason
+    assert received.header.dtype == payload.dtype_name(sender.kv_cache.dtype)
+    sent_kv = bits(sender.kv_cache)[:, :, SRC_BLOCKS]
+    assert torch.equal(bits(receiver.kv_cache)[:, :, DST_BLOCKS], sent_kv)
+    assert torch.equal(receiver.kv_scales[:, :, DST_BLOCKS], sender.kv_scales[:, :, SRC_BLOCKS])
+    kv_bytes = sender.kv_cache[:, :, SRC_BLOCKS].numel()  # one byte each
+    scale_bytes = sender.kv_scales[:, :, SRC_BLOCKS].numel() * 4
+    assert result.nbytes == received.header.nbytes == kv_bytes + scale_bytes
+    untouched = [b for b in range(receiver.kv_cache.shape[2]) if b not in DST_BLOCKS]
+    assert not receiver.kv_scales[:, :, untouched].any()
+
+
+def test_zero_blocks(pair):
+    sender, receiver = pair
+    received, result = transfer(sender, receiver, "tcp", src=[], dst=[])
+    assert received.ok and result.ok and result.nbytes == 0
+
+
+def test_checksum_covers_the_scales(pair, monkeypatch):
+    # shm: the receiver maps the sender's segment, so a byte flipped there after the sender took
+    # its checksum is a byte damaged in flight
+    sender, receiver = pair
+    sent = []
+    real_crc = payload.crc32
+
+    def crc_then_flip(view):
+        crc = real_crc(view)
+        sent.append(view)
+        return crc
+
+    monkeypatch.setattr(payload, "crc32", crc_then_flip)
+    header = make_header(sender.kv_cache, "bad", "shm")
+    sender.send(receiver.address, header, SRC_BLOCKS, 5.0)
+    view = sent[0]
+    view[len(view) - 1] ^= 0xFF  # the last scale's top byte, after the checksum was taken
+    monkeypatch.setattr(payload, "crc32", real_crc)
+    [received] = poll_until(lambda: receiver.poll(lambda h: DST_BLOCKS, timeout_ms=20))
+    assert not received.ok and received.damaged and "checksum" in received.reason
+    assert not receiver.kv_scales.any()  # nothing written
+    poll_until(sender.poll)
+
+
+@pytest.mark.parametrize("dtype", KV_DTYPES, ids=str)
+def test_8bit_sender_and_16bit_receiver_refuse(dtype):
+    cache, scales = make_8bit(dtype, seed=1)
+    sender = KVSender(cache, kv_scales=scales)
+    receiver = KVReceiver(make_cache(torch.bfloat16, seed=None))
+    try:
+        sender.send(receiver.address, make_header(cache), SRC_BLOCKS, 5.0)
+        [received] = poll_until(lambda: receiver.poll(lambda h: DST_BLOCKS, timeout_ms=20))
+        assert not received.ok and "layout mismatch: dtype" in received.reason
+        assert not receiver.kv_cache.any()
+        [result] = poll_until(sender.poll)
+        assert not result.ok
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_cuda_ipc_refused_for_8bit(pair):
+    sender, receiver = pair
+    header = make_header(sender.kv_cache, transport="cuda_ipc")
+    sender.send(receiver.address, header, SRC_BLOCKS, 5.0)
+    [result] = sender.poll()
+    assert not result.ok and "not cuda_ipc" in result.reason
