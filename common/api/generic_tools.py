@@ -100,6 +100,8 @@ def tools_section(tools: ToolRequest) -> str:
         rule = f"You must call the function {tools.function_name}."
     elif tools.choice == "required":
         rule = "You must call at least one function."
+    elif tools.choice == "none":
+        rule = "Do not call a function now: answer in plain text."
     else:
         rule = "If no function is needed, answer in plain text instead."
     return (
@@ -113,7 +115,7 @@ def generic_messages(
     messages: list[dict[str, Any]], tools: ToolRequest | None
 ) -> list[dict[str, Any]]:
     """The chat messages in this format: tool traffic as text, the tools in the system prompt
-    (unless tool_choice is "none", where the model may not call them)."""
+    (with tool_choice "none" too, told not to call them, as the model still sees its tools)."""
     out: list[dict[str, Any]] = []
     names: dict[str, str] = {}  # call id -> function name, to name the results
     results_at = -1  # index in out of the user message collecting consecutive tool results
@@ -135,7 +137,7 @@ def generic_messages(
             names.update((c["id"], c["function"]["name"]) for c in m["tool_calls"])
             m = {"role": "assistant", "content": "\n".join([m["content"], *calls]).lstrip("\n")}
         out.append(m)
-    if tools is not None and tools.choice != "none":
+    if tools is not None:
         section = tools_section(tools)
         if out and out[0]["role"] == "system":
             out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{section}".lstrip("\n")}

@@ -395,9 +395,10 @@ def test_generic_messages_render_a_tool_loop(tok: Tokenizer) -> None:
     results = [f'{{"name": "get_weather", "content": "{c}"}}' for c in ("sunny, 21 C", "windy")]
     results = "\n".join(f"<tool_response>{r}</tool_response>" for r in results)
     assert f"<|im_start|>user\n{results}<|im_end|>\n<|im_start|>assistant\n" in text
-    # "none": the traffic still renders, the tools are not offered.
+    # "none": the traffic and the tools render, the model is told not to call, nothing forced.
     req = parse_chat_request(
         {"messages": ROUND_TRIP, "tools": TOOLS, "tool_choice": "none"}, SERVED, "generic"
     )
     text = tok.decode(engine_inputs(req, tok, 2048)[0].prompt_token_ids, skip_special_tokens=False)
-    assert "# Tools" not in text and call in text and req.params.structured_output is None
+    assert "# Tools" in text and "Do not call a function now" in text and call in text
+    assert req.params.structured_output is None
