@@ -415,3 +415,51 @@ def test_a_worker_in_a_long_step_is_not_declared_dead(tiny_llama) -> None:
             thread.join(10)
             worker.close()
             ctx.term()
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_int8_kv_travels_with_its_scales(tiny_llama, transport) -> None:
+    # 1P1D with --kv-cache-dtype int8 on both: the blocks and their scales cross over kvtransfer
+    # and the decode worker continues with exactly one int8 engine's tokens
+    hf_model, _ = tiny_llama
+    ctx = zmq.Context()
+    router = FakeRouter(ctx)
+    decode_engine = make_engine(hf_model, kv_cache_dtype="int8")
+    worker = DecodeWorker(
+        decode_engine, router.address, "decode-t", "tcp://127.0.0.1:*", context=ctx
+    )
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    prefill_engine = make_engine(hf_model, kv_cache_dtype="int8")
+    runner = prefill_engine.runner
+    sender = KVSender(runner.kv_cache, context=ctx, kv_scales=runner.kv_scales)
+    try:
+        assert router.recv(protocol.Register).dtype == "int8"
+        p = prompts(1, seed=11, lengths=(29,))[0]
+        expected = make_engine(hf_model, kv_cache_dtype="int8").generate([p], GREEDY)[0]
+        reserve(router, "q", p)
+        seq = prefill(prefill_engine, "q", p)
+        header = header_for(prefill_engine, "q", seq, transport)
+        sender.send(worker.kv_address, header, seq.block_table, 10.0)
+        tokens: list[int] = []
+        while True:
+            out = router.recv(TokenOutput)
+            tokens += out.token_ids
+            if out.finished:
+                break
+        assert tokens == expected.output_token_ids
+        results = []
+        while not results:
+            results = sender.poll()
+        blocks = len(seq.block_table)
+        nbytes = runner.kv_cache[:, :, :blocks].nbytes + runner.kv_scales[:, :, :blocks].nbytes
+        assert results[0].ok and results[0].nbytes == nbytes
+        prefill_engine.release("q")
+        books_clear(router)
+        wait_free(prefill_engine)
+    finally:
+        worker.running = False
+        thread.join(10)
+        sender.close()
+        router.sock.close(0)
+        ctx.term()
