@@ -71,6 +71,7 @@ class EngineConfig:
     quantization: str = "auto"  # auto | none | int8 | int4 (weights only)
     quantization_group_size: int = 0  # 0 = automatic (see the flag's help)
     cpu_activations: str = "auto"  # auto | int8 | float (CPU quantized layers' activations)
+    kernel_choice: str = "auto"  # auto (measured) | table | a cpu_quant path (CPU quantized layers)
     kv_cache_dtype: str = "auto"  # auto (model dtype) | bfloat16 | float16 | float32 | int8 | fp8
 
     def resolved_device(self) -> torch.device:
@@ -135,6 +136,11 @@ class EngineConfig:
             raise ValueError(
                 f"--cpu-activations must be auto, int8 or float, not {self.cpu_activations!r}"
             )
+        if self.kernel_choice not in _KERNEL_CHOICES:
+            raise ValueError(
+                f"--kernel-choice must be one of {', '.join(_KERNEL_CHOICES)}, "
+                f"not {self.kernel_choice!r}"
+            )
 
     def _validate_quantization(self) -> None:
         modes = ("auto", "none", "int8", "int4")  # common.model.quant.QUANTIZATION_MODES
@@ -174,6 +180,9 @@ class EngineConfig:
                 "sharing the vocabulary) or --draft-layers N (the target's first N layers)"
             )
 
+
+# common.kernels.cpu_quant.KERNEL_CHOICES (not imported: it imports torch)
+_KERNEL_CHOICES = ("auto", "table", "c", "f32tiles", "int4pack", "int8pack", "a8", "dequant")
 
 _HELP = {
     "model": "'default' (SmolLM2-135M-Instruct), an HF model directory, or a .gguf file",
@@ -216,6 +225,10 @@ _HELP = {
     "and block of 32 columns, integer dot products: faster for batches, off by the activations' "
     "rounding), float (exact as the float kernels), or auto (int8 where the CPU has VNNI or "
     "AVX2, at the batch sizes where it measured faster)",
+    "kernel_choice": "which kernel multiplies a quantized layer on the CPU at each batch size: "
+    "auto (timed on this machine at the first start for the model, threads and CPU, cached in "
+    "the kernel cache; `pdserve tune` measures again), table (a fixed table, measured on one "
+    "AVX2 host), or one of c, f32tiles, int4pack, int8pack, a8, dequant (forced where it applies)",
 }
 
 
