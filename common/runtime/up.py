@@ -244,7 +244,8 @@ def add_up_args(up: argparse.ArgumentParser) -> None:
     up.add_argument(
         "--tool-call-parser",
         default=env("TOOL_CALL_PARSER", ""),
-        help="the router's --tool-call-parser (hermes): tool_choice 'auto'",
+        help="the router's --tool-call-parser: generic (the default: tools for any model) or "
+        "hermes (for chat templates that render tools)",
     )
     up.add_argument(
         "--startup-timeout-s",
