@@ -81,7 +81,8 @@ def parse_request(
     url: str, body: Any, served_model_names: list[str], tool_call_parser: str = ""
 ) -> GenerationRequest:
     """Validate a body for `url` (COMPLETIONS_URL or CHAT_URL); RequestError when it is bad.
-    `tool_call_parser`: `--tool-call-parser`, which tool_choice "auto" needs."""
+    `tool_call_parser`: the tool-call format, hermes or generic ("" is generic), as
+    `common.api.prompts.tool_call_format` resolves `--tool-call-parser` for the chat template."""
     if url == COMPLETIONS_URL:
         return parse_completion_request(body, served_model_names)
     if url == CHAT_URL:
