@@ -511,3 +511,6 @@ def test_logit_bias_matches_transformers(tiny_llama, mode) -> None:
     assert engine.generate([prompt], unbiased)[0].output_token_ids != reference  # it mattered
     forced = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logit_bias={42: 100})
     assert engine.generate([prompt], forced)[0].output_token_ids == [42] * 8
+    outside = SamplingParams(max_tokens=4, logit_bias={engine.vocab_size: 1.0})
+    with pytest.raises(ValueError, match="logit_bias token ids must be in"):
+        engine.add_request("outside", prompt, outside)  # a worker refuses what no router sends
