@@ -134,9 +134,9 @@ class WorkerBase:
     def progress(self) -> int:
         """Engine steps that ran a batch, decoder layers run (it moves inside a long step too: a
         2k-token prefill on a slow, busy CPU can take over 30 s) and loop turns while the engine
-        has no work. A loop that turns while work waits and nothing runs (sequences that can
-        never get blocks) stands still, as a stuck one does. The router's stall check and the
-        liveness probe read it."""
+        has no work or waits for KV on its way. A loop that turns while work waits and nothing
+        runs (sequences that can never get blocks) stands still, as a stuck one does. The
+        router's stall check and the liveness probe read it."""
         return self.loop_count + self.engine.num_steps + self.engine.runner.model.layers_run
 
     def histograms(self) -> dict[str, protocol.HistogramSnapshot]:
@@ -259,7 +259,10 @@ class WorkerBase:
             wait_ms = 0
         self.step()
         self.publish_kv_events()
-        if not self.engine.has_unfinished():
+        # A turn with no work counts, and so does one spent waiting for KV still on its way
+        # (a waiting sequence may need the blocks held for it: the wait ends when it arrives or
+        # its reservation expires). Turns while work waits and nothing runs do not.
+        if not self.engine.has_unfinished() or self.engine.reserved:
             self.loop_count += 1
 
     def _watch_routers(self) -> None:

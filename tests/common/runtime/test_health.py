@@ -142,6 +142,7 @@ def test_a_loop_that_turns_while_work_waits_and_nothing_runs_makes_no_progress()
         runner=SimpleNamespace(model=model),
         num_steps=0,
         has_unfinished=lambda: waiting.has_work,
+        reserved={},
     )
     worker = WorkerBase(engine, "tcp://127.0.0.1:1", "w", zmq.Context())
     worker.step, worker.is_idle = step, lambda: not waiting.has_work
@@ -161,6 +162,10 @@ def test_a_loop_that_turns_while_work_waits_and_nothing_runs_makes_no_progress()
         waiting.has_work, waiting.ran = False, False  # idle turns count
         worker.turn()
         assert worker.progress == 2
+        waiting.has_work = True  # work waits for KV on its way: a wait, not a stall
+        engine.reserved["r"] = object()
+        worker.turn()
+        assert worker.progress == 3
     finally:
         worker.close()
         worker.context.term()
