@@ -64,6 +64,12 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     return run_quantize_command(args)
 
 
+def cmd_tune(args: argparse.Namespace) -> int:
+    from common.kernels.tune import run_tune_command
+
+    return run_tune_command(args)
+
+
 def cmd_limits(args: argparse.Namespace) -> int:
     import torch
 
@@ -149,6 +155,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_quantize_args(quantize)
     quantize.set_defaults(func=cmd_quantize)
+
+    tune = commands.add_parser(
+        "tune", help="time the CPU quantized kernels on the model's shapes, cache the choice"
+    )
+    add_engine_args(tune)
+    tune.set_defaults(func=cmd_tune)
 
     limits = commands.add_parser(
         "limits", help="measure this machine's memory bandwidth and matmul rates (5-10 s)"

@@ -36,9 +36,11 @@ def tiny_llama(tmp_path_factory):
 
 @pytest.fixture(autouse=True)
 def _cpu_activations_default():
-    """An engine sets cpu_quant's process-wide activation mode from its config: every test
-    starts from the default, whatever the one before it built."""
+    """An engine sets cpu_quant's process-wide activation mode and kernel choice (and its tuned
+    tables) from its config: every test starts from the defaults, whatever the one before built."""
     from common.kernels import cpu_quant
 
     cpu_quant.activations = "auto"
+    cpu_quant.kernel_choice = "auto"
+    cpu_quant.tuned.clear()
     yield

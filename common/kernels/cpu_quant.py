@@ -7,23 +7,27 @@ Paths, all computing x [M, K] @ W.T for W = the dequantized weight:
              over x written as int16 times a power of two per 32 columns (exact for x within 2^7
              of its block's largest, else off by at most 2^-15 of it; float32 x stays float).
   f32tiles   csrc/quant_matmul.c's `dequantize_rows` writes tiles of W's rows in float32, each
-             multiplied by torch's float32 GEMM (common.kernels.cpu_gemm): from MIN_ROWS rows of
-             x on, where that GEMM runs ~2x the kernels' FLOP rate.
+             multiplied by torch's float32 GEMM (common.kernels.cpu_gemm): pays off at large M.
   int4pack   torch's _weight_int4pack_mm_for_cpu on a repacked copy (int4, power-of-two groups).
   int8pack   torch's _weight_int8pack_mm (int8 per channel only).
   a8         common.kernels.cpu_qgemm: x quantized to int8 per row and block of 32 columns, exact
              int32 block sums (VNNI / AVX2), on a copy of the weight repacked into panels. Not
              exact: off by x's rounding (at most max|x| / 254 per block times the weights' sum).
   dequant    dequantize to x's dtype, then F.linear: the reference.
-`PICK` says which runs for (bits, batch) — chosen from measurements (see the reports in
-benchmarks/README.md); a path that does not apply falls through to the next candidate.
+Which runs is `kernel_choice` (EngineConfig.kernel_choice, --kernel-choice, set by
+common.kernels.tune.prepare at an engine's start):
+  auto       measured on this machine (common.kernels.tune): `tuned` holds, per (bits, x dtype,
+             activation mode), each batch range's paths fastest first; the first that applies
+             runs. A layer meeting a key nothing was tuned for tunes on its own shape then.
+  table      `TABLE`, fixed orders measured once on one AVX2 host: a fallback, never the default.
+  a path     that path wherever it applies; elsewhere the table's order.
 `activations` (int8 | float | auto, set from EngineConfig.cpu_activations by the model runner
 through `set_activations`) says whether "a8" may run: int8 wherever it applies, float never (the
-other paths, exactly as before it existed), auto where PICK lists it and the kernel was built with
-VNNI or AVX2 (not its portable C).
-`PDSERVE_CPU_QUANT_KERNEL=c|int4pack|int8pack|a8|dequant` forces one where it applies, whatever
-`activations` says (tests use it; read when a layer first meets a batch size). Called by
-`common.model.quant.QuantLinear`.
+other paths, exactly as before it existed), auto where the measurement (or the table) puts it
+first and the kernel was built with VNNI or AVX2 (not its portable C).
+`PDSERVE_CPU_QUANT_KERNEL=c|f32tiles|int4pack|int8pack|a8|dequant` forces one where it applies,
+as a path name in `kernel_choice` does (tests use it; read when a layer first meets a batch
+size). Called by `common.model.quant.QuantLinear`.
 """
 
 from __future__ import annotations
@@ -49,10 +53,10 @@ log = logging.getLogger(__name__)
 _SOURCE = Path(__file__).parent / "csrc" / "quant_matmul.c"
 _FLAGS = ["-O3", *REDUCTION_FLAGS, "-fopenmp"]  # never -ffast-math: cbuild
 
-A8_MIN_ROWS = 2  # auto: int8 activations from this batch on (below: the C decode layers' kernel)
-# Candidates per (bits, batch upper bound), fastest first as measured; the first that applies runs.
-# "a8" runs only where `activations` allows it; without it the lists are the float paths' own.
-PICK: list[tuple[int, int, tuple[str, ...]]] = [
+A8_MIN_ROWS = 2  # TABLE: int8 activations from this batch on (below: the C decode layers' kernel)
+# kernel_choice "table": candidates per (bits, batch upper bound), fastest first as measured on
+# one AVX2 host; the first that applies runs. "a8" runs only where `activations` allows it.
+TABLE: list[tuple[int, int, tuple[str, ...]]] = [
     (4, 1, ("c", "int4pack", "dequant")),
     (4, A8_MIN_ROWS - 1, ("int4pack", "c", "dequant")),
     (4, MIN_ROWS - 1, ("a8", "int4pack", "c", "dequant")),
@@ -65,9 +69,13 @@ PICK: list[tuple[int, int, tuple[str, ...]]] = [
 PATHS = ("c", "f32tiles", "int4pack", "int8pack", "a8", "dequant")
 ACTIVATION_MODES = ("auto", "int8", "float")
 activations = "auto"  # see the module docstring; set_activations changes it
-# torch's packed kernels take float32 activations through a slow path: 20-45x slower than the C
-# kernel at batch 8-64 on an AVX2 host (1536x576, int4pack 17 ms vs 0.57 ms at batch 16), so
-# float32 models never pick them unless forced.
+KERNEL_CHOICES = ("auto", "table", *PATHS)
+kernel_choice = "auto"  # see the module docstring; set_kernel_choice changes it
+# (bits, x dtype, activations) -> (the M points, each point's paths fastest first): a batch of M
+# rows takes the first point >= M (the last beyond it); written by common.kernels.tune.install
+tuned: dict[tuple[int, torch.dtype, str], tuple[list[int], list[list[str]]]] = {}
+# TABLE: torch's packed kernels take float32 activations through a slow path: 20-45x slower than
+# the C kernel at batch 8-64 on an AVX2 host (1536x576, int4pack 17 ms vs 0.57 ms at batch 16).
 _SLOW_IN_FLOAT32 = ("int4pack", "int8pack")
 
 
@@ -90,6 +98,14 @@ def set_activations(mode: str) -> None:
     if mode not in ACTIVATION_MODES:
         raise ValueError(f"cpu activations must be one of {ACTIVATION_MODES}, not {mode!r}")
     activations = mode
+
+
+def set_kernel_choice(choice: str) -> None:
+    """auto | table | a path name: how quantized layers choose their path from now on."""
+    global kernel_choice
+    if choice not in KERNEL_CHOICES:
+        raise ValueError(f"kernel choice must be one of {KERNEL_CHOICES}, not {choice!r}")
+    kernel_choice = choice
 
 
 def int8_activations() -> bool:
@@ -138,7 +154,9 @@ _TORCH_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def choose(layer: QuantLinear, x: torch.Tensor) -> str:
-    forced = os.environ.get("PDSERVE_CPU_QUANT_KERNEL")
+    forced = os.environ.get("PDSERVE_CPU_QUANT_KERNEL") or (
+        kernel_choice if kernel_choice in PATHS else None
+    )
     if forced:
         if forced not in PATHS:
             raise ValueError(f"PDSERVE_CPU_QUANT_KERNEL must be one of {PATHS}, not {forced!r}")
@@ -147,24 +165,40 @@ def choose(layer: QuantLinear, x: torch.Tensor) -> str:
     int8 = int8_activations()
     if int8 and activations == "int8" and applies("a8", layer, x):
         return "a8"
-    m = x.shape[0]
-    for bits, max_m, candidates in PICK:
-        if bits == layer.bits and m <= max_m:
-            for path in candidates:
-                if x.dtype == torch.float32 and path in _SLOW_IN_FLOAT32:
-                    continue
-                if path == "a8" and not int8:
-                    continue
-                if applies(path, layer, x):
-                    return path
+    if kernel_choice == "auto" and not forced:
+        candidates = _tuned_order(layer, x)
+    else:
+        candidates = _table_order(layer.bits, x)
+    for path in candidates:
+        if (path != "a8" or int8) and applies(path, layer, x):
+            return path
     return "dequant"
 
 
+def _tuned_order(layer: QuantLinear, x: torch.Tensor) -> list[str]:
+    from common.kernels import tune  # it imports this module
+
+    order = tune.order_for(layer.bits, x.dtype, x.shape[0])
+    if order is None:
+        tune.tune_layer(layer, x.dtype)
+        order = tune.order_for(layer.bits, x.dtype, x.shape[0]) or []
+    return order
+
+
+def _table_order(bits: int, x: torch.Tensor) -> tuple[str, ...]:
+    m = x.shape[0]
+    for table_bits, max_m, candidates in TABLE:
+        if table_bits == bits and m <= max_m:
+            slow = _SLOW_IN_FLOAT32 if x.dtype == torch.float32 else ()
+            return tuple(p for p in candidates if p not in slow)
+    return ()
+
+
 def path_for(layer: QuantLinear, x: torch.Tensor) -> str:
-    """The path `choose` picks for x's batch size, dtype and `activations`, kept on the layer (so
-    the environment variable counts when a layer first meets a batch size): this runs ~120 times
-    a decode step, where Python overhead is a visible share of the step."""
-    key = (x.shape[0], x.dtype, activations)
+    """The path `choose` picks for x's batch size, dtype, `activations` and `kernel_choice`, kept
+    on the layer (so the environment variable counts when a layer first meets a batch size): this
+    runs ~120 times a decode step, where Python overhead is a visible share of the step."""
+    key = (x.shape[0], x.dtype, activations, kernel_choice)
     path = layer.cpu_paths.get(key)
     if path is None:
         path = layer.cpu_paths[key] = choose(layer, x)
@@ -173,7 +207,11 @@ def path_for(layer: QuantLinear, x: torch.Tensor) -> str:
 
 def quant_matmul(x: torch.Tensor, layer: QuantLinear) -> torch.Tensor:
     """x [M, K] @ W.T on the CPU through the path `choose` picks; the result has x's dtype."""
-    path = path_for(layer, x)
+    return run_path(path_for(layer, x), x, layer)
+
+
+def run_path(path: str, x: torch.Tensor, layer: QuantLinear) -> torch.Tensor:
+    """x [M, K] @ W.T through `path` (which must apply: see `applies`)."""
     if path == "c":
         return _c_matmul(x, layer)
     if path == "f32tiles":

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from common.config import EngineConfig, parse_size
-from common.kernels import cpu_quant, kv_quant
+from common.kernels import cpu_quant, kv_quant, tune
 from common.kernels.attention import AttentionMetadata, Row, build_batch
 from common.model.llama import CausalLM, head_dim_of
 
@@ -97,6 +97,8 @@ class ModelRunner:
             self._check_draft_layers(hf_config)
         if config.speculative == "draft" and config.draft_model is not None:
             self.draft_model = self._load_draft(config.draft_model, hf_config)
+        if self.device.type == "cpu":  # which kernel serves which batch size: measured or cached
+            tune.prepare(config.kernel_choice, self.dtype, [self.model, self.draft_model])
         self.num_blocks = self._num_blocks(hf_config)
         if self.num_blocks * self.block_size < self.max_model_len:
             raise ValueError(

@@ -21,6 +21,13 @@ if not (cpu_quant.c_available() and cpu_qgemm.available()):
 SIMD = cpu_qgemm.isa() != "portable"
 
 
+@pytest.fixture(autouse=True)
+def fixed_table(monkeypatch):
+    """Which path each mode picks, in the fixed table (--kernel-choice table): what auto picks is
+    measured (tests/common/kernels/test_tune.py)."""
+    monkeypatch.setattr(cpu_quant, "kernel_choice", "table")
+
+
 def layer(bits: int = 4, group: int = 32, n: int = 80, k: int = 192) -> QuantLinear:
     qt = quantize_rtn(torch.randn(n, k, generator=torch.Generator().manual_seed(0)), bits, group)
     return QuantLinear(qt, bias=torch.randn(n))

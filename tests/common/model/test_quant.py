@@ -292,8 +292,10 @@ def test_layer_to_dtype_drops_cached_kernel_state() -> None:
 @pytest.mark.parametrize("bits, group", [(4, 32), (8, 0)])
 def test_float32_activations_never_pick_torchs_packed_kernels(monkeypatch, bits, group) -> None:
     """torch's int4pack/int8pack run float32 activations 20-45x slower than the C kernel (a
-    float32 engine at batch 16 took 2 s a step): float32 takes the C kernel, bf16 may pack."""
+    float32 engine at batch 16 took 2 s a step): the fixed table (--kernel-choice table) gives
+    float32 the C kernel, bf16 may pack."""
     monkeypatch.setattr(cpu_quant, "activations", "float")
+    monkeypatch.setattr(cpu_quant, "kernel_choice", "table")
     layer = QuantLinear(quantize_rtn(torch.randn(64, 128) * 0.1, bits, group or 128))
     if not cpu_quant.c_available():
         pytest.skip("no C compiler")
@@ -427,8 +429,10 @@ def test_f32tiles_over_several_tiles_with_bias(monkeypatch, bits, group, dtype) 
 @pytest.mark.parametrize("bits, group", [(4, 32), (8, 32), (8, 0)])
 def test_batches_from_min_rows_take_f32tiles(monkeypatch, bits: int, group: int) -> None:
     """Prefill-sized batches take the float32 GEMM over dequantized tiles; decode batches don't
-    (with float activations: int8 ones take the a8 path at every batch from 2)."""
+    (with float activations: int8 ones take the a8 path at every batch from 2), in the fixed table
+    (--kernel-choice table; auto measures: tests/common/kernels/test_tune.py)."""
     monkeypatch.setattr(cpu_quant, "activations", "float")
+    monkeypatch.setattr(cpu_quant, "kernel_choice", "table")
     if not cpu_quant.c_available():
         pytest.skip("no C compiler")
     from common.kernels.cpu_gemm import MIN_ROWS
