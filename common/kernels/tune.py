@@ -363,7 +363,9 @@ def run_tune_command(args: argparse.Namespace) -> int:
         torch.set_num_threads(config.num_threads)
     cpu_quant.set_activations(config.cpu_activations)
     source = resolve_model(config.model)
-    model = CausalLM(source.hf_config)
+    hf_config = source.hf_config
+    max_len = config.max_model_len or int(getattr(hf_config, "max_position_embeddings", 2048))
+    model = CausalLM(hf_config, max_positions=max_len)
     model.load_weights(iter_weights(source), config.quantization, config.quantization_group_size)
     dtype = config.resolved_dtype()
     model = model.to(dtype=dtype).eval()

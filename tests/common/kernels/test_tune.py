@@ -222,3 +222,15 @@ def test_engine_tunes_at_start(tiny_llama, cache, caplog):
     (file,) = cache.glob("tune-*.json")
     assert json.loads(file.read_text())["seconds"] < 5  # a tiny model tunes in well under 1 s
     assert (4, torch.float32, cpu_quant.activations) in cpu_quant.tuned
+
+
+def test_pdserve_tune_prints_the_table(tiny_llama, cache, capsys):
+    from common.cli import main
+
+    _, path = tiny_llama
+    args = ["tune", "--model", str(path), "--dtype", "float32", "--quantization", "int4"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "kernel choice, " in out and "int4 x float32 M 1" in out
+    (file,) = cache.glob("tune-*.json")
+    assert f"written to {file}" in out
