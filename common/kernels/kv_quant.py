@@ -5,7 +5,10 @@ kv heads, head_dim], as a 16-bit cache) and a float32 scales tensor [blocks, blo
 lies beside it: a (token, head) row of head_dim values x is stored as x / s, s = absmax(x) / QMAX
 (127 for int8, rounded to nearest; 448 for e4m3, rounded by the cast), and read back as q * s. One
 scale per row keeps an outlier head or token from costing every other row its precision, for
-4 bytes per 64-128 values. A cache whose dtype merely differs from the model's (a bfloat16 cache
+4 bytes per 64-128 values. fp8 keeps the scale too: on the default model's own K/V (1,000 tokens
+of benchmarks/data/calibration.txt) the relative L2 error is int8 0.98%, fp8 with the scale 2.23%,
+fp8 without one 2.62% (values near 0 fall into e4m3's subnormals), and one payload and kernel
+layout serves both. A cache whose dtype merely differs from the model's (a bfloat16 cache
 under a float32 model) is cast, without scales. Called by common.kernels.attention (the torch
 path's writer and readers) and the model runner (which allocates the scales).
 """
