@@ -187,21 +187,27 @@ def test_last_prefill_worker_death_falls_back_to_local_prefill(router: RouterThr
     assert generate.prompt_token_ids == LONG
 
 
+def stream_in_thread(router: RouterThread, body: dict, lines: list[str]) -> threading.Thread:
+    """A started thread streaming `body`'s completion into `lines` (SSE lines as they come)."""
+
+    def stream() -> None:
+        with httpx.stream("POST", router.url + "/v1/completions", json=body, timeout=30) as r:
+            lines.extend(r.iter_lines())
+
+    thread = threading.Thread(target=stream)
+    thread.start()
+    return thread
+
+
 def test_a_dead_decode_workers_streams_move_to_another_without_an_error() -> None:
     with RouterThread(colocated=True) as router:  # the real heartbeat timeout
         d0 = router.worker("decode", "d0", token_delay_s=0.05)
         d1 = router.worker("decode", "d1", token_delay_s=0.05)
         body = {"prompt": SHORT, "max_tokens": 100, "stream": True}
         lines: dict[str, list[str]] = {"a": [], "b": []}
-
-        def stream(name: str) -> None:
-            with httpx.stream("POST", router.url + "/v1/completions", json=body, timeout=30) as r:
-                lines[name].extend(r.iter_lines())
-
-        threads = [threading.Thread(target=stream, args=(n,)) for n in lines]
-        threads[0].start()
+        threads = [stream_in_thread(router, body, lines["a"])]
         d0.wait_for(Generate)  # least loaded: the first goes to d0, the second to d1
-        threads[1].start()
+        threads.append(stream_in_thread(router, body, lines["b"]))
         d1.wait_for(Generate)
         time.sleep(0.3)
         d0.die()
@@ -235,13 +241,7 @@ def test_a_stream_fails_once_its_migrations_are_spent(monkeypatch) -> None:
         router.worker("decode", "d1", token_delay_s=0.05)
         body = {"prompt": SHORT, "max_tokens": 100, "stream": True}
         lines: list[str] = []
-
-        def stream() -> None:
-            with httpx.stream("POST", router.url + "/v1/completions", json=body, timeout=30) as r:
-                lines.extend(r.iter_lines())
-
-        thread = threading.Thread(target=stream)
-        thread.start()
+        thread = stream_in_thread(router, body, lines)
         d0.wait_for(Generate)
         time.sleep(0.3)
         d0.die()
@@ -339,13 +339,7 @@ def test_a_stopping_router_lets_its_streams_finish_within_the_drain_timeout() ->
         d0 = router.worker("decode", "d0", token_delay_s=0.05)  # 5 s of stream: > the old 2 s
         body = {"prompt": SHORT, "max_tokens": 100, "stream": True}
         lines: list[str] = []
-
-        def stream() -> None:
-            with httpx.stream("POST", router.url + "/v1/completions", json=body, timeout=30) as r:
-                lines.extend(r.iter_lines())
-
-        thread = threading.Thread(target=stream)
-        thread.start()
+        thread = stream_in_thread(router, body, lines)
         d0.wait_for(Generate)
         time.sleep(0.3)  # mid-stream: a few of 100 tokens relayed
         stopping = threading.Thread(target=router.server.stop)
