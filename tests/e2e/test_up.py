@@ -175,8 +175,8 @@ def test_up_restarts_a_killed_worker_and_the_others_keep_serving(chat_model_dir,
         assert proc.poll() is None  # `up` lives on
         failed = [s for s in streams if any('"error"' in e for e in s)]
         finished = [s for s in streams if any('"finish_reason": "length"' in e for e in s)]
-        # the killed worker's streams end with an error; the other worker's streams all finish
-        assert len(failed) == 2 and len(finished) == 2, [s[-2:] for s in streams]
+        # the killed worker's streams move to the other worker: every stream finishes
+        assert not failed and len(finished) == 4, [s[-2:] for s in streams]
         # the killed worker comes back: two decode workers again, both registered
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:

@@ -23,10 +23,12 @@ CONTEXTS = [5, 17, 30]  # tokens already cached per sequence (different lengths,
 
 
 def _runner(hf_model, mode: str, dtype: str, kv_cache_dtype: str = "auto"):
-    # float activations: with int8 ones (auto) batches of 2+ take cpu_quant's a8, not the C layer
+    # float activations: with int8 ones (auto) batches of 2+ take cpu_quant's a8, not the C layer;
+    # the kernel forced to "c": a measured choice (auto) may pick another on a busy or portable
+    # build, and the C decode layers run only where every projection takes "c"
     config = EngineConfig(
         model="tiny", dtype=dtype, kv_cache_memory="8MiB", block_size=BLOCK, quantization=mode,
-        cpu_activations="float", kv_cache_dtype=kv_cache_dtype,
+        cpu_activations="float", kv_cache_dtype=kv_cache_dtype, kernel_choice="c",
     )  # fmt: skip
     return Engine(config, hf_model.config, hf_model.state_dict().items()).runner
 
