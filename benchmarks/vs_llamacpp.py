@@ -456,6 +456,9 @@ def main(argv: list[str] | None = None) -> int:
         for name in args.systems:
             try:
                 results[name] = run_system(name, args, engine_args, log_dir, gguf)
+            except KeyboardInterrupt:  # SIGTERM / Ctrl-C / timeout: report what was measured
+                log(f"{SYSTEMS[name]}: interrupted; reporting the systems measured before it")
+                break
             except (RuntimeError, TimeoutError) as e:
                 log(f"{SYSTEMS[name]} failed: {e}")
                 results[name] = {"failed": str(e)[:2000]}
