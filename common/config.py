@@ -51,6 +51,7 @@ class EngineConfig:
     block_size: int = 16
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
+    prefill_chunk: str = "auto"  # auto (from measured step costs) | off | a number of tokens
     max_model_len: int | None = None
     kv_cache_memory: str = "2GiB"  # CPU budget for the KV cache
     gpu_memory_utilization: float = 0.9
@@ -119,6 +120,12 @@ class EngineConfig:
     def validate(self) -> None:
         if self.block_size not in (8, 16, 32, 64, 128):
             raise ValueError("--block-size must be one of 8, 16, 32, 64, 128")
+        if self.prefill_chunk not in ("auto", "off") and not (
+            self.prefill_chunk.isdigit() and int(self.prefill_chunk) >= 1
+        ):
+            raise ValueError(
+                f"--prefill-chunk must be auto, off or a number of tokens, not {self.prefill_chunk!r}"
+            )
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("--max-num-seqs and --max-num-batched-tokens must be positive")
         if self.attention_backend not in ("auto", "torch", "triton"):
@@ -191,6 +198,10 @@ _HELP = {
     "block_size": "tokens per KV block",
     "max_num_seqs": "most sequences running at once",
     "max_num_batched_tokens": "token budget of one step (chunked prefill splits longer prompts)",
+    "prefill_chunk": "prompt tokens one step computes at most: auto = the smallest chunk whose "
+    "cost per token, the step's fixed cost included, is within 10%% of the per-token cost alone, "
+    "from the step times measured while serving (prompts then finish one after another and "
+    "decode steps between them stay short); off = up to --max-num-batched-tokens; or a number",
     "max_model_len": "longest prompt + output; default: the model's context length",
     "kv_cache_memory": "KV cache size on CPU, e.g. 2GiB",
     "gpu_memory_utilization": "fraction of GPU memory for weights + KV cache",

@@ -30,6 +30,7 @@ from common.engine.sequence import SequenceState, SequenceStatus
 from common.engine.spec.governor import SpeculationGovernor
 from common.engine.spec.proposers import make_proposer
 from common.engine.spec.verify import Verifier
+from common.engine.step_budget import PrefillBudget
 from common.kernels.attention import Row
 from common.model.model_runner import ModelRunner
 from common.prefix_hash import model_salt
@@ -108,6 +109,10 @@ class Engine:
             num_lookahead_tokens=config.num_speculative_tokens if self.proposer else 0,
             max_model_len=self.max_model_len,
             speculative_max_batch=self._speculative_max_batch(),
+        )
+        # prompt tokens per step, from the step costs measured here (--prefill-chunk)
+        self.prefill_budget = PrefillBudget.from_flag(
+            config.prefill_chunk, config.max_num_batched_tokens
         )
         self.governor = (
             SpeculationGovernor() if self.proposer and config.speculative_adaptive else None
@@ -311,11 +316,15 @@ class Engine:
         if governor is not None:
             self.scheduler.drafting = governor.allow(num_running)
         start = time.perf_counter()
+        self.scheduler.prefill_budget = self.prefill_budget.tokens()
         batch = self.scheduler.schedule()
         if not batch:
             return []
+        decode_rows = sum(1 for i in batch if i.num_new_tokens == 1 and not i.num_lookahead_tokens)
+        prompt_tokens = sum(i.num_new_tokens + i.num_lookahead_tokens for i in batch) - decode_rows
         self.num_steps += 1
         outputs = self._step(batch)
+        self.prefill_budget.costs.record(prompt_tokens, decode_rows, time.perf_counter() - start)
         if governor is not None and all(item.num_new_tokens == 1 for item in batch):
             drafted = any(item.draft_token_ids for item in batch)
             num_tokens = sum(len(out.new_token_ids) for out in outputs)

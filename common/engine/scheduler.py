@@ -1,11 +1,13 @@
 """Continuous batching: which sequences run this step and how many tokens each computes.
 
 One step mixes decode tokens of running sequences with (chunked) prefill of new ones under a token
-budget, as vLLM v1 does. Running sequences go first, oldest first; when blocks run out the newest
-running sequence is preempted (its blocks freed, its tokens recomputed later). With speculative
-decoding a decoding sequence also gets slots (and budget) for up to `num_lookahead_tokens` draft
-tokens, when they fit without preempting anyone: the free blocks left after them must still cover
-what every running sequence behind it needs for this step's own tokens, and the token budget too.
+budget, as vLLM v1 does, and the prompt tokens of a step under their own budget
+(`prefill_budget`, set by the engine from measured step costs: common.engine.step_budget).
+Running sequences go first, oldest first; when blocks run out the newest running sequence is
+preempted (its blocks freed, its tokens recomputed later). With speculative decoding a decoding
+sequence also gets slots (and budget) for up to `num_lookahead_tokens` draft tokens, when they
+fit without preempting anyone: the free blocks left after them must still cover what every
+running sequence behind it needs for this step's own tokens, and the token budget too.
 Called by the engine.
 """
 
@@ -46,6 +48,8 @@ class Scheduler:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        # prompt tokens (prefill chunks) one step computes at most; the engine sets it per step
+        self.prefill_budget = max_num_batched_tokens
         self.num_lookahead_tokens = num_lookahead_tokens
         self.speculative_max_batch = speculative_max_batch  # no drafts above this many; 0: any
         self.drafting = True  # the engine's governor may switch drafting off for a step
@@ -122,6 +126,7 @@ class Scheduler:
     def schedule(self) -> list[ScheduledSeq]:
         """Pick this step's work; every returned sequence has blocks for its new tokens."""
         budget = self.max_num_batched_tokens
+        prompt_budget = max(1, self.prefill_budget)
         scheduled: list[ScheduledSeq] = []
         preempted = False
         running = list(self.running)
@@ -133,6 +138,11 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if n > 1 or seq.num_tokens - seq.num_computed_tokens > 1:  # a prefill chunk
+                n = min(n, prompt_budget)
+                if n == 0:
+                    continue  # its next chunk waits for a step with room
+                prompt_budget -= n
             # drafts only from budget the running sequences behind this one do not need
             lookahead = self._lookahead(seq, n, budget - (len(running) - index - 1))
             # ... and only from blocks they do not need either: drafts never cause a preemption
@@ -155,7 +165,7 @@ class Scheduler:
                 budget -= n
         if preempted:
             return scheduled
-        budget = self._admit(scheduled, budget)
+        budget = self._admit(scheduled, budget, prompt_budget)
         # Nothing can run: the waiting sequences that hold blocks keep them from the others (all
         # at once cannot fit). Free the newest until something fits; blocks held for KV still on
         # its way come back when it arrives or its reservation expires.
@@ -164,12 +174,12 @@ class Scheduler:
             if victim is None:
                 break
             self._preempt(victim)
-            budget = self._admit(scheduled, budget)
+            budget = self._admit(scheduled, budget, prompt_budget)
         return scheduled
 
-    def _admit(self, scheduled: list[ScheduledSeq], budget: int) -> int:
-        """Start waiting sequences, in order, within the budget and the free blocks; returns the
-        budget left. After one without blocks finds none free, later ones without blocks wait
+    def _admit(self, scheduled: list[ScheduledSeq], budget: int, prompt_budget: int) -> int:
+        """Start waiting sequences, in order, within the budgets and the free blocks; returns the
+        token budget left. After one without blocks finds none free, later ones without blocks wait
         (first come, first served), while those already holding theirs still start."""
         manager = self.block_manager
         blocked = False
@@ -185,6 +195,14 @@ class Scheduler:
                 if seq.num_output_tokens == 0:  # a preempted sequence keeps its first count
                     seq.num_cached_tokens = hit
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            prefill = seq.num_tokens - seq.num_computed_tokens > 1
+            if prefill:
+                n = min(n, prompt_budget)
+                if n == 0:
+                    if not holds_blocks:
+                        manager.free(seq)  # drops the prefix hit it just took
+                        blocked = True  # first come, first served
+                    continue
             if not manager.ensure_slots(seq, seq.num_computed_tokens + n):
                 if not holds_blocks:
                     manager.free(seq)
@@ -195,4 +213,5 @@ class Scheduler:
             self.running.append(seq)
             scheduled.append(ScheduledSeq(seq, n))
             budget -= n
+            prompt_budget -= n if prefill else 0
         return budget

@@ -1,0 +1,111 @@
+"""How many prefill tokens one step computes, from the step costs measured where the engine runs.
+
+A step costs about `fixed + per_prefill_token * p + per_decode_row * d` seconds for `p` prompt
+tokens (prefill chunks and verify rows) and `d` single-token decode rows: the fixed part is the
+weights read once, the kernels' launches and the Python around them. `StepCosts` fits those three
+numbers to the steps the engine times (least squares over an exponentially fading window, so
+they follow the machine when it gets busier or quieter), and `PrefillBudget` turns them into the
+chunk: the smallest `p` whose cost per token, fixed part included, is within `SLACK` of the
+per-token cost alone (p >= fixed / (SLACK * per_prefill_token)).
+
+Why a limit at all: a step that prefills many prompts at once finishes all of them together at
+its end, and every running sequence waits for it; chunks of about this size finish prompts one
+after another in arrival order (the mean time to first token drops, by up to half under a burst)
+and keep the decode steps between them short, for at most `SLACK` more compute per prompt token.
+Bigger chunks would not compute faster (that is what the fit says); smaller ones would spend more
+than `SLACK` on the fixed part. Before the fit has seen both kinds of variation there is no limit
+(the engine's `max_num_batched_tokens`). Owned by the engine, read by its scheduler each step.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+SLACK = 0.1  # a chunk's fixed-cost share of its per-token cost
+DECAY = 0.98  # weight of the past per timed step: about the last 50 steps count
+MIN_STEPS = 8  # steps of each kind (with and without prompt tokens) before the fit is used
+MIN_CHUNK = 16  # never smaller: a block's worth
+
+
+class StepCosts:
+    """Least-squares fit of a step's seconds to (1, prompt tokens, decode rows), fading."""
+
+    def __init__(self, decay: float = DECAY) -> None:
+        self.decay = decay
+        self._xtx = np.zeros((3, 3))
+        self._xty = np.zeros(3)
+        self.prefill_steps = 0  # timed steps with prompt tokens
+        self.decode_steps = 0  # timed steps without
+
+    def record(self, prompt_tokens: int, decode_rows: int, seconds: float) -> None:
+        """One step's work and its wall time."""
+        if seconds <= 0 or prompt_tokens + decode_rows <= 0:
+            return
+        x = np.array([1.0, float(prompt_tokens), float(decode_rows)])
+        self._xtx = self.decay * self._xtx + np.outer(x, x)
+        self._xty = self.decay * self._xty + x * seconds
+        if prompt_tokens:
+            self.prefill_steps += 1
+        else:
+            self.decode_steps += 1
+
+    def fit(self) -> tuple[float, float, float] | None:
+        """(fixed s, s per prompt token, s per decode row), or None while under-determined."""
+        if min(self.prefill_steps, self.decode_steps) < MIN_STEPS:
+            return None
+        # a tiny ridge keeps a direction the steps never varied along from blowing up
+        ridge = 1e-9 * max(float(np.trace(self._xtx)), 1.0) * np.eye(3)
+        try:
+            fixed, per_token, per_row = np.linalg.solve(self._xtx + ridge, self._xty)
+        except np.linalg.LinAlgError:
+            return None
+        if per_token <= 0:
+            return None
+        return max(float(fixed), 0.0), float(per_token), max(float(per_row), 0.0)
+
+    def prefill_token_s(self) -> float | None:
+        """Measured seconds one more prompt token adds to a step (None: not known yet)."""
+        fitted = self.fit()
+        return fitted[1] if fitted else None
+
+
+class PrefillBudget:
+    """The most prompt tokens a step takes: fixed (`limit`), or from `costs` (`limit` None)."""
+
+    def __init__(self, max_tokens: int, limit: int | None, costs: StepCosts | None = None):
+        self.max_tokens = max_tokens  # the step's whole token budget
+        self.limit = limit
+        self.costs = costs if costs is not None else StepCosts()
+
+    @classmethod
+    def from_flag(cls, flag: str, max_tokens: int) -> PrefillBudget:
+        """`--prefill-chunk`: auto | off | a number of tokens."""
+        if flag == "auto":
+            return cls(max_tokens, None)
+        if flag == "off":
+            return cls(max_tokens, max_tokens)
+        return cls(max_tokens, min(int(flag), max_tokens))
+
+    def tokens(self) -> int:
+        """This step's prompt-token budget."""
+        if self.limit is not None:
+            return self.limit
+        fitted = self.costs.fit()
+        if fitted is None:
+            return self.max_tokens
+        fixed, per_token, _ = fitted
+        chunk = int(np.ceil(fixed / (SLACK * per_token)))
+        return max(MIN_CHUNK, min(self.max_tokens, chunk))
+
+    def describe(self) -> str:
+        """A line for logs and /metrics-minded humans: the chunk and the fit behind it."""
+        fitted = self.costs.fit()
+        how = "fixed" if self.limit is not None else "measured" if fitted else "not measured yet"
+        line = f"prefill chunk {self.tokens()} tokens ({how})"
+        if fitted:
+            fixed, per_token, per_row = fitted
+            line += (
+                f"; step = {1e3 * fixed:.2f} ms + {1e3 * per_token:.3f} ms per prompt token + "
+                f"{1e3 * per_row:.3f} ms per decode row"
+            )
+        return line

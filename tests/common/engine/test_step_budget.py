@@ -1,0 +1,119 @@
+"""common/engine/step_budget.py and the scheduler's prompt-token budget.
+
+The fit recovers known step costs; the chunk follows from them (fixed share <= SLACK); the
+scheduler never computes more prompt tokens per step than the budget while decode rows are
+never held back by it; under a burst, prompts then finish one after another in arrival order,
+and greedy output through an engine is the same with any chunk.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from common.engine.step_budget import MIN_CHUNK, MIN_STEPS, SLACK, PrefillBudget, StepCosts
+from tests.common.engine.test_engine import GREEDY, hf_greedy, make_engine, prompts
+from tests.common.engine.test_scheduler import books, compute, make, seq
+
+
+def synthetic_costs(fixed: float, per_token: float, per_row: float, steps: int = 80) -> StepCosts:
+    """Steps of varied prompt tokens and decode rows timed exactly by the linear model."""
+    costs = StepCosts()
+    rng = random.Random(0)
+    for i in range(steps):
+        prompt = 0 if i % 2 else rng.randint(1, 512)
+        rows = rng.randint(1 if prompt == 0 else 0, 32)
+        costs.record(prompt, rows, fixed + per_token * prompt + per_row * rows)
+    return costs
+
+
+def test_the_fit_recovers_the_step_costs():
+    fixed, per_token, per_row = synthetic_costs(0.010, 0.0018, 0.0003).fit()
+    assert fixed == pytest.approx(0.010, rel=1e-3)
+    assert per_token == pytest.approx(0.0018, rel=1e-3)
+    assert per_row == pytest.approx(0.0003, rel=1e-3)
+
+
+def test_no_fit_until_both_kinds_of_step_were_seen():
+    costs = StepCosts()
+    for _ in range(50):
+        costs.record(100, 0, 0.2)  # prompt steps only: the fixed part is not separable yet
+    assert costs.fit() is None and costs.prefill_token_s() is None
+    for _ in range(MIN_STEPS):
+        costs.record(0, 4, 0.011)
+    assert costs.fit() is not None
+
+
+def test_the_chunk_is_where_the_fixed_cost_is_a_slack_share():
+    budget = PrefillBudget(2048, None, synthetic_costs(0.010, 0.0018, 0.0003))
+    chunk = budget.tokens()
+    assert chunk == math.ceil(0.010 / (SLACK * 0.0018))  # 56 tokens
+    per_token = (0.010 + 0.0018 * chunk) / chunk
+    assert per_token <= (1 + SLACK) * 0.0018 * (1 + 1e-6)
+    assert "prefill chunk 56 tokens (measured)" in budget.describe()
+
+
+def test_the_chunk_stays_within_its_bounds_and_follows_the_flag():
+    assert PrefillBudget(2048, None).tokens() == 2048  # nothing measured: no limit
+    # a tiny model: the fixed part dwarfs the tokens, so the whole step budget
+    assert PrefillBudget(256, None, synthetic_costs(0.005, 1e-7, 1e-7)).tokens() == 256
+    # a fixed part of nothing: never below a block's worth
+    assert PrefillBudget(256, None, synthetic_costs(0.0, 0.001, 0.0001)).tokens() == MIN_CHUNK
+    assert PrefillBudget.from_flag("off", 512).tokens() == 512
+    assert PrefillBudget.from_flag("64", 512).tokens() == 64
+    assert PrefillBudget.from_flag("4096", 512).tokens() == 512
+
+
+def test_prompt_tokens_stay_within_the_prefill_budget_and_decode_rows_do_not_wait():
+    sched = make(num_blocks=64, budget=64)
+    sched.prefill_budget = 8
+    a, b, c = seq("a", 6), seq("b", 20), seq("c", 5)
+    c.token_ids = [t + 100 for t in c.token_ids]  # no prefix shared with a or b
+    for s in (a, b, c):
+        sched.add(s)
+    batch = sched.schedule()
+    assert [(i.seq.request_id, i.num_new_tokens) for i in batch] == [("a", 6), ("b", 2)]
+    compute(sched, batch)
+    batch = sched.schedule()  # a decodes outside the prompt budget; b's next chunk fills it
+    assert [(i.seq.request_id, i.num_new_tokens) for i in batch] == [("a", 1), ("b", 8)]
+    compute(sched, batch)
+    batch = sched.schedule()
+    assert [(i.seq.request_id, i.num_new_tokens) for i in batch] == [("a", 1), ("b", 8)]
+    compute(sched, batch)
+    batch = sched.schedule()  # b's last 2 tokens, then c in what is left, in arrival order
+    assert [(i.seq.request_id, i.num_new_tokens) for i in batch] == [
+        ("a", 1), ("b", 2), ("c", 5)
+    ]  # fmt: skip
+    assert books(sched).ok
+
+
+def test_a_later_prompt_waits_while_the_prompt_budget_is_spent():
+    sched = make(num_blocks=64, budget=64)
+    sched.prefill_budget = 4
+    long, short = seq("long", 12), seq("short", 3)
+    sched.add(long)
+    sched.add(short)
+    batch = sched.schedule()
+    assert [(i.seq.request_id, i.num_new_tokens) for i in batch] == [("long", 4)]
+    assert list(sched.waiting) == [short] and not short.block_table  # nothing held while it waits
+    assert books(sched).ok
+
+
+def test_under_a_burst_prompts_finish_in_arrival_order_with_the_same_output(tiny_llama):
+    hf_model, _ = tiny_llama
+    ps = prompts(4, seed=3, lengths=(40, 40, 40, 40))
+    first_step = {}
+    engine = make_engine(hf_model, prefill_chunk="40")
+    for i, p in enumerate(ps):
+        engine.add_request(str(i), p, GREEDY)
+    outputs: dict[str, list[int]] = {str(i): [] for i in range(len(ps))}
+    while engine.has_unfinished():
+        for out in engine.step():
+            first_step.setdefault(out.request_id, engine.num_steps)
+            outputs[out.request_id] += out.new_token_ids
+    # one prompt per step: the first answers after one step, not after all four prompts
+    assert [first_step[str(i)] for i in range(4)] == [1, 2, 3, 4]
+    for i, p in enumerate(ps):
+        assert outputs[str(i)] == hf_greedy(hf_model, p, GREEDY.max_tokens)
