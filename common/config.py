@@ -124,7 +124,8 @@ class EngineConfig:
             self.prefill_chunk.isdigit() and int(self.prefill_chunk) >= 1
         ):
             raise ValueError(
-                f"--prefill-chunk must be auto, off or a number of tokens, not {self.prefill_chunk!r}"
+                "--prefill-chunk must be auto, off or a number of tokens, "
+                f"not {self.prefill_chunk!r}"
             )
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("--max-num-seqs and --max-num-batched-tokens must be positive")
