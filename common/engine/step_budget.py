@@ -19,12 +19,17 @@ than `SLACK` on the fixed part. Before the fit has seen both kinds of variation 
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
+
+log = logging.getLogger(__name__)
 
 SLACK = 0.1  # a chunk's fixed-cost share of its per-token cost
 DECAY = 0.98  # weight of the past per timed step: about the last 50 steps count
 MIN_STEPS = 8  # steps of each kind (with and without prompt tokens) before the fit is used
 MIN_CHUNK = 16  # never smaller: a block's worth
+REFIT_STEPS = 8  # the chunk is recomputed every this many timed steps (a 3x3 solve each time)
 
 
 class StepCosts:
@@ -76,6 +81,9 @@ class PrefillBudget:
         self.max_tokens = max_tokens  # the step's whole token budget
         self.limit = limit
         self.costs = costs if costs is not None else StepCosts()
+        self._chunk = max_tokens if limit is None else limit
+        self._fitted_at = -1  # timed steps when the chunk was last computed
+        self._logged = 0
 
     @classmethod
     def from_flag(cls, flag: str, max_tokens: int) -> PrefillBudget:
@@ -90,18 +98,30 @@ class PrefillBudget:
         """This step's prompt-token budget."""
         if self.limit is not None:
             return self.limit
+        costs = self.costs
+        timed = costs.prefill_steps + costs.decode_steps
+        if timed - self._fitted_at >= REFIT_STEPS or self._fitted_at < 0:
+            self._fitted_at = timed
+            self._chunk = self._measured_chunk()
+        return self._chunk
+
+    def _measured_chunk(self) -> int:
         fitted = self.costs.fit()
         if fitted is None:
             return self.max_tokens
         fixed, per_token, _ = fitted
-        chunk = int(np.ceil(fixed / (SLACK * per_token)))
-        return max(MIN_CHUNK, min(self.max_tokens, chunk))
+        chunk = max(MIN_CHUNK, min(self.max_tokens, int(np.ceil(fixed / (SLACK * per_token)))))
+        # say it when it is first measured and when it moves by half or more
+        if not self._logged or not (self._logged / 1.5 < chunk < self._logged * 1.5):
+            self._logged = chunk
+            log.info("%s", self.describe(chunk))
+        return chunk
 
-    def describe(self) -> str:
-        """A line for logs and /metrics-minded humans: the chunk and the fit behind it."""
+    def describe(self, chunk: int | None = None) -> str:
+        """A line for logs: the chunk and the fit behind it."""
         fitted = self.costs.fit()
         how = "fixed" if self.limit is not None else "measured" if fitted else "not measured yet"
-        line = f"prefill chunk {self.tokens()} tokens ({how})"
+        line = f"prefill chunk {self.tokens() if chunk is None else chunk} tokens ({how})"
         if fitted:
             fixed, per_token, per_row = fitted
             line += (

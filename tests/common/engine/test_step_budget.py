@@ -117,3 +117,17 @@ def test_under_a_burst_prompts_finish_in_arrival_order_with_the_same_output(tiny
     assert [first_step[str(i)] for i in range(4)] == [1, 2, 3, 4]
     for i, p in enumerate(ps):
         assert outputs[str(i)] == hf_greedy(hf_model, p, GREEDY.max_tokens)
+
+
+def test_the_chunk_is_logged_when_measured_and_refit_as_steps_come(caplog):
+    costs = synthetic_costs(0.010, 0.0018, 0.0003)
+    budget = PrefillBudget(2048, None, costs)
+    with caplog.at_level("INFO", logger="common.engine.step_budget"):
+        assert budget.tokens() == 56
+    assert "prefill chunk 56 tokens (measured); step = 10.00 ms + 1.800 ms per prompt token" in (
+        caplog.text
+    )
+    for _ in range(200):  # the machine got busier: the fixed part doubled
+        costs.record(0, 8, 0.020 + 0.0003 * 8)
+        costs.record(128, 0, 0.020 + 0.0018 * 128)
+    assert budget.tokens() == math.ceil(0.020 / (SLACK * 0.0018))
