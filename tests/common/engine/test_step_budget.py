@@ -127,7 +127,7 @@ def test_the_chunk_is_logged_when_measured_and_refit_as_steps_come(caplog):
     assert "prefill chunk 56 tokens (measured); step = 10.00 ms + 1.800 ms per prompt token" in (
         caplog.text
     )
-    for _ in range(200):  # the machine got busier: the fixed part doubled
-        costs.record(0, 8, 0.020 + 0.0003 * 8)
+    for i in range(200):  # the machine got busier: the fixed part doubled
+        costs.record(0, 1 + i % 16, 0.020 + 0.0003 * (1 + i % 16))
         costs.record(128, 0, 0.020 + 0.0018 * 128)
     assert budget.tokens() == math.ceil(0.020 / (SLACK * 0.0018))
