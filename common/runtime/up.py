@@ -40,9 +40,8 @@ def cluster_from_args(
     (the serving benchmark runs up's clusters with logs in files)."""
     if args.decode < 1 or args.prefill < 0:
         raise ValueError("--decode must be >= 1 and --prefill >= 0")
-    cores = os.cpu_count() or 1
     # Workers share the machine: torch threads per worker so that together they fit the cores.
-    threads = str(args.num_threads or max(1, cores // (args.prefill + args.decode)))
+    threads = str(args.num_threads or worker_threads(usable_cores(), args.prefill + args.decode))
     engine_flags = ["--dtype", args.dtype, "--num-threads", threads]
     extra = args.engine_args[1:] if args.engine_args[:1] == ["--"] else args.engine_args
     engine_flags += extra
@@ -85,6 +84,31 @@ def cluster_from_args(
         supervise=True,
         restart_policy=RestartPolicy(max_restarts=args.max_worker_restarts),
     )
+
+
+def usable_cores() -> int:
+    """The cores this process may run on: its CPU affinity (taskset, a cpuset), capped by a
+    cgroup v2 CPU quota (a container's --cpus), rounded up."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        if quota != "max":
+            cores = min(cores or 1, max(1, -(-int(quota) // int(period))))
+    except (OSError, ValueError):
+        pass
+    return max(1, cores or 1)
+
+
+def worker_threads(cores: int, workers: int) -> int:
+    """Torch threads per worker so that the workers' threads together never exceed the cores:
+    cores // workers, at least 1 (more workers than cores share cores; `up` says so)."""
+    if workers > cores:
+        print(
+            f"pdserve: note: {workers} workers on {cores} usable cores: one thread each, and "
+            "they take turns on the cores (fewer workers, or more cores, would not)",
+            file=sys.stderr,
+        )
+    return max(1, cores // max(1, workers))
 
 
 def cmd_up(args: argparse.Namespace) -> int:

@@ -5,6 +5,7 @@ prompts reach the prefill workers. Running `up`: tests/e2e/test_up.py."""
 from __future__ import annotations
 
 import argparse
+import os
 
 import pytest
 
@@ -47,3 +48,29 @@ def test_banner_says_which_prompts_reach_the_prefill_workers() -> None:
     assert "at most 256 tokens (--local-prefill-max-tokens)" in note
     assert "decode workers" in note and "--local-prefill-max-tokens N" in note
     assert "every prompt" in local_prefill_note(0)
+
+
+def test_workers_threads_fit_the_usable_cores(capsys: pytest.CaptureFixture[str]) -> None:
+    from common.runtime.up import usable_cores, worker_threads
+
+    assert 1 <= usable_cores() <= (os.cpu_count() or 1)
+    assert worker_threads(2, 2) == 1 and worker_threads(16, 2) == 8 and worker_threads(16, 3) == 5
+    assert capsys.readouterr().err == ""  # they fit: nothing to say
+    assert worker_threads(2, 4) == 1
+    assert "4 workers on 2 usable cores" in capsys.readouterr().err
+
+
+def test_usable_cores_reads_a_cgroup_quota(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    import common.runtime.up as up
+
+    real = up.Path
+
+    def fake(path: str):
+        return real(tmp_path / "cpu.max") if path == "/sys/fs/cgroup/cpu.max" else real(path)
+
+    monkeypatch.setattr(up, "Path", fake)
+    monkeypatch.setattr(up.os, "sched_getaffinity", lambda pid: set(range(8)))
+    (tmp_path / "cpu.max").write_text("150000 100000\n")  # docker --cpus 1.5
+    assert up.usable_cores() == 2
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert up.usable_cores() == 8
