@@ -74,6 +74,9 @@ class EngineConfig:
     cpu_activations: str = "auto"  # auto | int8 | float (CPU quantized layers' activations)
     kernel_choice: str = "auto"  # auto (measured) | table | a cpu_quant path (CPU quantized layers)
     kv_cache_dtype: str = "auto"  # auto (model dtype) | bfloat16 | float16 | float32 | int8 | fp8
+    kv_offload_memory: str = "0"  # host RAM for blocks evicted from the KV cache (0: none)
+    kv_offload_dir: str = ""  # a local directory for them ("": none) ...
+    kv_offload_disk: str = "0"  # ... holding at most this many bytes of block files
 
     def resolved_device(self) -> torch.device:
         import torch
@@ -136,6 +139,7 @@ class EngineConfig:
         self.resolved_dtype()
         self.resolved_kv_dtype()
         parse_size(self.kv_cache_memory)
+        self._validate_offload()
         if self.cuda_graph_max_batch < 1:
             raise ValueError("--cuda-graph-max-batch must be >= 1")
         self._validate_speculative()
@@ -148,6 +152,15 @@ class EngineConfig:
             raise ValueError(
                 f"--kernel-choice must be one of {', '.join(_KERNEL_CHOICES)}, "
                 f"not {self.kernel_choice!r}"
+            )
+
+    def _validate_offload(self) -> None:
+        parse_size(self.kv_offload_memory)
+        if bool(self.kv_offload_dir) != (parse_size(self.kv_offload_disk) > 0):
+            raise ValueError(
+                "--kv-offload-dir and --kv-offload-disk go together: the directory, and the most "
+                "bytes of KV it may hold (e.g. --kv-offload-dir /var/cache/kv --kv-offload-disk "
+                "20GiB)"
             )
 
     def _validate_quantization(self) -> None:
@@ -231,6 +244,14 @@ _HELP = {
     "float32, int8 or fp8 (e4m3); int8/fp8 keep a float32 scale per token and KV head beside "
     "the cache: about half the bytes of 16-bit KV per token, twice the tokens per "
     "--kv-cache-memory",
+    "kv_offload_memory": "host RAM for KV blocks evicted from the KV cache, e.g. 512MiB: a later "
+    "prompt starting with them reloads them instead of computing them (when that measures "
+    "cheaper); 0 = off",
+    "kv_offload_dir": "a local directory for evicted KV blocks (below --kv-offload-memory, or "
+    "alone), one checksummed file per block, written in the background, cleaned on start; needs "
+    "--kv-offload-disk",
+    "kv_offload_disk": "the most bytes --kv-offload-dir may hold, e.g. 20GiB (oldest files "
+    "deleted first); 0 = off",
     "quantization_group_size": "weights per scale along the input dimension for int8/int4; 0 = "
     "automatic: int4 the largest of 128/64/32 that divides the layer, int8 per output channel",
     "cpu_activations": "activations of the quantized layers on the CPU: int8 (quantized per row "

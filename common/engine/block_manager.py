@@ -4,17 +4,22 @@ Called by the scheduler: match a new sequence's prefix against cached blocks, gr
 before each step, register blocks as they fill, and give everything back when it ends or is
 preempted. The engine also trims the slots of rejected draft tokens after a speculative step, and
 audits the books (`check_books`: every block free, cached or held by exactly the sequences whose
-tables list it).
+tables list it). With a KV tier (common.engine.kv_tier) a prefix the device cache misses is looked
+up there too and, when reloading it measures cheaper than computing it, read back into new blocks.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from common.engine.block_pool import BlockPool
 from common.engine.sequence import SequenceState
 from common.prefix_hash import block_key, block_keys
+
+if TYPE_CHECKING:
+    from common.engine.kv_tier import KVTier
 
 
 @dataclass
@@ -43,6 +48,7 @@ class BlockManager:
         self.block_size = pool.block_size
         self.salt = salt
         self.enable_prefix_caching = enable_prefix_caching
+        self.tier: KVTier | None = None  # set by kv_tier.attach
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -60,14 +66,29 @@ class BlockManager:
         max_blocks = (seq.num_tokens - 1) // bs
         tokens = seq.token_ids
         keys = block_keys(tokens[: max_blocks * bs], bs, self.salt)
-        hits = self.pool.lookup(keys, [tokens[b * bs : (b + 1) * bs] for b in range(len(keys))])
-        self.pool.take(hits)
-        seq.block_table = list(hits)
-        seq.block_keys = keys[: len(hits)]
-        seq.num_computed_tokens = len(hits) * bs
+        token_blocks = [tokens[b * bs : (b + 1) * bs] for b in range(len(keys))]
+        table: list[int] = []
+        device_hits = 0
+        while len(table) < len(keys):  # device hits, then tier reloads, then device hits ...
+            hits = self.pool.lookup(keys[len(table) :], token_blocks[len(table) :])
+            self.pool.take(hits)
+            table += hits
+            device_hits += len(hits)
+            if self.tier is None or len(table) == len(keys):
+                break
+            reloaded = self.tier.reload(self.pool, keys[len(table) :], token_blocks[len(table) :])
+            if not reloaded:
+                break
+            table += reloaded
+        seq.block_table = table
+        seq.block_keys = keys[: len(table)]
+        seq.num_computed_tokens = len(table) * bs
         if not seq.prefix_queried:  # once per request, not per retry of a waiting one
             seq.prefix_queried = True
-            self.pool.record_query(seq.num_tokens, seq.num_computed_tokens)
+            self.pool.record_query(seq.num_tokens, device_hits * bs)
+            if self.tier is not None:
+                self.tier.query_tokens += seq.num_tokens
+                self.tier.hit_tokens += (len(table) - device_hits) * bs
         return seq.num_computed_tokens
 
     def num_new_blocks(self, seq: SequenceState, num_tokens: int) -> int:
@@ -162,6 +183,8 @@ class BlockManager:
             elif b in free:
                 counts["cached" if b in cached else "free"] += 1
         errors.extend(pool.check_index())
+        if self.tier is not None:
+            errors.extend(self.tier.check())
         for name, count in counts.items():
             setattr(books, name, count)
         if sum(counts.values()) != pool.num_blocks:

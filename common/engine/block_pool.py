@@ -5,13 +5,14 @@ and the KV transfer code call it; nothing else touches block ids' lifetimes.
 
 A block whose ref count drops to zero keeps its prefix key and goes to the tail of the free list; a
 later prefix hit takes it back (ref count up, out of the free list). Allocation takes from the head,
-so the least recently freed cached block is evicted first.
+so the least recently freed cached block is evicted first; with a KV tier (common.engine.kv_tier)
+`on_evict` sees each evicted cached block first, while its KV is still intact.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 
@@ -39,6 +40,8 @@ class BlockPool:
         self.hit_tokens = 0
         self.track_events = track_events  # record `events` (a worker reports them to the router)
         self._events: dict[bytes, bool] = {}  # key -> stored (True) or evicted, net since drained
+        # (block id, key, tokens) of a cached block about to be reused: the KV tier keeps it
+        self.on_evict: Callable[[int, bytes, tuple[int, ...]], None] | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -62,6 +65,8 @@ class BlockPool:
             block = self.blocks[block_id]
             if block.key is not None:
                 if self._cached.get(block.key) == block_id:
+                    if self.on_evict is not None:
+                        self.on_evict(block_id, block.key, block.tokens)
                     del self._cached[block.key]
                     if self.track_events:
                         self._record(block.key, stored=False)
@@ -94,6 +99,10 @@ class BlockPool:
                 break
             hits.append(block_id)
         return hits
+
+    def is_cached(self, key: bytes) -> bool:
+        """A block holding prefix `key` is in the cache (free or in use)."""
+        return key in self._cached
 
     def take(self, block_ids: Sequence[int]) -> None:
         """Add a reference to each block (prefix-cache hits), taking free ones off the free list."""

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from common.config import EngineConfig
+from common.engine import kv_tier
 from common.engine import prompt_logprobs as scoring
 from common.engine.block_manager import BlockBooks, BlockManager
 from common.engine.block_pool import BlockPool
@@ -96,6 +97,9 @@ class Engine:
         kv_dtype = "" if config.kv_cache_dtype == "auto" else config.kv_cache_dtype
         salt = model_salt(str(config.model), config.dtype, config.block_size, kv_dtype)
         self.block_manager = BlockManager(self.pool, salt, config.enable_prefix_caching)
+        # blocks the cache evicts fall to host RAM / disk (--kv-offload-*), None when off
+        self.tier = kv_tier.attach(config, self.runner, self.pool, self.block_manager)
+        self.num_prefill_tokens = 0  # tokens computed in prefill (not taken from a cache)
         self.sampler = Sampler()
         runner = self.runner
         self.proposer = make_proposer(
@@ -323,7 +327,11 @@ class Engine:
         decode_rows = sum(1 for i in batch if i.num_new_tokens == 1 and not i.num_lookahead_tokens)
         prompt_tokens = sum(i.num_new_tokens + i.num_lookahead_tokens for i in batch) - decode_rows
         self.num_steps += 1
+        num_prefill = kv_tier.prefill_tokens(batch)  # before the step advances the sequences
         outputs = self._step(batch)
+        self.num_prefill_tokens += num_prefill
+        if self.tier is not None:  # the prefill rate the tier weighs reloads against
+            self.tier.costs.record_step(num_prefill, sum(i.num_new_tokens for i in batch), start)
         self.prefill_budget.costs.record(prompt_tokens, decode_rows, time.perf_counter() - start)
         if governor is not None and all(item.num_new_tokens == 1 for item in batch):
             drafted = any(item.draft_token_ids for item in batch)
@@ -473,4 +481,7 @@ class Engine:
             "spec_decode_num_drafts_total": self.num_drafts,
             "spec_decode_num_draft_tokens_total": self.num_draft_tokens,
             "spec_decode_num_accepted_tokens_total": self.num_accepted_tokens,
+            "kv_cache_bytes_per_token": self.runner.kv_bytes_per_token,
+            "prefill_kv_computed_tokens_total": self.num_prefill_tokens,
+            **(self.tier.stats() if self.tier is not None else {}),
         }
