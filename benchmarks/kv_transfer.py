@@ -16,8 +16,10 @@ pay for allocating or page-faulting their destination (the steady state of a run
         [--transports shm,tcp] [--repeats 5] [--json PATH]
 
 Result: a machine line, then a Markdown table on stdout (transport, tokens, dtype, MB, ms,
-GB/s, % of memcpy, send() ms = how long `send` holds the prefill loop, target); progress on
-stderr; with `--json PATH` the same rows as JSON.
+GB/s, % of memcpy, send() ms = how long `send` holds the prefill loop, target), then what the
+per-block checksums cost one end (`payload.block_checksums` over the payload, best of
+`--repeats`: ms, ms per MB, GB/s); progress on stderr; with `--json PATH` the same rows as JSON
+(`rows`, `checksums`).
 """
 
 from __future__ import annotations
@@ -89,7 +91,6 @@ def time_transfer(sender: KVSender, address: str, transport: str, ids: list[int]
         start_block=0,
         num_blocks=len(ids),
         nbytes=0,
-        checksum=0,
         transport=transport,
         first_token_id=0,
         **kv_layout(sender.kv_cache),
@@ -107,6 +108,17 @@ def time_transfer(sender: KVSender, address: str, transport: str, ids: list[int]
     if not result.ok:
         raise RuntimeError(f"transfer failed: {result.reason}")
     return end - start, sent - start
+
+
+def checksum_seconds(cache: torch.Tensor, ids: list[int], repeats: int) -> float:
+    """Best time of `payload.block_checksums` over the payload of `ids` (what each end pays)."""
+    data = payload.as_bytes(payload.gather(cache, torch.tensor(ids)))
+    best = float("inf")
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        payload.block_checksums(data, cache, None, len(ids))
+        best = min(best, time.perf_counter() - start)
+    return best
 
 
 class Memcpy:
@@ -144,13 +156,15 @@ def main() -> None:
     process.start()
     addresses = dict(zip(dtypes, parent.recv_bytes().decode().split()))
 
-    rows = []
+    rows, checksums = [], []
     for dtype in dtypes:
         sender = KVSender(make_cache(num_cache_blocks, DTYPES[dtype], True))
         for n_tokens in tokens:
             ids = block_ids(num_cache_blocks, n_tokens // BLOCK_SIZE, seed=2)
             nbytes = sender.kv_cache[:, :, ids[:1]].nbytes * len(ids)
             memcpy, memcpy_times, transfer_rows = Memcpy(sender.kv_cache, ids), [], []
+            crc_s = checksum_seconds(sender.kv_cache, ids, args.repeats)
+            checksums.append(dict(tokens=n_tokens, dtype=dtype, nbytes=nbytes, seconds=crc_s))
             for transport in transports:
                 print(f"{dtype} {n_tokens} tokens {transport}", file=sys.stderr)
                 address = addresses[dtype]
@@ -200,8 +214,17 @@ def main() -> None:
             f"{row['nbytes'] / 1e6:.1f} | {row['seconds'] * 1e3:.1f} | {gb_s:.2f} | "
             f"{ratio:.0%} | {send_ms} | {target} |"
         )
+    print()
+    print("| block checksums of | tokens | dtype | MB | ms | ms per MB | GB/s |")
+    print("|---|---|---|---|---|---|---|")
+    for row in checksums:
+        mb, ms = row["nbytes"] / 1e6, row["seconds"] * 1e3
+        row.update(ms_per_mb=ms / mb, gb_per_s=mb / ms)
+        print(f"| one end | {row['tokens']} | {row['dtype']} | {mb:.1f} | {ms:.2f} | "
+              f"{ms / mb:.3f} | {mb / ms:.2f} |")  # fmt: skip
     if args.json:
-        args.json.write_text(json.dumps({"machine": platform.platform(), "rows": rows}, indent=1))
+        body = {"machine": platform.platform(), "rows": rows, "checksums": checksums}
+        args.json.write_text(json.dumps(body, indent=1))
 
 
 if __name__ == "__main__":

@@ -34,8 +34,10 @@ from common.sampling_params import MAX_PROMPT_LOGPROB_TOKENS, MAX_TOP_LOGPROBS, 
 
 # 6: TokenBatch (a v5 router cannot read v6 tokens); 7: KVAck.recompute, Generate's output tokens;
 # 8: SamplingParams.logit_bias (a v7 worker would drop it silently); 9: 8-bit KV (dtype int8 or
-# float8_e4m3fn in Register and KVHeader, the payload carries the scales after the blocks)
-PROTOCOL_VERSION = 9
+# float8_e4m3fn in Register and KVHeader, the payload carries the scales after the blocks);
+# 10: KVHeader.block_checksums (a CRC-32 per block, so a damaged block is found as that block)
+# replace its whole-payload checksum (a v9 peer would refuse the field, or send none)
+PROTOCOL_VERSION = 10
 MAX_CONTROL_MESSAGE_BYTES = 64 * 2**20  # a 128k-token prompt of int ids fits with room to spare
 # Messages that are small by nature have a smaller limit, checked from the tag before decoding: a
 # 40 MiB heartbeat would otherwise stall the router's event loop while it is decoded.
@@ -62,8 +64,12 @@ Count = Annotated[int, Meta(ge=0, le=2**53)]
 # token (9 per number), so 51 MiB for the longest prompt that may ask for them, under
 # MAX_CONTROL_MESSAGE_BYTES.
 PROMPT_LOGPROB_BYTES = 1 + 9 + 9 + 3 + MAX_TOP_LOGPROBS * (1 + 9 + 9)
-# A KV header is a few hundred bytes, plus the prompt's logprobs when the request asked for them.
-MAX_KV_HEADER_BYTES = 2**20 + PROMPT_LOGPROB_BYTES * MAX_PROMPT_LOGPROB_TOKENS
+# Blocks one KV transfer may carry: a 128k-token prompt in blocks of 1 token, with room to spare.
+MAX_KV_BLOCKS = 2**18
+# A KV header is a few hundred bytes, its block checksums (at most 5 bytes each), plus the prompt's
+# logprobs when the request asked for them.
+MAX_KV_HEADER_BYTES = 2**20 + 5 * MAX_KV_BLOCKS + PROMPT_LOGPROB_BYTES * MAX_PROMPT_LOGPROB_TOKENS
+Crc32 = Annotated[int, Meta(ge=0, le=0xFFFFFFFF)]
 PromptLogprobs = Annotated[
     list[tuple[float, int, Annotated[list[tuple[int, float]], Meta(max_length=MAX_TOP_LOGPROBS)]]],
     Meta(max_length=MAX_PROMPT_LOGPROB_TOKENS),
@@ -274,8 +280,10 @@ class KVHeader(msgspec.Struct, tag="kv", forbid_unknown_fields=True):
 
     Payload layout: [num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, head_dim] in
     `dtype`, C order; for an 8-bit `dtype` (int8, float8_e4m3fn) followed by its float32 scales
-    [num_layers, 2, num_blocks, block_size, num_kv_heads]. `nbytes` long in all, `checksum` =
-    zlib.crc32 of all the payload bytes.
+    [num_layers, 2, num_blocks, block_size, num_kv_heads]. `nbytes` long in all.
+    `block_checksums[i]` = zlib.crc32 of block i's bytes in payload order: its K and V of every
+    layer ([0, 0, i], [0, 1, i], [1, 0, i], ...), then its scales the same way (8-bit); one per
+    block (tcp, shm). cuda_ipc sends none: its bytes never leave the GPUs.
     """
 
     request_id: str
@@ -287,7 +295,6 @@ class KVHeader(msgspec.Struct, tag="kv", forbid_unknown_fields=True):
     head_dim: int
     dtype: str
     nbytes: int
-    checksum: int
     transport: str
     first_token_id: int  # sampled by the prefill worker
     first_logprob: float | None = None
@@ -301,6 +308,7 @@ class KVHeader(msgspec.Struct, tag="kv", forbid_unknown_fields=True):
     ipc_handle: bytes = b""  # cuda_ipc transport: the exporter's handle
     # the prompt's logprobs, computed here, when the request's params ask for prompt_logprobs
     prompt_logprobs: PromptLogprobs | None = None
+    block_checksums: Annotated[list[Crc32], Meta(max_length=MAX_KV_BLOCKS)] = []
 
 
 class KVAck(msgspec.Struct, tag="kv_ack", forbid_unknown_fields=True):

@@ -2,8 +2,8 @@
 
 The prefill worker owns a `KVSender`, the decode worker a `KVReceiver`; both poll them from their
 event loops. The router calls `choose_transport` (`kvtransfer.transport`) when it pairs a prefill
-with a decode worker. Modules: `sender` / `receiver` (the two ends), `payload` (layout, checksum,
-block copies), `shm` and `cuda_ipc` (same-host transports; tcp is plain ZeroMQ frames).
+with a decode worker. Modules: `sender` / `receiver` (the two ends), `payload` (layout, block
+checksums, block copies), `shm` and `cuda_ipc` (same-host transports; tcp is plain ZeroMQ frames).
 
 The two ends (and torch, which they need) are imported on first use, so that the router can import
 `choose_transport` without loading torch.

@@ -13,17 +13,20 @@ exactly the values `_share_cuda_()` returns (device index, cudaIpcMemHandle byte
 and offset in the allocation, the producer's ref-counter file name and offset, the
 cudaIpcEventHandle bytes and whether to wait on it) plus the tensor's offset, shape, stride and
 dtype name. The device index is the exporter's: both processes must see the same GPU numbering
-(same CUDA_VISIBLE_DEVICES). No checksum: the bytes never leave the GPUs (header.checksum is 0).
+(same CUDA_VISIBLE_DEVICES). No checksums: the bytes never leave the GPUs (header.block_checksums
+is empty).
 """
 
 from __future__ import annotations
 
 import os
+from typing import Annotated
 
 import msgspec
 import torch
+from msgspec import Meta
 
-from common.protocol import KVHeader
+from common.protocol import MAX_KV_BLOCKS, KVHeader
 from kvtransfer import payload
 
 
@@ -38,14 +41,14 @@ class CudaIpcExport(msgspec.Struct, forbid_unknown_fields=True):
     event_handle: bytes | None
     event_sync_required: bool | None
     tensor_offset: int
-    shape: list[int]
-    stride: list[int]
+    shape: Annotated[list[int], Meta(max_length=8)]  # a KV cache has 6 dims: checked later
+    stride: Annotated[list[int], Meta(max_length=8)]
     dtype: str
 
 
 class CudaIpcRef(msgspec.Struct, forbid_unknown_fields=True):
     export: CudaIpcExport
-    block_ids: list[int]
+    block_ids: Annotated[list[int], Meta(max_length=MAX_KV_BLOCKS)]
 
 
 _ref_decoder = msgspec.msgpack.Decoder(CudaIpcRef)

@@ -4,19 +4,18 @@ A payload is the KV of a list of blocks, `kv_cache[:, :, block_ids]`, as one C-o
 shape [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim] (the layout `KVHeader`
 describes). An 8-bit cache (int8 / float8_e4m3fn, common.kernels.kv_quant) ships its float32
 scales too: the payload is then the KV bytes followed by `kv_scales[:, :, block_ids]` ([num_layers,
-2, num_blocks, block_size, num_kv_heads]), one buffer, one checksum over both. The sender gathers
-it, the receiver checks it against its own cache and scatters it; both sides checksum it with
-CRC-32 (zlib.crc32's value; computed by zlib-ng when installed, about four times faster). Used by
+2, num_blocks, block_size, num_kv_heads]), one buffer. The sender gathers it, the receiver checks
+it against its own cache and scatters it; both sides checksum it per block (`block_checksums`: a
+block's KV and scales of every layer), so a damaged block is found as that block. CRC-32
+(zlib.crc32's value; computed by zlib-ng when installed, about four times faster). Used by
 `kvtransfer.sender`, `kvtransfer.receiver` and `kvtransfer.cuda_ipc`; nothing here touches a
 socket.
 """
 
 from __future__ import annotations
 
-import os
 import warnings
 import zlib
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -38,10 +37,6 @@ if kv_quant.FP8 is not None:
     DTYPES["float8_e4m3fn"] = kv_quant.FP8
 SCALE_DTYPE = torch.float32  # an 8-bit cache's scales, one per (token, KV head)
 LAYOUT_FIELDS = ("num_layers", "block_size", "num_kv_heads", "head_dim", "dtype")
-
-# Above this size the checksum runs in parallel chunks (zlib.crc32 releases the GIL).
-_PARALLEL_CRC_BYTES = 8 << 20
-_crc_pool: ThreadPoolExecutor | None = None
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -198,60 +193,26 @@ def from_bytes(buffer, header: KVHeader) -> torch.Tensor:
     return flat.view(payload_shape(header))
 
 
-def crc32(buffer) -> int:
-    """zlib.crc32 of a bytes-like buffer: by zlib-ng if installed, else with zlib in parallel
-    chunks for large buffers (zlib releases the GIL; zlib-ng is memory-bound in one thread)."""
+def block_checksums(
+    buffer, kv_cache: torch.Tensor, kv_scales: torch.Tensor | None, num_blocks: int
+) -> list[int]:
+    """Each block's CRC-32 over its bytes in payload order (`KVHeader.block_checksums`): its K
+    then V of layer 0, 1, ..., then, for an 8-bit cache, its K and V scales of each layer the
+    same way. `buffer` holds the payload of `num_blocks` blocks of this cache."""
     view = memoryview(buffer).cast("B")
-    if _fast_crc32 is not None:
-        return _fast_crc32(view)
-    n = len(view)
-    workers = min(4, os.cpu_count() or 1)
-    if n < _PARALLEL_CRC_BYTES or workers == 1:
-        return zlib.crc32(view)
-    global _crc_pool
-    if _crc_pool is None:
-        _crc_pool = ThreadPoolExecutor(workers, thread_name_prefix="kv-crc")
-    step = -(-n // workers)
-    bounds = [(i, min(i + step, n)) for i in range(0, n, step)]
-    crcs = list(_crc_pool.map(lambda b: zlib.crc32(view[b[0] : b[1]]), bounds))
-    crc = crcs[0]
-    for (start, end), part in zip(bounds[1:], crcs[1:]):
-        crc = crc32_combine(crc, part, end - start)
-    return crc
-
-
-# crc32_combine as zlib (1.2.12+) computes it: multiply by x^(8 * len2) modulo the CRC polynomial.
-_POLY = 0xEDB88320
-
-
-def _multmodp(a: int, b: int) -> int:
-    m, p = 1 << 31, 0
-    while True:
-        if a & m:
-            p ^= b
-            if not a & (m - 1):
-                return p
-        m >>= 1
-        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
-
-
-def _x2n_table() -> list[int]:
-    table, p = [1 << 30], 1 << 30  # x^1
-    for _ in range(31):
-        p = _multmodp(p, p)
-        table.append(p)
-    return table
-
-
-_X2N = _x2n_table()
-
-
-def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
-    """crc32(a + b) from crc32(a), crc32(b) and len(b)."""
-    p, k = 1 << 31, 3  # x^0; k = 3: lengths count bytes, the table counts bits
-    while len2:
-        if len2 & 1:
-            p = _multmodp(_X2N[k & 31], p)
-        len2 >>= 1
-        k += 1
-    return _multmodp(p, crc1) ^ crc2
+    rows = 2 * kv_cache.shape[0]  # (layer, K|V) rows, each holding every block's piece in turn
+    pieces = [(0, payload_nbytes(kv_cache, 1) // rows)]  # (where the rows start, piece bytes)
+    if kv_scales is not None:
+        scale_piece = kv_scales[0, 0, 0].numel() * kv_scales.element_size()
+        pieces.append((payload_nbytes(kv_cache, num_blocks), scale_piece))
+    crc32 = _fast_crc32 or zlib.crc32
+    checksums = []
+    for block in range(num_blocks):
+        crc = 0
+        for base, size in pieces:
+            stride = size * num_blocks
+            first = base + block * size
+            for start in range(first, first + rows * stride, stride):
+                crc = crc32(view[start : start + size], crc)
+        checksums.append(crc)
+    return checksums

@@ -3,9 +3,9 @@
 `KVReceiver` is owned by the decode worker, which calls `poll(resolve)` between engine steps;
 `resolve(header)` maps a transfer to the destination block ids the worker reserved for it (or
 None: unknown or aborted request). A transfer is written into the cache only when everything
-checks out: layout and dtype, sizes, destination blocks, checksum. Whatever happens the sender
-gets a `KVAck` and the worker a `ReceivedKV`; a frame too broken to name its request is dropped.
-Nothing a peer sends can raise out of `poll`.
+checks out: layout and dtype, sizes, destination blocks, every block's checksum. Whatever happens
+the sender gets a `KVAck` and the worker a `ReceivedKV`; a frame too broken to name its request
+is dropped. Nothing a peer sends can raise out of `poll`.
 
 Socket: a ROUTER bound at `bind`; senders (`kvtransfer.sender`) connect DEALERs. shm segments
 stay mapped between transfers (`shm.SegmentCache`, at most `shm_cache_segments`): a sender reuses
@@ -54,8 +54,9 @@ class _Refused(Exception):
 
 
 class _Damaged(_Refused):
-    """The payload's bytes are not those sent (checksum mismatch, truncated): a link or memory
-    fault, not a wrong request. Never written; the receiver may recompute the KV."""
+    """The payload's bytes are not those sent (a block's checksum mismatch, truncated, no
+    checksum per block): a link or memory fault, not a wrong request. Never written; the receiver
+    may recompute the KV."""
 
 
 class KVReceiver:
@@ -207,10 +208,16 @@ class KVReceiver:
             raise _Refused(f"bad destination blocks: {exc}") from None
 
     def _write(self, header: KVHeader, buffer, dst: torch.Tensor) -> None:
-        """Checksum the whole payload, then (only then) copy it into the cache."""
-        checksum = payload.crc32(buffer)
-        if checksum != header.checksum:
-            raise _Damaged(f"checksum mismatch: {checksum:#010x} != {header.checksum:#010x}")
+        """Check every block's checksum, then (only then) copy the payload into the cache."""
+        sent = header.block_checksums
+        if len(sent) != header.num_blocks:  # nothing to check the blocks against: recompute
+            raise _Damaged(f"{len(sent)} block checksums for {header.num_blocks} blocks")
+        got = payload.block_checksums(buffer, self.kv_cache, self.kv_scales, header.num_blocks)
+        bad = [i for i, (a, b) in enumerate(zip(got, sent)) if a != b]
+        if bad:
+            shown = ", ".join(f"{i} ({got[i]:#010x} != {sent[i]:#010x})" for i in bad[:4])
+            more = f" and {len(bad) - 4} more" if len(bad) > 4 else ""
+            raise _Damaged(f"checksum mismatch in block {shown}{more} of {header.num_blocks}")
         if header.nbytes:
             payload.scatter_payload(self.kv_cache, self.kv_scales, dst, buffer)
 

@@ -91,10 +91,10 @@ class KVSender:
     def send(self, address: str, header: KVHeader, block_ids: list[int], deadline_s: float) -> None:
         """Start pushing kv_cache[:, :, block_ids] to `address`; `deadline_s` is seconds from now.
 
-        Fills header.nbytes, header.checksum and header.shm_name / header.ipc_handle. The layout
-        fields must already match the cache (`payload.kv_layout`). ValueError for a request id
-        already in flight, an unknown transport or bad block ids; every other failure arrives as
-        a TransferResult from `poll`.
+        Fills header.nbytes, header.block_checksums and header.shm_name / header.ipc_handle. The
+        layout fields must already match the cache (`payload.kv_layout`). ValueError for a
+        request id already in flight, an unknown transport or bad block ids; every other failure
+        arrives as a TransferResult from `poll`.
         """
         rid = header.request_id
         if rid in self._pending:
@@ -124,15 +124,16 @@ class KVSender:
             self._finish(rid, False, f"send failed: {exc}")
 
     def _prepare(self, transfer: _Transfer, index: torch.Tensor, block_ids: list[int]) -> list:
-        """Fill the header's size, checksum and transport fields; return the payload frames."""
+        """Fill the header's size, checksums and transport fields; return the payload frames."""
         header = transfer.header
-        header.nbytes = payload.payload_nbytes(self.kv_cache, len(block_ids), self.kv_scales)
-        header.checksum = 0
+        n = len(block_ids)
+        header.nbytes = payload.payload_nbytes(self.kv_cache, n, self.kv_scales)
+        header.block_checksums = []
         if header.transport == "tcp":
             data = payload.gather_payload(self.kv_cache, self.kv_scales, index)
             transfer.payload = data
             view = payload.as_bytes(data)
-            header.checksum = payload.crc32(view)
+            header.block_checksums = self._checksums(view, n)
             return [view]
         if header.transport == "shm":
             header.shm_name = ""
@@ -140,7 +141,7 @@ class KVSender:
                 transfer.segment = self.segments.acquire(header.nbytes)
                 data = memoryview(transfer.segment.mapping)[: header.nbytes]
                 payload.gather_payload(self.kv_cache, self.kv_scales, index, out=data)
-                header.checksum = payload.crc32(data)
+                header.block_checksums = self._checksums(data, n)
                 header.shm_name = transfer.segment.name
             return []
         if self.kv_scales is not None:
@@ -153,6 +154,9 @@ class KVSender:
             exported = self._ipc_exports[transfer.address] = cuda_ipc.export(self.kv_cache)
         header.ipc_handle = cuda_ipc.encode_ref(exported, block_ids)
         return []
+
+    def _checksums(self, data: memoryview, num_blocks: int) -> list[int]:
+        return payload.block_checksums(data, self.kv_cache, self.kv_scales, num_blocks)
 
     def _peer(self, address: str) -> zmq.Socket:
         socket = self._peers.get(address)

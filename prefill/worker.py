@@ -138,7 +138,6 @@ class PrefillWorker(WorkerBase):
             head_dim=cache.shape[5],
             dtype=str(cache.dtype).removeprefix("torch."),
             nbytes=0,
-            checksum=0,
             transport=req.transport if self.kv_transport == "auto" else self.kv_transport,
             first_token_id=seq.output_token_ids[0],
             first_logprob=seq.output_logprobs[0],

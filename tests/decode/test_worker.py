@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-import zlib
 
 import msgspec
 import pytest
@@ -30,6 +29,7 @@ from common.sampling_params import SamplingParams
 from decode.worker import DecodeWorker
 from kvtransfer import KVSender, kv_layout
 from tests.common.engine.test_engine import GREEDY, make_engine, prompts
+from tests.kvtransfer import damage_on_the_way, poll_until
 
 
 class FakeRouter:
@@ -102,7 +102,6 @@ def header_for(engine, rid: str, seq, transport: str = "tcp") -> KVHeader:
         num_blocks=len(seq.block_table),
         **kv_layout(engine.runner.kv_cache),
         nbytes=0,
-        checksum=0,
         transport=transport,
         first_token_id=seq.output_token_ids[0],
     )
@@ -142,26 +141,24 @@ def books_clear(router: FakeRouter, timeout_s: float = 10.0) -> protocol.BlockBo
         time.sleep(0.05)
 
 
-def test_a_flipped_kv_byte_is_recomputed_here_and_the_worker_keeps_serving(cluster, tiny_llama):
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_a_kv_byte_flipped_on_the_way_is_recomputed_here_and_the_worker_keeps_serving(
+    cluster, tiny_llama, transport, monkeypatch
+):
     router, worker, prefill_engine, sender = cluster
     bad, good = prompts(2, seed=9, lengths=(20, 27))
     expected = make_engine(tiny_llama[0]).generate([bad, good], GREEDY)
-    # 1. a KV payload with one byte flipped on the way (its checksum is the original's)
+    # 1. one byte of block 1 flips after the sender took the checksums: the real tcp frame or
+    # shm segment carries it to the decode worker
     reserve(router, "bad", bad)
     seq = prefill(prefill_engine, "bad", bad)
-    payload = prefill_engine.runner.kv_cache[:, :, seq.block_table].contiguous()
-    raw = payload.numpy().tobytes()  # float32 cache
-    head = msgspec.structs.replace(
-        header_for(prefill_engine, "bad", seq), nbytes=len(raw), checksum=zlib.crc32(raw)
-    )
-    flipped = bytearray(raw)
-    flipped[len(raw) // 3] ^= 0x04
-    dealer = router.sock.context.socket(zmq.DEALER)
-    dealer.connect(worker.kv_address)
-    dealer.send_multipart([protocol.encode(head), bytes(flipped)])
-    assert dealer.poll(10_000)
-    ack = protocol.decode_kv(dealer.recv_multipart()[0])
-    assert not ack.ok and "checksum" in ack.reason and ack.recompute
+    damage_on_the_way(monkeypatch, block=1)
+    header = header_for(prefill_engine, "bad", seq, transport)
+    sender.send(worker.kv_address, header, seq.block_table, 10.0)
+    [result] = poll_until(sender.poll, timeout_s=10)
+    assert not result.ok and result.recompute, result
+    assert "checksum mismatch in block 1 (0x" in result.reason
+    assert result.reason.endswith(f"of {len(seq.block_table)}")
     # the decode worker prefills it itself: the request goes on, with the engine's tokens
     tokens: list[int] = []
     while True:
@@ -173,12 +170,12 @@ def test_a_flipped_kv_byte_is_recomputed_here_and_the_worker_keeps_serving(clust
     assert tokens == expected[0].output_token_ids
     assert worker.counters()["kv_transfer_recomputed_total"] == 1
     prefill_engine.release("bad")
-    dealer.close(0)
     books_clear(router)
     # 2. the next request goes through and decodes the same tokens as one engine alone
     reserve(router, "good", good)
     seq = prefill(prefill_engine, "good", good)
-    sender.send(worker.kv_address, header_for(prefill_engine, "good", seq), seq.block_table, 10.0)
+    header = header_for(prefill_engine, "good", seq, transport)
+    sender.send(worker.kv_address, header, seq.block_table, 10.0)
     tokens: list[int] = []
     while True:
         out = router.recv(TokenOutput)

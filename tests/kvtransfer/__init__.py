@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import time
+from types import SimpleNamespace
 
+import pytest
 import torch
 import zmq
 
@@ -37,12 +39,45 @@ def make_header(
         start_block=0,
         num_blocks=num_blocks,
         nbytes=0,
-        checksum=0,
         transport=transport,
         first_token_id=42,
         first_logprob=-0.5,
         **kv_layout(cache),
     )
+
+
+def damage_on_the_way(monkeypatch: pytest.MonkeyPatch, block: int, transfers: int = 1) -> None:
+    """Make KVSenders flip one byte of payload block `block` (of its last layer's V) right after
+    taking the checksums, in the next `transfers` transfers: the byte then travels damaged in the
+    real tcp frame or shm segment, as after a bad link or bad memory."""
+    from kvtransfer import sender as sender_module
+
+    real = payload.block_checksums
+    left = [transfers]
+
+    def checksums_then_flip(buffer, kv_cache, kv_scales, num_blocks: int) -> list[int]:
+        checksums = real(buffer, kv_cache, kv_scales, num_blocks)
+        if left[0] > 0:
+            left[0] -= 1
+            rows = 2 * kv_cache.shape[0]
+            piece = payload.payload_nbytes(kv_cache, 1) // rows
+            where = ((rows - 1) * num_blocks + block) * piece + piece // 2
+            memoryview(buffer).cast("B")[where] ^= 0x10
+        return checksums
+
+    damaged = SimpleNamespace(**vars(payload))
+    damaged.block_checksums = checksums_then_flip
+    monkeypatch.setattr(sender_module, "payload", damaged)
+
+
+def block_bytes(buffer, kv_cache: torch.Tensor, kv_scales, num_blocks: int, block: int) -> bytes:
+    """Block `block`'s bytes of a payload in the order its checksum covers them, assembled by
+    torch (the reference for payload.block_checksums)."""
+    kv, scales = payload._views(buffer, kv_cache, kv_scales, num_blocks)
+    parts = [kv[:, :, block].contiguous()]
+    if scales is not None:
+        parts.append(scales[:, :, block].contiguous())
+    return b"".join(bytes(payload.as_bytes(p.view(torch.uint8))) for p in parts)
 
 
 def poll_until(fn, timeout_s: float = 5.0) -> list:

@@ -8,8 +8,8 @@ from __future__ import annotations
 import os
 import socket
 import time
-import zlib
 
+import msgspec
 import pytest
 import torch
 
@@ -19,6 +19,7 @@ from tests.kvtransfer import (
     DST_BLOCKS,
     SRC_BLOCKS,
     assert_serves,
+    damage_on_the_way,
     make_cache,
     make_header,
     own_segments,
@@ -42,7 +43,8 @@ def good_frames(cache: torch.Tensor, request_id: str = "raw") -> tuple:
     """A correct tcp header and payload, to break one way or another."""
     data = bytes(payload.as_bytes(cache[:, :, SRC_BLOCKS].contiguous()))
     header = make_header(cache, request_id, "tcp")
-    header.nbytes, header.checksum = len(data), zlib.crc32(data)
+    header.nbytes = len(data)
+    header.block_checksums = payload.block_checksums(data, cache, None, len(SRC_BLOCKS))
     return header, data
 
 
@@ -52,31 +54,63 @@ def assert_refused(receiver, before, received, ack, reason):
     assert torch.equal(receiver.kv_cache, before), "a refused transfer touched the cache"
 
 
+@pytest.mark.parametrize("block", [0, 2])
 @pytest.mark.parametrize("transport", ["tcp", "shm"])
-def test_corrupt_payload_byte(pair, transport, monkeypatch):
+def test_a_byte_damaged_on_the_way_is_found_in_its_block(pair, transport, block, monkeypatch):
     sender, receiver = pair
     before = receiver.kv_cache.clone()
-    header = make_header(sender.kv_cache, "bad", transport)
-    if transport == "tcp":
-        # The bytes on the wire no longer match the checksum, as after a bad link: here the
-        # sender's checksum is off by one bit instead (the payload frame is zero-copy and may
-        # already be in the kernel, so it cannot be flipped after send reliably).
-        monkeypatch.setattr(payload, "crc32", lambda buf: zlib.crc32(buf) ^ 1)
-        sender.send(receiver.address, header, SRC_BLOCKS, 5.0)
-        monkeypatch.undo()
-    else:
-        sender.send(receiver.address, header, SRC_BLOCKS, 5.0)
-        with open(shm.path_of(header.shm_name), "r+b") as f:
-            f.seek(header.nbytes // 2)
-            byte = f.read(1)
-            f.seek(header.nbytes // 2)
-            f.write(bytes([byte[0] ^ 0x01]))
+    damage_on_the_way(monkeypatch, block)  # after the sender took the checksums
+    sender.send(receiver.address, make_header(sender.kv_cache, "bad", transport), SRC_BLOCKS, 5.0)
     [received] = poll_until(lambda: receiver.poll(lambda h: DST_BLOCKS, timeout_ms=20))
     [result] = poll_until(sender.poll)
-    assert not received.ok and "checksum mismatch" in received.reason
+    assert not received.ok and received.damaged
+    assert f"checksum mismatch in block {block} (" in received.reason, received.reason
+    assert received.reason.endswith(f"of {len(SRC_BLOCKS)}")  # that block only
     assert not result.ok and "checksum mismatch" in result.reason
     assert torch.equal(receiver.kv_cache, before)
     assert_serves(sender, receiver, transport)
+
+
+def test_a_shm_byte_changed_after_send_is_found(pair):
+    sender, receiver = pair
+    before = receiver.kv_cache.clone()
+    header = make_header(sender.kv_cache, "bad", "shm")
+    sender.send(receiver.address, header, SRC_BLOCKS, 5.0)
+    rows, blocks = 2 * sender.kv_cache.shape[0], len(SRC_BLOCKS)
+    where = (1 * blocks + 1) * (header.nbytes // (rows * blocks)) + 5  # layer 0's V of block 1
+    with open(shm.path_of(header.shm_name), "r+b") as f:
+        f.seek(where)
+        byte = f.read(1)
+        f.seek(where)
+        f.write(bytes([byte[0] ^ 0x01]))
+    [received] = poll_until(lambda: receiver.poll(lambda h: DST_BLOCKS, timeout_ms=20))
+    poll_until(sender.poll)
+    assert not received.ok and received.damaged and "mismatch in block 1 (" in received.reason
+    assert torch.equal(receiver.kv_cache, before)
+    assert_serves(sender, receiver, "shm")
+
+
+@pytest.mark.parametrize("count", [0, 2, 4])
+def test_block_checksums_not_one_per_block_are_damage(pair, count):
+    sender, receiver = pair
+    before = receiver.kv_cache.clone()
+    header, data = good_frames(sender.kv_cache)
+    header.block_checksums = (header.block_checksums * 2)[:count]
+    received, ack = raw_exchange(receiver, [encode(header), data])
+    reason = f"{count} block checksums for {len(SRC_BLOCKS)} blocks"
+    assert_refused(receiver, before, received, ack, reason)
+    assert received[0].damaged  # nothing to check the KV against: recomputed, never used
+    assert_serves(sender, receiver)
+
+
+def test_block_checksums_are_bounded_when_decoded(pair):
+    from common.protocol import MAX_KV_BLOCKS, ProtocolError, decode_kv
+
+    header, _ = good_frames(pair[0].kv_cache)
+    for bad in ([0] * (MAX_KV_BLOCKS + 1), [2**32], [-1]):
+        frame = msgspec.msgpack.encode(msgspec.structs.replace(header, block_checksums=bad))
+        with pytest.raises(ProtocolError):
+            decode_kv(frame)
 
 
 def test_corrupt_raw_frame(pair):
@@ -86,7 +120,7 @@ def test_corrupt_raw_frame(pair):
     bad = bytearray(data)
     bad[-1] ^= 0x80
     received, ack = raw_exchange(receiver, [encode(header), bytes(bad)])
-    assert_refused(receiver, before, received, ack, "checksum mismatch")
+    assert_refused(receiver, before, received, ack, "checksum mismatch in block 2 (")
     assert_serves(sender, receiver)
 
 
@@ -106,7 +140,7 @@ def test_short_or_missing_payload(pair, case, reason):
     if case == "truncated":
         frames = [encode(header), data[:-4]]
     elif case == "nbytes":  # a consistent but wrong-sized transfer: header and frame agree
-        header.nbytes, header.checksum = len(data) - 4, zlib.crc32(data[:-4])
+        header.nbytes = len(data) - 4
         frames = [encode(header), data[:-4]]
     elif case == "missing frame":
         frames = [encode(header)]

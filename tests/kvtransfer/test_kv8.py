@@ -1,6 +1,6 @@
-"""An 8-bit KV cache over kvtransfer: the blocks and their scales travel in one checksummed
-payload (tcp and shm), a corrupt scale byte is caught, an 8-bit sender and a 16-bit receiver
-refuse each other, and cuda_ipc is refused for 8-bit KV."""
+"""An 8-bit KV cache over kvtransfer: the blocks and their scales travel in one payload (tcp and
+shm), each block's checksum covering its scales (a corrupt scale byte is caught in its block), an
+8-bit sender and a 16-bit receiver refuse each other, and cuda_ipc is refused for 8-bit KV."""
 
 from __future__ import annotations
 
@@ -9,7 +9,15 @@ import torch
 
 from common.kernels import kv_quant
 from kvtransfer import KVReceiver, KVSender, payload
-from tests.kvtransfer import DST_BLOCKS, SRC_BLOCKS, make_cache, make_header, poll_until, transfer
+from tests.kvtransfer import (
+    DST_BLOCKS,
+    SRC_BLOCKS,
+    block_bytes,
+    make_cache,
+    make_header,
+    poll_until,
+    transfer,
+)
 
 KV_DTYPES = [torch.int8] + ([kv_quant.FP8] if kv_quant.FP8 is not None else [])
 
@@ -64,21 +72,21 @@ def test_checksum_covers_the_scales(pair, monkeypatch):
     # its checksum is a byte damaged in flight
     sender, receiver = pair
     sent = []
-    real_crc = payload.crc32
+    real_checksums = payload.block_checksums
 
-    def crc_then_flip(view):
-        crc = real_crc(view)
+    def checksums_then_keep(view, *layout):
         sent.append(view)
-        return crc
+        return real_checksums(view, *layout)
 
-    monkeypatch.setattr(payload, "crc32", crc_then_flip)
+    monkeypatch.setattr(payload, "block_checksums", checksums_then_keep)
     header = make_header(sender.kv_cache, "bad", "shm")
     sender.send(receiver.address, header, SRC_BLOCKS, 5.0)
     view = sent[0]
-    view[len(view) - 1] ^= 0xFF  # the last scale's top byte, after the checksum was taken
-    monkeypatch.setattr(payload, "crc32", real_crc)
+    view[len(view) - 1] ^= 0xFF  # the last scale's top byte (last block's), after the checksums
+    monkeypatch.setattr(payload, "block_checksums", real_checksums)
     [received] = poll_until(lambda: receiver.poll(lambda h: DST_BLOCKS, timeout_ms=20))
-    assert not received.ok and received.damaged and "checksum" in received.reason
+    assert not received.ok and received.damaged
+    assert f"checksum mismatch in block {len(SRC_BLOCKS) - 1} (" in received.reason
     assert not receiver.kv_scales.any()  # nothing written
     poll_until(sender.poll)
 
@@ -106,3 +114,18 @@ def test_cuda_ipc_refused_for_8bit(pair):
     sender.send(receiver.address, header, SRC_BLOCKS, 5.0)
     [result] = sender.poll()
     assert not result.ok and "not cuda_ipc" in result.reason
+
+
+def test_block_checksums_cover_each_blocks_kv_then_scales(pair):
+    import zlib
+
+    sender, _ = pair
+    n = len(SRC_BLOCKS)
+    index = payload.block_index(SRC_BLOCKS, sender.kv_cache.shape[2], sender.kv_cache.device)
+    data = payload.gather_payload(sender.kv_cache, sender.kv_scales, index)
+    got = payload.block_checksums(payload.as_bytes(data), sender.kv_cache, sender.kv_scales, n)
+    want = [
+        zlib.crc32(block_bytes(payload.as_bytes(data), sender.kv_cache, sender.kv_scales, n, b))
+        for b in range(n)
+    ]
+    assert got == want and len(set(got)) == n

@@ -1,9 +1,8 @@
 """tcp transport end to end on loopback (kvtransfer.sender / receiver), plus transport choice and
-the payload checksum."""
+the per-block checksums."""
 
 from __future__ import annotations
 
-import os
 import zlib
 
 import pytest
@@ -13,6 +12,7 @@ from kvtransfer import KVReceiver, KVSender, payload
 from tests.kvtransfer import (
     DST_BLOCKS,
     SRC_BLOCKS,
+    block_bytes,
     make_cache,
     make_header,
     run_child_transfer,
@@ -83,14 +83,19 @@ def test_receiver_in_another_process():
 
 
 @pytest.mark.parametrize("fast", [True, False], ids=["zlib-ng if installed", "zlib"])
-@pytest.mark.parametrize("size", [0, 1, 1000, 20_000_003])
-def test_crc32_equals_zlib(size, fast, monkeypatch):
+@pytest.mark.parametrize("num_blocks", [0, 1, 3, 8])
+def test_block_checksums_are_zlib_crc32_of_each_blocks_bytes(num_blocks, fast, monkeypatch):
     if not fast:
-        monkeypatch.setattr(payload, "_fast_crc32", None)  # parallel zlib chunks, combined
-    data = os.urandom(size)
-    assert payload.crc32(data) == zlib.crc32(data)
-    a, b = data[: size // 3], data[size // 3 :]
-    assert payload.crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(data)
+        monkeypatch.setattr(payload, "_fast_crc32", None)
+    cache = make_cache(torch.bfloat16, seed=4)
+    blocks = torch.arange(num_blocks).flip(0)
+    data = payload.as_bytes(payload.gather(cache, blocks))
+    got = payload.block_checksums(data, cache, None, num_blocks)
+    want = [zlib.crc32(block_bytes(data, cache, None, num_blocks, b)) for b in range(num_blocks)]
+    assert got == want and len(set(got)) == num_blocks
+    assert b"".join(block_bytes(data, cache, None, num_blocks, b) for b in range(num_blocks)) == (
+        bytes(payload.as_bytes(cache[:, :, blocks].permute(2, 0, 1, 3, 4, 5).contiguous()))
+    )  # every byte of the payload in exactly one block
 
 
 @pytest.mark.parametrize("contiguous", [True, False])

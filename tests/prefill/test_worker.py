@@ -181,15 +181,9 @@ def test_refused_transfer_fails_the_request_and_frees_the_blocks(harness) -> Non
 def test_damaged_kv_the_receiver_recomputes_is_no_failure_of_the_request(
     harness, transport, monkeypatch
 ) -> None:
-    from types import SimpleNamespace
+    from tests.kvtransfer import damage_on_the_way
 
-    from kvtransfer import payload
-    from kvtransfer import sender as sender_module
-
-    # the sender's checksum is off by a bit: to the receiver, as if a byte flipped on the way
-    damaged = SimpleNamespace(**vars(payload))
-    damaged.crc32 = lambda data: payload.crc32(data) ^ 1
-    monkeypatch.setattr(sender_module, "payload", damaged)
+    damage_on_the_way(monkeypatch, block=1)  # a byte flips after the sender's checksums
     harness.receiver.recompute_damaged = True  # as the decode worker's receiver
     harness.dispatch("dmg", prompts(1, seed=6, lengths=(17,))[0], transport=transport)
     harness.run_until(lambda: not harness.worker.jobs, blocks_from([1, 2, 3]))
