@@ -36,8 +36,9 @@ from common.sampling_params import MAX_PROMPT_LOGPROB_TOKENS, MAX_TOP_LOGPROBS, 
 # 8: SamplingParams.logit_bias (a v7 worker would drop it silently); 9: 8-bit KV (dtype int8 or
 # float8_e4m3fn in Register and KVHeader, the payload carries the scales after the blocks);
 # 10: KVHeader.block_checksums (a CRC-32 per block, so a damaged block is found as that block)
-# replace its whole-payload checksum (a v9 peer would refuse the field, or send none)
-PROTOCOL_VERSION = 10
+# replace its whole-payload checksum (a v9 peer would refuse the field, or send none);
+# 11: KVEvents.tier (which tier of a worker holds the keys: a v10 router would refuse the field)
+PROTOCOL_VERSION = 11
 MAX_CONTROL_MESSAGE_BYTES = 64 * 2**20  # a 128k-token prompt of int ids fits with room to spare
 # Messages that are small by nature have a smaller limit, checked from the tag before decoding: a
 # 40 MiB heartbeat would otherwise stall the router's event loop while it is decoded.
@@ -146,12 +147,17 @@ class Heartbeat(msgspec.Struct, tag="heartbeat", forbid_unknown_fields=True):
 
 
 class KVEvents(msgspec.Struct, tag="kv_events", forbid_unknown_fields=True):
-    """Worker -> router: prefix block keys that became reusable (`stored`) or were evicted.
+    """Worker -> router: prefix block keys that became reusable (`stored`) or were evicted, in
+    one `tier` of the worker: its KV cache ("device"), or the tier its evicted blocks fall to
+    (common.engine.kv_tier): host RAM ("cpu") or local disk ("disk"). A key may be in several.
 
-    `seq` counts a worker's KVEvents from 0 without gaps: a gap means a message was lost and the
-    router asks for `KVResync`. With `reset` the message is a full snapshot: `stored` is every key
-    the worker holds and replaces what the router knew. The two lists are disjoint (the net effect
-    since the previous message), so their order of application does not matter.
+    `seq` counts a worker's KVEvents from 0 without gaps (all tiers together): a gap means a
+    message was lost and the router asks for `KVResync`. With `reset` the message starts a full
+    snapshot of its tier: `stored` replaces what the router knew of that tier; a snapshot of many
+    keys goes on in messages without `reset` (the router bounds a message's size by the worker's
+    block count), and a resync sends one for every tier the worker has, even an empty one. The
+    two lists are disjoint (the net effect since the previous message), so their order of
+    application does not matter.
     """
 
     worker_id: Name
@@ -159,6 +165,7 @@ class KVEvents(msgspec.Struct, tag="kv_events", forbid_unknown_fields=True):
     stored: list[Annotated[bytes, Meta(max_length=64)]]
     evicted: list[Annotated[bytes, Meta(max_length=64)]]
     reset: bool = False
+    tier: Literal["device", "cpu", "disk"] = "device"
 
 
 class KVResync(msgspec.Struct, tag="kv_resync", forbid_unknown_fields=True):

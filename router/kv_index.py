@@ -13,6 +13,12 @@ applies it (best effort) and asks the worker for a full snapshot (`KVResync`), a
 last seq sent, so a lost final message is noticed too (one heartbeat later, to let a message in
 flight on the other socket arrive). A dead worker's entries are dropped (`remove`).
 
+Tiers: a worker with a KV tier (common.engine.kv_tier) also reports the keys its host RAM
+("cpu") and disk ("disk") tiers hold, in `KVEvents` of that `tier` (numbered with its other
+messages; a reset replaces that tier's keys only). A key held in any tier counts as held for
+`match` (reloading it costs far less than computing it); `tiers_of` says where each of a prompt's
+leading blocks is, for a peer fetch to read it out by key.
+
 Called by `router.control` (events, heartbeats, removal) and `router.policy` (matching).
 """
 
@@ -37,6 +43,10 @@ class _WorkerIndex:
     synced: bool = False  # a snapshot arrived since the last known loss (or start)
     resync_asked_s: float = -1e9
     hb_seq: int = -1  # kv_events_seq of the previous heartbeat
+    tiers: dict[str, set[bytes]] = field(default_factory=dict)  # "cpu", "disk" -> keys
+
+    def in_tier(self, key: bytes) -> bool:
+        return any(key in held for held in self.tiers.values())
 
 
 class PrefixIndex:
@@ -58,6 +68,8 @@ class PrefixIndex:
     def apply(self, msg: KVEvents) -> bool:
         """Apply one message; True when the worker should be asked for a snapshot now."""
         w = self._workers.setdefault(msg.worker_id, _WorkerIndex())
+        if msg.tier != "device":
+            return self._apply_tier(msg, w)
         if msg.reset:
             if msg.seq < w.seq:
                 return False  # an older snapshot overtaken by newer news
@@ -83,6 +95,21 @@ class PrefixIndex:
             return self._should_ask(w)
         w.seq = msg.seq
         return False
+
+    def _apply_tier(self, msg: KVEvents, w: _WorkerIndex) -> bool:
+        """`apply` for a message about one of the worker's KV tiers."""
+        if msg.seq <= w.seq:
+            return False  # a duplicate, or older than what was applied
+        held = w.tiers.setdefault(msg.tier, set())
+        gone = held - set(msg.stored) if msg.reset else set(msg.evicted) & held
+        held -= gone
+        held.update(msg.stored)
+        self.num_events_applied += 1
+        if msg.seq == w.seq + 1:
+            w.seq = msg.seq
+            return False
+        w.synced = False  # a gap: as for the device's messages, keep the old seq and ask
+        return self._should_ask(w)
 
     def on_heartbeat(self, worker_id: str, kv_events_seq: int) -> bool:
         """True when the worker should be asked for a snapshot (a lost message, or never synced).
@@ -121,14 +148,15 @@ class PrefixIndex:
         self._workers.pop(worker_id, None)
 
     def match(self, worker_id: str, keys: Sequence[bytes]) -> int:
-        """How many leading `keys` the worker holds (reported or pending)."""
+        """How many leading `keys` the worker holds (reported, in its cache or its tier, or
+        pending)."""
         w = self._workers.get(worker_id)
         if w is None:
             return 0
         now = self.clock()
         n = 0
         for key in keys:
-            if key in w.keys:
+            if key in w.keys or w.in_tier(key):
                 n += 1
                 continue
             expiry = w.pending.get(key)
@@ -144,6 +172,21 @@ class PrefixIndex:
         """Reported keys held by the worker (pending ones not counted)."""
         w = self._workers.get(worker_id)
         return len(w.keys) if w is not None else 0
+
+    def tiers_of(self, worker_id: str, keys: Sequence[bytes]) -> list[str]:
+        """Where the worker holds each of the leading `keys` it reported: "device" (its cache),
+        else "cpu" (host RAM tier), else "disk"; stops at the first it does not hold."""
+        w = self._workers.get(worker_id)
+        found: list[str] = []
+        for key in keys if w is not None else ():
+            if key in w.keys:
+                found.append("device")
+                continue
+            tier = next((t for t in ("cpu", "disk") if key in w.tiers.get(t, ())), None)
+            if tier is None:
+                break
+            found.append(tier)
+        return found
 
     def worker_ids(self) -> list[str]:
         return sorted(self._workers)

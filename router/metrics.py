@@ -48,6 +48,33 @@ _NAME_BAD_CHARS = re.compile(r"[^a-zA-Z0-9_:]")
 FINISH_REASONS = ("stop", "length", "tool_calls")
 ERROR_CODES = (400, 404, 413, 429, 499, 500, 503, 504)
 
+# A worker's KV tier (--kv-offload-memory: "cpu", as vLLM names host RAM; --kv-offload-dir: "disk"),
+# reported by workers that have one: name -> (type, help).
+KV_TIER_FAMILIES: dict[str, tuple[str, str]] = {
+    "external_prefix_cache_queries_total": ("counter", "Prompt tokens looked up with a KV tier "
+                                            "present, once per request."),
+    "external_prefix_cache_hits_total": ("counter", "Prompt tokens reloaded from the KV tier "
+                                         "instead of computed."),
+    "kv_offload_reloads_declined_total": ("counter", "Blocks found in the KV tier but computed: "
+                                          "prefill measured cheaper than the reload."),
+    **{f"kv_offload_{tier}_{name}": (kind, f"{what} ({where}).")
+       for tier, where in (("cpu", "host RAM tier"), ("disk", "disk tier"))
+       for name, kind, what in (
+           ("block_lookup_total", "counter", "KV blocks looked up in the tier"),
+           ("block_hit_total", "counter", "KV blocks found in the tier"),
+           ("block_miss_total", "counter", "KV blocks not found, or found damaged"),
+           ("block_store_total", "counter", "KV blocks written to the tier"),
+           ("block_eviction_total", "counter", "KV blocks dropped to stay within the bound"),
+           ("stores_skipped_total", "counter", "KV blocks not stored: queue full, write error"),
+           ("usage_bytes", "gauge", "Bytes of KV blocks held"),
+           ("capacity_bytes", "gauge", "Bytes of KV blocks the tier may hold"),
+       )},
+    "kv_offload_disk_corrupt_total": ("counter", "Block files refused by the checksum or size "
+                                      "check (deleted, computed instead)."),
+    "kv_offload_disk_write_errors_total": ("counter", "Block files that could not be written "
+                                           "(a full disk, a missing directory)."),
+}  # fmt: skip
+
 # What workers report in their heartbeats: name -> (type, help, roles that report it).
 WORKER_FAMILIES: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "num_preemptions_total": ("counter", "Sequences preempted (KV freed, recomputed later).",
@@ -69,6 +96,12 @@ WORKER_FAMILIES: dict[str, tuple[str, str, tuple[str, ...]]] = {
                                          ("decode",)),
     "kv_transfer_recomputed_total": ("counter", "KV transfers that arrived damaged and were "
                                      "prefilled on the decode worker instead.", ("decode",)),
+    "kv_cache_bytes_per_token": ("gauge", "Bytes one cached token takes (all layers, K and V, "
+                                 "8-bit scales).", ("prefill", "decode")),
+    "prefill_kv_computed_tokens_total": ("counter", "Tokens computed in prefill: not taken from "
+                                         "the prefix cache or its tier.", ("prefill", "decode")),
+    **{name: (kind, help_, ("prefill", "decode"))
+       for name, (kind, help_) in KV_TIER_FAMILIES.items()},
 }  # fmt: skip
 
 # Per-worker series the router derives itself (its own counts, heartbeat gauges): name -> (type,

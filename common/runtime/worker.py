@@ -10,7 +10,8 @@ when a router forgets the worker, draining: on the first SIGTERM a worker stops 
 exits; a second signal exits at once. Each heartbeat carries the worker's progress (steps run,
 layers, idle turns), so a router can tell a stuck loop from a long step. After each step it
 reports its prefix-cache changes to every router (`KVEvents`: block keys stored and evicted,
-numbered per router; a full snapshot after registering or when a router asks with `KVResync`),
+per tier: the cache, and the KV tier's RAM and disk (`common.runtime.kv_events`), numbered per
+router; a full snapshot after registering or when a router asks with `KVResync`),
 which feed prefix-aware routing. Asked with `BlockBooksQuery`, it answers with its engine's block
 audit. `WorkerBase` is subclassed by prefill/worker.py and decode/worker.py.
 """
@@ -30,6 +31,7 @@ import zmq
 from common import protocol
 from common.engine.engine import Engine
 from common.protocol import Heartbeat, KVEvents, Register, RegisterAck
+from common.runtime import kv_events
 from common.runtime.auth import ClusterKeys
 from common.runtime.router_link import (
     RESOLVE_INTERVAL_S,
@@ -46,6 +48,10 @@ __all__ = ["ControlConnection", "Heartbeater", "WorkerBase", "engine_heartbeat",
 log = logging.getLogger(__name__)
 
 
+# engine.stats() entries a heartbeat carries: counters, and the KV sizes (bytes per token, tiers')
+HEARTBEAT_SUFFIXES = ("_total", "_bytes", "_per_token")
+
+
 def default_worker_id(role: str) -> str:
     return f"{role}-{socket.gethostname()}-{os.getpid()}"
 
@@ -54,7 +60,7 @@ def engine_heartbeat(
     worker_id: str, engine: Engine, extra_counters: Callable[[], dict[str, float]] | None = None
 ) -> Heartbeat:
     stats = engine.stats()
-    counters = {k: float(v) for k, v in stats.items() if k.endswith("_total")}
+    counters = {k: float(v) for k, v in stats.items() if k.endswith(HEARTBEAT_SUFFIXES)}
     if extra_counters is not None:
         counters.update(extra_counters())
     queued = sum(
@@ -103,6 +109,8 @@ class WorkerBase:
         self.draining = False
         self.drain_started = 0.0
         self.engine.pool.track_events = True
+        if self.engine.tier is not None:
+            self.engine.tier.track_events = True
         self.loop_count = 0  # turns of `run`'s loop with no engine work waiting (see `progress`)
         self.registered = False  # a router accepted our Register (read by the readiness probe)
         self.started = False  # heartbeats run (new links start theirs at once)
@@ -144,23 +152,24 @@ class WorkerBase:
         return {}
 
     def publish_kv_events(self) -> None:
-        """Tell every router which prefix blocks this worker gained or lost since the last call
-        (a full snapshot to one that needs it)."""
-        pool = self.engine.pool
-        stored, evicted = pool.drain_events()
-        snapshot: list[bytes] | None = None
+        """Tell every router which prefix blocks this worker (its cache and its KV tier) gained
+        or lost since the last call (a full snapshot to one that needs it)."""
+        chunk = kv_events.chunk_keys(self.engine)
+        changes = kv_events.change_messages(
+            self.worker_id, kv_events.drain_changes(self.engine), chunk
+        )
+        snapshot: list[KVEvents] | None = None
         for link in self.links.values():
+            messages = changes
             if link.kv_snapshot_due:
                 if snapshot is None:
-                    snapshot = pool.cached_keys()
+                    keys = kv_events.snapshot(self.engine)
+                    snapshot = kv_events.snapshot_messages(self.worker_id, keys, chunk)
                 link.kv_snapshot_due = False
-                message = KVEvents(self.worker_id, link.kv_events_seq + 1, snapshot, [], True)
-            elif stored or evicted:
-                message = KVEvents(self.worker_id, link.kv_events_seq + 1, stored, evicted, False)
-            else:
-                continue
-            link.kv_events_seq += 1
-            link.control.send(message)
+                messages = snapshot
+            for message in messages:
+                link.kv_events_seq += 1
+                link.control.send(msgspec.structs.replace(message, seq=link.kv_events_seq))
 
     def send_registration(self, link: RouterLink) -> None:
         link.control.send(self.registration(link))
@@ -362,6 +371,8 @@ class WorkerBase:
     def close(self) -> None:
         for link in self.links.values():
             link.close()
+        if self.engine.tier is not None:
+            self.engine.tier.close()  # its disk files: the next start would delete them anyway
 
 
 def _is_final(message: msgspec.Struct) -> bool:
