@@ -28,7 +28,8 @@ class BlockIO:
     """Byte-exact copies of single blocks between a paged cache and flat host tensors.
 
     The cache is [layers, 2, blocks, block_size, kv heads, head_dim] (scales: the same without
-    head_dim); a block's bytes are its KV rows of every layer, K then V, followed by its scales.
+    head_dim); a block's bytes are its KV rows of every layer, K then V, followed by its scales:
+    the layout of a one-block kvtransfer payload, and the bytes its per-block CRC-32 covers.
     """
 
     def __init__(self, kv_cache: torch.Tensor, kv_scales: torch.Tensor | None) -> None:

@@ -96,3 +96,14 @@ def test_costs_leave_reload_time_out_of_prefill():
     elapsed = time.perf_counter() - start
     assert costs.prefill_s_per_token is not None
     assert costs.prefill_s_per_token <= (elapsed - 0.05) / 100
+
+
+@pytest.mark.parametrize("dtype", KV_DTYPES, ids=str)
+def test_a_block_is_a_one_block_kv_transfer_payload(dtype):
+    """A peer fetch can ship a tier block as it is (and its per-block CRC-32 covers these bytes)."""
+    from kvtransfer import payload
+
+    cache, scales = make_cache(dtype)
+    io = BlockIO(cache, scales)
+    shipped = payload.gather_payload(cache, scales, torch.tensor([2]))
+    assert torch.equal(io.read(2), shipped.view(torch.uint8).reshape(-1))
