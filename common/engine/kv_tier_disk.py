@@ -257,8 +257,10 @@ class DiskStore:
             if zlib.crc32(memoryview(data.numpy()), zlib.crc32(token_bytes)) != crc:
                 raise ValueError("checksum mismatch")
         except (OSError, ValueError, struct.error) as e:
-            log.warning("KV disk tier: dropping block %s: %s", key.hex()[:12], e)
             with self._lock:
+                if isinstance(e, FileNotFoundError) and key not in self._index:
+                    return None  # the writer evicted it meanwhile: a plain miss
+                log.warning("KV disk tier: dropping block %s: %s", key.hex()[:12], e)
                 self.counters.corrupt += 1
                 if self._index.pop(key, None) is not None:
                     self._delete(key, size)

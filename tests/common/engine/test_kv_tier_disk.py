@@ -78,7 +78,7 @@ def test_a_block_bigger_than_the_bound_is_skipped(tmp_path):
 
 @pytest.mark.parametrize(
     "damage",
-    ["payload byte", "token", "header", "truncated", "appended", "empty"],
+    ["payload byte", "token", "header", "truncated", "appended", "empty", "missing"],
 )
 def test_a_damaged_file_is_a_miss_and_is_deleted(store, damage):
     store.put(key(1), TOKENS, block(1))
@@ -96,9 +96,12 @@ def test_a_damaged_file_is_a_miss_and_is_deleted(store, damage):
         raw = raw[:-10]  # a partial write
     elif damage == "appended":
         raw += b"\0"
-    else:
+    elif damage == "empty":
         raw = bytearray()
-    path.write_bytes(bytes(raw))
+    if damage == "missing":  # deleted behind the store's back
+        path.unlink()
+    else:
+        path.write_bytes(bytes(raw))
     assert store.get(key(1), TOKENS) is None
     assert store.counters.corrupt == 1
     assert not path.exists() and key(1) not in store and store.used_bytes == 0
