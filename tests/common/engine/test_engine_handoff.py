@@ -115,7 +115,7 @@ def test_first_token_can_finish_the_request(tiny_llama):
 
 
 def test_reserve_leaves_room_for_the_running_sequences_next_tokens(tiny_llama, monkeypatch):
-    from common.engine import engine as engine_module
+    from common.engine import handoff as engine_module
 
     monkeypatch.setattr(engine_module, "OUTPUT_RESERVE_TOKENS", 0)  # next tokens only
     hf_model, _ = tiny_llama

@@ -13,7 +13,7 @@ import random
 
 import pytest
 
-from common.engine import engine as engine_module
+from common.engine import handoff as engine_module
 from common.sampling_params import SamplingParams
 from tests.common.engine.test_engine import assert_block_pool_full, make_engine, prompts
 
