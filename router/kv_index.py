@@ -13,6 +13,11 @@ applies it (best effort) and asks the worker for a full snapshot (`KVResync`), a
 last seq sent, so a lost final message is noticed too (one heartbeat later, to let a message in
 flight on the other socket arrive). A dead worker's entries are dropped (`remove`).
 
+Besides the keys per worker, the index knows who holds each key (`holders`: reported keys, and
+the first key of each pending prompt), so that a policy scores only the workers holding a
+prompt's first block: any other matches nothing. One holder is stored as its id, several as a set
+(most keys have one holder: a dict entry per key, no set).
+
 Tiers: a worker with a KV tier (common.engine.kv_tier) also reports the keys its host RAM
 ("cpu") and disk ("disk") tiers hold, in `KVEvents` of that `tier` (numbered with its other
 messages; a reset replaces that tier's keys only). A key held in any tier counts as held for
@@ -34,6 +39,28 @@ PENDING_TTL_S = 30.0
 RESYNC_INTERVAL_S = 2.0
 MAX_PENDING = 1 << 16  # pending keys per worker before expired ones are swept
 
+Holders = dict[bytes, "str | set[str]"]  # key -> the id of its one holder, or a set of them
+
+
+def _hold(holders: Holders, key: bytes, worker_id: str) -> None:
+    held = holders.get(key)
+    if held is None:
+        holders[key] = worker_id
+    elif isinstance(held, set):
+        held.add(worker_id)
+    elif held != worker_id:
+        holders[key] = {held, worker_id}
+
+
+def _unhold(holders: Holders, key: bytes, worker_id: str) -> None:
+    held = holders.get(key)
+    if held == worker_id:
+        del holders[key]
+    elif isinstance(held, set):
+        held.discard(worker_id)
+        if len(held) == 1:
+            holders[key] = held.pop()
+
 
 @dataclass
 class _WorkerIndex:
@@ -43,6 +70,7 @@ class _WorkerIndex:
     synced: bool = False  # a snapshot arrived since the last known loss (or start)
     resync_asked_s: float = -1e9
     hb_seq: int = -1  # kv_events_seq of the previous heartbeat
+    roots: set[bytes] = field(default_factory=set)  # pending keys filed in `_pending_roots`
     tiers: dict[str, set[bytes]] = field(default_factory=dict)  # "cpu", "disk" -> keys
 
     def in_tier(self, key: bytes) -> bool:
@@ -62,6 +90,8 @@ class PrefixIndex:
         self.resync_interval_s = resync_interval_s
         self.clock = clock
         self._workers: dict[str, _WorkerIndex] = {}
+        self._holders: Holders = {}  # reported keys
+        self._pending_roots: Holders = {}  # the first key of each pending prompt
         self.num_resyncs_asked = 0
         self.num_events_applied = 0
 
@@ -73,21 +103,31 @@ class PrefixIndex:
         if msg.reset:
             if msg.seq < w.seq:
                 return False  # an older snapshot overtaken by newer news
+            for key in w.keys:
+                _unhold(self._holders, key, msg.worker_id)
             w.keys = set(msg.stored)
+            for key in w.keys:
+                _hold(self._holders, key, msg.worker_id)
             for key in msg.stored:
-                w.pending.pop(key, None)
+                self._drop_pending(msg.worker_id, w, key)
             w.seq, w.synced = msg.seq, True
             self.num_events_applied += 1
             return False
         if msg.seq <= w.seq:
             return False  # a duplicate, or a message from before the last snapshot
         gap = msg.seq != w.seq + 1
-        w.keys.difference_update(msg.evicted)
-        w.keys.update(msg.stored)
         for key in msg.evicted:
-            w.pending.pop(key, None)
+            if key in w.keys:
+                w.keys.discard(key)
+                _unhold(self._holders, key, msg.worker_id)
         for key in msg.stored:
-            w.pending.pop(key, None)
+            if key not in w.keys:
+                w.keys.add(key)
+                _hold(self._holders, key, msg.worker_id)
+        for key in msg.evicted:
+            self._drop_pending(msg.worker_id, w, key)
+        for key in msg.stored:
+            self._drop_pending(msg.worker_id, w, key)
         self.num_events_applied += 1
         if gap:
             # Keep the old seq: until a snapshot comes, every later message is also "after a gap".
@@ -138,14 +178,44 @@ class PrefixIndex:
         now = self.clock()
         if len(w.pending) > MAX_PENDING:
             w.pending = {k: e for k, e in w.pending.items() if e >= now}
+            for key in [k for k in w.roots if k not in w.pending]:
+                w.roots.discard(key)
+                _unhold(self._pending_roots, key, worker_id)
         expiry = now + self.pending_ttl_s
         for key in keys:
             if key not in w.keys:
                 w.pending[key] = expiry
+        if keys and keys[0] in w.pending and keys[0] not in w.roots:
+            w.roots.add(keys[0])
+            _hold(self._pending_roots, keys[0], worker_id)
+
+    def _drop_pending(self, worker_id: str, w: _WorkerIndex, key: bytes) -> None:
+        w.pending.pop(key, None)
+        if key in w.roots:
+            w.roots.discard(key)
+            _unhold(self._pending_roots, key, worker_id)
 
     def remove(self, worker_id: str) -> None:
         """Forget a worker (dead, or registering afresh: its snapshot follows)."""
-        self._workers.pop(worker_id, None)
+        w = self._workers.pop(worker_id, None)
+        if w is None:
+            return
+        for key in w.keys:
+            _unhold(self._holders, key, worker_id)
+        for key in w.roots:
+            _unhold(self._pending_roots, key, worker_id)
+
+    def holders(self, key: bytes) -> set[str]:
+        """Workers that may hold `key`: reported holders, and workers with a prompt starting
+        with it pending (maybe expired by now: `match` says how much each holds)."""
+        found: set[str] = set()
+        for holders in (self._holders, self._pending_roots):
+            held = holders.get(key)
+            if isinstance(held, set):
+                found |= held
+            elif held is not None:
+                found.add(held)
+        return found
 
     def match(self, worker_id: str, keys: Sequence[bytes]) -> int:
         """How many leading `keys` the worker holds (reported, in its cache or its tier, or
@@ -163,7 +233,7 @@ class PrefixIndex:
             if expiry is None:
                 break
             if expiry < now:
-                del w.pending[key]
+                self._drop_pending(worker_id, w, key)
                 break
             n += 1
         return n

@@ -28,26 +28,25 @@ one worker before its heartbeats catch up):
 from __future__ import annotations
 
 import itertools
-from collections.abc import Collection, Sequence
+import math
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 from common.prefix_hash import block_keys
 from router.kv_index import PrefixIndex
-from router.registry import Worker
+from router.worker import LiveWorkers, Worker, as_live, decode_order, prefill_order
 
 ROUTING_POLICIES = ("round_robin", "least_loaded", "prefix")
 
 
-def pick_decode(workers: Sequence[Worker], now_s: float) -> Worker | None:
-    """The least loaded decode worker that has not refused recently; None if every one has."""
-    ready = [w for w in workers if w.refused_until_s <= now_s]
-    if not ready:
-        return None
-    return min(ready, key=lambda w: (w.decode_load, w.worker_id))
+def pick_decode(workers: Iterable[Worker] | LiveWorkers, now_s: float) -> Worker | None:
+    """The least loaded decode worker that has not refused recently; None if every one has.
+    Ties go to the lowest worker id."""
+    return as_live(workers, decode_order).least(now_s)
 
 
 def pick_decode_by_prefix(
-    workers: Sequence[Worker],
+    workers: Iterable[Worker] | LiveWorkers,
     now_s: float,
     prompt_token_ids: Sequence[int],
     index: PrefixIndex,
@@ -55,26 +54,39 @@ def pick_decode_by_prefix(
 ) -> tuple[Worker, list[bytes]] | None:
     """For a prompt the decode worker prefills itself: the worker holding the longest prefix of
     it among those running at most `slack` more sequences than the least loaded (the least
-    loaded when none holds any), with the prompt's block keys under its salt."""
-    least = pick_decode(workers, now_s)
+    loaded when none holds any; ties to the less loaded, then the lower id), with the prompt's
+    block keys under its salt. Only the workers holding the prompt's first block are scored."""
+    live = as_live(workers, decode_order)
+    least = live.least(now_s)
     if least is None:
         return None
-    ready = sorted(
-        (w for w in workers if w.refused_until_s <= now_s and w.info.kv_salt),
-        key=lambda w: (w.decode_load, w.worker_id),
-    )
+    limit = least.decode_load + slack
     best, best_matched = least, 0
     keys_by_salt: dict[bytes, list[bytes]] = {}
-    for w in ready:
-        if w.decode_load > least.decode_load + slack:
-            break
-        keys = keys_by_salt.get(w.info.kv_salt)
-        if keys is None:
-            keys = block_keys(prompt_token_ids, w.info.block_size, w.info.kv_salt)
-            keys_by_salt[w.info.kv_salt] = keys
-        matched = index.match(w.worker_id, keys)
-        if matched > best_matched:
-            best, best_matched = w, matched
+    for salt, block_size in list(live.salts):
+        if not salt:
+            continue  # a worker that reports no KV events
+        keys = keys_by_salt[salt] = block_keys(prompt_token_ids, block_size, salt)
+        if not keys:
+            continue
+        holders = (live.get(worker_id) for worker_id in index.holders(keys[0]))
+        ready = sorted(
+            (
+                w
+                for w in holders
+                if w is not None
+                and w.info.kv_salt == salt
+                and w.refused_until_s <= now_s
+                and w.decode_load <= limit
+            ),
+            key=decode_order,
+        )
+        for w in ready:
+            matched = index.match(w.worker_id, keys)
+            if matched > best_matched or (
+                matched == best_matched and matched and decode_order(w) < decode_order(best)
+            ):
+                best, best_matched = w, matched
     return best, keys_by_salt.get(best.info.kv_salt, [])
 
 
@@ -113,7 +125,7 @@ class PrefillPolicy:
 
     def pick(
         self,
-        workers: Sequence[Worker],
+        workers: Iterable[Worker] | LiveWorkers,
         prompt_token_ids: Sequence[int],
         exclude: Collection[str] = (),
     ) -> Worker | None:
@@ -122,11 +134,16 @@ class PrefillPolicy:
 
     def choose(
         self,
-        workers: Sequence[Worker],
+        workers: Iterable[Worker] | LiveWorkers,
         prompt_token_ids: Sequence[int],
         exclude: Collection[str] = (),
     ) -> PrefillChoice | None:
         """The worker for this prompt (None if no candidate), with what it already holds."""
+        if self.routing == "least_loaded":  # the index's order, without a look at every worker
+            best = as_live(workers, prefill_order).least(
+                math.inf, (lambda w: w.worker_id not in exclude) if exclude else None
+            )
+            return PrefillChoice(best, 0, []) if best is not None else None
         candidates = sorted(
             (w for w in workers if w.worker_id not in exclude), key=lambda w: w.worker_id
         )
@@ -135,9 +152,6 @@ class PrefillPolicy:
         turn = next(self._turn)
         if self.routing == "round_robin":
             return PrefillChoice(candidates[turn % len(candidates)], 0, [])
-        if self.routing == "least_loaded":
-            best = min(candidates, key=lambda w: (w.prefill_load, w.num_in_flight))
-            return PrefillChoice(best, 0, [])
         return self._by_prefix(candidates, prompt_token_ids, turn)
 
     def _by_prefix(

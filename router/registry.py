@@ -1,15 +1,15 @@
 """The router's table of workers: registration, liveness and load.
 
-Owns one `Worker` per registered worker id: its `Register` message (role, addresses, model, block
-size), the ZeroMQ identities its messages may come from (the control connection it registered on,
-and the heartbeat connection its `Register` names), when it was last heard from, its latest
-`Heartbeat`, and its load as the router itself counts it (requests dispatched and not finished,
-prompt tokens queued for prefill). Validates registrations: the protocol version, the model and the
-block size must agree across the cluster, and the KV layout (dtype, layers, KV heads, head size)
-with the workers of the other role, else the worker is refused. A worker is dead and removed
-(`expire`; the caller fails or re-dispatches its requests) when it was silent for `timeout_s`,
-when its main loop made no progress for `stall_timeout_s` while it had work (its heartbeats count
-the loop's turns), or when the control plane found it unreachable (`mark_dead`).
+Owns one `Worker` (`router.worker`) per registered worker id, and per role the live ones (taking
+new work: not draining, not found unreachable) as a `LiveWorkers` index kept up to date as
+workers register, heartbeat, drain, die and take or finish requests, so that choosing a worker
+never scans them all (`live_index`; `live` lists them). Validates registrations: the protocol
+version, the model and the block size must agree across the cluster, and the KV layout (dtype,
+layers, KV heads, head size) with the workers of the other role, else the worker is refused. A
+worker is dead and removed (`expire`; the caller fails or re-dispatches its requests) when it was
+silent for `timeout_s`, when its main loop made no progress for `stall_timeout_s` while it had
+work (its heartbeats count the loop's turns), or when the control plane found it unreachable
+(`mark_dead`).
 
 Also asks every worker for its KV block books (`block_books`, for `/debug/block_books` and the
 e2e leak checks) and matches the replies.
@@ -25,7 +25,6 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
 
 import msgspec
 
@@ -39,68 +38,13 @@ from common.protocol import (
     RegisterAck,
     Role,
 )
+from router.worker import LiveWorkers, Worker, order_for
+
+__all__ = ["Registry", "Worker"]
 
 log = logging.getLogger(__name__)
 
-
-@dataclass
-class Worker:
-    """One registered worker, as the router sees it."""
-
-    info: Register
-    identity: bytes  # the DEALER identity that registered: where commands go
-    last_seen_s: float
-    heartbeat: Heartbeat | None = None
-    progress_s: float = 0.0  # when its heartbeat's loop count last moved (or it registered)
-    dead_reason: str = ""  # set when found unreachable: removed at the next `expire`
-    num_in_flight: int = 0  # requests dispatched here, not yet finished (the router's count)
-    queued_prefill_tokens: int = 0  # prefill: prompt tokens dispatched, first token not yet seen
-    refused_until_s: float = 0.0  # decode: skipped for new requests until then (it refused one)
-    num_prefill_dispatched: int = 0  # prefill: prompts sent here (for /metrics)
-    prefix_matched_tokens: int = 0  # prefill: prompt tokens the index said it held at dispatch
-
-    @property
-    def worker_id(self) -> str:
-        return self.info.worker_id
-
-    @property
-    def role(self) -> Role:
-        return self.info.role
-
-    def sends_from(self, identity: bytes) -> bool:
-        """Whether a message from this ZeroMQ identity may speak for this worker."""
-        return identity == self.identity or (
-            bool(self.info.heartbeat_identity) and identity == self.info.heartbeat_identity
-        )
-
-    def has_work(self) -> bool:
-        """Requests dispatched here and not finished, or sequences it reports holding."""
-        hb = self.heartbeat
-        return self.num_in_flight > 0 or (hb is not None and hb.num_running + hb.num_waiting > 0)
-
-    @property
-    def decode_load(self) -> int:
-        """Sequences running or reserved: the router's count, or the worker's if it knows more."""
-        hb = self.heartbeat
-        reported = hb.num_running + hb.num_waiting if hb is not None else 0
-        return max(self.num_in_flight, reported)
-
-    @property
-    def prefill_load(self) -> int:
-        """Prompt tokens left to compute: the router's own count from dispatch until the first
-        token (a heartbeat is up to a second old: a burst must not pile onto one worker before
-        it reports), or the worker's, if it reports more (the load other routers placed)."""
-        hb = self.heartbeat
-        reported = hb.queued_prefill_tokens if hb is not None else 0
-        return max(self.queued_prefill_tokens, reported)
-
-    @property
-    def kv_cache_usage(self) -> float | None:
-        """Fraction of KV blocks in use, from the last heartbeat."""
-        hb = self.heartbeat
-        if hb is None or hb.num_blocks <= 0:
-            return None
-        return 1.0 - hb.num_free_blocks / hb.num_blocks
+ROLES: tuple[Role, ...] = ("prefill", "decode")
 
 
 class Registry:
@@ -120,6 +64,7 @@ class Registry:
         self.stall_timeout_s = stall_timeout_s  # 0: never declare a stuck loop dead
         self.clock = clock
         self.workers: dict[str, Worker] = {}
+        self._live: dict[str, LiveWorkers] = {r: LiveWorkers(order_for(r)) for r in ROLES}
         self._books: dict[tuple[str, int], asyncio.Future[BlockBooksReply]] = {}
         self._book_queries = itertools.count()
 
@@ -132,9 +77,11 @@ class Registry:
         now = self.clock()
         worker = self.workers.get(msg.worker_id)
         if worker is None:
-            self.workers[msg.worker_id] = Worker(
+            worker = self.workers[msg.worker_id] = Worker(
                 info=msg, identity=identity, last_seen_s=now, progress_s=now
             )
+            worker.watch(self._changed)
+            self._changed(worker)
             log.info(
                 "%s worker %r registered (%d blocks, host %s)",
                 msg.role,
@@ -226,6 +173,8 @@ class Registry:
             if reason:
                 log.warning("%s worker %r %s: removed", worker.role, worker.worker_id, reason)
                 del self.workers[worker.worker_id]
+                self._changed(worker)
+                worker.watch(None)
                 dead.append(worker)
         return dead
 
@@ -234,13 +183,27 @@ class Registry:
 
     def live(self, role: Role) -> list[Worker]:
         """Workers of `role` that take new work (a draining worker only finishes what it has)."""
-        return [
-            w
-            for w in self.workers.values()
-            if w.role == role
-            and not w.dead_reason
-            and not (w.heartbeat is not None and w.heartbeat.draining)
-        ]
+        return list(self._live[role])
+
+    def live_index(self, role: Role) -> LiveWorkers:
+        """The live workers of `role`, least loaded first (kept up to date: do not modify)."""
+        return self._live[role]
+
+    def has_live(self, role: Role) -> bool:
+        return len(self._live[role]) > 0
+
+    def _changed(self, worker: Worker) -> None:
+        """A field of the worker's load or liveness changed: refile it in its role's index.
+        (A registered worker keeps its role: registering again under another is refused.)"""
+        live = self._live[worker.role]
+        if (
+            self.workers.get(worker.worker_id) is worker
+            and not worker.dead_reason
+            and not worker.draining
+        ):
+            live.add(worker)
+        else:
+            live.discard(worker)
 
     def max_model_len(self) -> int | None:
         """The longest prompt + output every live worker can hold; None with no workers."""

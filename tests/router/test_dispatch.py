@@ -233,9 +233,9 @@ def test_a_dead_decode_workers_streams_move_to_another_without_an_error() -> Non
 
 
 def test_a_stream_fails_once_its_migrations_are_spent(monkeypatch) -> None:
-    from router import dispatch
+    from router import migration
 
-    monkeypatch.setattr(dispatch, "MAX_MIGRATIONS", 0)  # fail as before migration existed
+    monkeypatch.setattr(migration, "MAX_MIGRATIONS", 0)  # fail as before migration existed
     with RouterThread(colocated=True) as router:
         d0 = router.worker("decode", "d0", token_delay_s=0.05)
         router.worker("decode", "d1", token_delay_s=0.05)

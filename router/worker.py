@@ -1,0 +1,203 @@
+"""A worker as the router sees it, and the live workers of one role ordered by load.
+
+Owns `Worker`: one registered worker's `Register` message, the ZeroMQ identities it speaks from,
+when it was last heard from, its latest `Heartbeat`, and its load as the router itself counts it
+(requests dispatched and not finished, prompt tokens queued for prefill); and `LiveWorkers`: the
+workers of one role that take new work, by id, with the least loaded found without looking at
+every worker (a heap of (load, id) entries: a worker whose load changes is pushed again, entries
+that no longer match their worker's load are dropped when they reach the top, and the heap is
+rebuilt when stale entries outnumber the live ones). A routing decision at 1,000 workers then
+costs what it costs at 10.
+
+A `Worker` tells its owner when a field its load or liveness is read from changes (`watch`):
+the registry keeps each role's `LiveWorkers` up to date that way, whoever changed the field (the
+dispatcher counting a request, a heartbeat, a test). Used by `router.registry` (which builds and
+indexes them), `router.policy` and `router.dispatch`.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+
+from common.protocol import Heartbeat, Register, Role
+
+# Fields that a worker's load or liveness is read from: setting one tells its watcher.
+WATCHED = frozenset({"num_in_flight", "queued_prefill_tokens", "heartbeat", "dead_reason", "info"})
+
+
+@dataclass
+class Worker:
+    """One registered worker, as the router sees it."""
+
+    info: Register
+    identity: bytes  # the DEALER identity that registered: where commands go
+    last_seen_s: float
+    heartbeat: Heartbeat | None = None
+    progress_s: float = 0.0  # when its heartbeat's loop count last moved (or it registered)
+    dead_reason: str = ""  # set when found unreachable: removed at the next `expire`
+    num_in_flight: int = 0  # requests dispatched here, not yet finished (the router's count)
+    queued_prefill_tokens: int = 0  # prefill: prompt tokens dispatched, first token not yet seen
+    refused_until_s: float = 0.0  # decode: skipped for new requests until then (it refused one)
+    num_prefill_dispatched: int = 0  # prefill: prompts sent here (for /metrics)
+    prefix_matched_tokens: int = 0  # prefill: prompt tokens the index said it held at dispatch
+
+    def __setattr__(self, name: str, value: object) -> None:
+        object.__setattr__(self, name, value)
+        if name in WATCHED:
+            on_change = self.__dict__.get("_on_change")
+            if on_change is not None:
+                on_change(self)
+
+    def watch(self, on_change: Callable[[Worker], None] | None) -> None:
+        """Call `on_change(self)` whenever a field in `WATCHED` is set (None: stop)."""
+        object.__setattr__(self, "_on_change", on_change)
+
+    @property
+    def worker_id(self) -> str:
+        return self.info.worker_id
+
+    @property
+    def role(self) -> Role:
+        return self.info.role
+
+    @property
+    def draining(self) -> bool:
+        return self.heartbeat is not None and self.heartbeat.draining
+
+    def sends_from(self, identity: bytes) -> bool:
+        """Whether a message from this ZeroMQ identity may speak for this worker."""
+        return identity == self.identity or (
+            bool(self.info.heartbeat_identity) and identity == self.info.heartbeat_identity
+        )
+
+    def has_work(self) -> bool:
+        """Requests dispatched here and not finished, or sequences it reports holding."""
+        hb = self.heartbeat
+        return self.num_in_flight > 0 or (hb is not None and hb.num_running + hb.num_waiting > 0)
+
+    @property
+    def decode_load(self) -> int:
+        """Sequences running or reserved: the router's count, or the worker's if it knows more."""
+        hb = self.heartbeat
+        reported = hb.num_running + hb.num_waiting if hb is not None else 0
+        return max(self.num_in_flight, reported)
+
+    @property
+    def prefill_load(self) -> int:
+        """Prompt tokens left to compute: the router's own count from dispatch until the first
+        token (a heartbeat is up to a second old: a burst must not pile onto one worker before
+        it reports), or the worker's, if it reports more (the load other routers placed)."""
+        hb = self.heartbeat
+        reported = hb.queued_prefill_tokens if hb is not None else 0
+        return max(self.queued_prefill_tokens, reported)
+
+    @property
+    def kv_cache_usage(self) -> float | None:
+        """Fraction of KV blocks in use, from the last heartbeat."""
+        hb = self.heartbeat
+        if hb is None or hb.num_blocks <= 0:
+            return None
+        return 1.0 - hb.num_free_blocks / hb.num_blocks
+
+
+def decode_order(w: Worker) -> tuple:
+    """Decode workers, least loaded first: running plus reserved sequences, then id."""
+    return (w.decode_load, w.worker_id)
+
+
+def prefill_order(w: Worker) -> tuple:
+    """Prefill workers, least loaded first: queued prompt tokens, requests, then id."""
+    return (w.prefill_load, w.num_in_flight, w.worker_id)
+
+
+def order_for(role: Role) -> Callable[[Worker], tuple]:
+    return decode_order if role == "decode" else prefill_order
+
+
+class LiveWorkers:
+    """Workers that take new work, by id, least loaded first by `order` (see the module doc)."""
+
+    def __init__(self, order: Callable[[Worker], tuple], workers: Iterable[Worker] = ()) -> None:
+        self.order = order
+        self.by_id: dict[str, Worker] = {}
+        self.salts: Counter[tuple[bytes, int]] = Counter()  # (kv_salt, block_size) -> workers
+        self._salt_of: dict[str, tuple[bytes, int]] = {}
+        self._filed: dict[str, tuple] = {}  # each worker's order in its newest heap entry
+        self._heap: list[tuple[tuple, int, Worker]] = []
+        self._seq = itertools.count()  # heap tie-break: entries never compare workers
+        for w in workers:
+            self.add(w)
+
+    def __len__(self) -> int:
+        return len(self.by_id)
+
+    def __iter__(self) -> Iterator[Worker]:
+        return iter(self.by_id.values())
+
+    def __contains__(self, worker: Worker) -> bool:
+        return self.by_id.get(worker.worker_id) is worker
+
+    def get(self, worker_id: str) -> Worker | None:
+        return self.by_id.get(worker_id)
+
+    def add(self, worker: Worker) -> None:
+        """File the worker under its load now (again, if it is here: its load changed)."""
+        salt = (worker.info.kv_salt, worker.info.block_size)
+        old = self.by_id.get(worker.worker_id)
+        if old is not worker or self._salt_of[worker.worker_id] != salt:
+            if old is not None:
+                self.discard(old)
+            self.by_id[worker.worker_id] = worker
+            self._salt_of[worker.worker_id] = salt
+            self.salts[salt] += 1
+        order = self.order(worker)
+        if self._filed.get(worker.worker_id) == order:
+            return  # filed under this load already (a heartbeat that changed nothing)
+        self._filed[worker.worker_id] = order
+        heapq.heappush(self._heap, (order, next(self._seq), worker))
+        self._compact()
+
+    def discard(self, worker: Worker) -> None:
+        if self.by_id.get(worker.worker_id) is worker:
+            del self.by_id[worker.worker_id]
+            salt = self._salt_of.pop(worker.worker_id)
+            self._filed.pop(worker.worker_id, None)
+            self.salts[salt] -= 1
+            if self.salts[salt] <= 0:
+                del self.salts[salt]
+            self._compact()
+
+    def _compact(self) -> None:
+        if len(self._heap) > 2 * len(self.by_id) + 64:  # mostly stale entries: start afresh
+            self._filed = {w.worker_id: self.order(w) for w in self.by_id.values()}
+            self._heap = [(o, next(self._seq), self.by_id[i]) for i, o in self._filed.items()]
+            heapq.heapify(self._heap)
+
+    def least(self, now_s: float, accept: Callable[[Worker], bool] | None = None) -> Worker | None:
+        """The least loaded worker that has not refused work since `now_s` (and that `accept`
+        takes, when given); None if there is none."""
+        heap, skipped, found = self._heap, [], None
+        while heap:
+            order, _, w = heap[0]
+            if self.by_id.get(w.worker_id) is not w or self.order(w) != order:
+                heapq.heappop(heap)  # stale: the worker left, or has a newer entry
+                continue
+            if w.refused_until_s > now_s or (accept is not None and not accept(w)):
+                skipped.append(heapq.heappop(heap))
+                continue
+            found = w
+            break
+        for entry in skipped:
+            heapq.heappush(heap, entry)
+        return found
+
+
+def as_live(
+    workers: Iterable[Worker] | LiveWorkers, order: Callable[[Worker], tuple]
+) -> LiveWorkers:
+    """`workers` as a `LiveWorkers` (a plain list of workers is indexed on the spot)."""
+    return workers if isinstance(workers, LiveWorkers) else LiveWorkers(order, workers)
