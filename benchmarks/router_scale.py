@@ -51,11 +51,11 @@ PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
 # ---- the router process -------------------------------------------------------------------------
 
 
-def proc_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of process `pid` so far."""
+def proc_cpu_s(pid: int, system_only: bool = False) -> float:
+    """User + system (or system only) CPU seconds of process `pid` so far."""
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+    return (int(fields[12]) + (0 if system_only else int(fields[11]))) / CLOCK_TICKS
 
 
 def proc_rss_bytes(pid: int) -> int:
@@ -286,6 +286,7 @@ def run_clients(ctx, ports: list[int], kind: str, total: int, procs: int, tokens
     time.sleep(1.0)  # the clients' imports, before the clock starts
     rss0 = sum(proc_rss_bytes(pid) for pid in router_pids)
     cpu0 = [proc_cpu_s(pid) for pid in router_pids]
+    sys0 = [proc_cpu_s(pid, system_only=True) for pid in router_pids]
     wall0 = time.monotonic()
     go.set()
     got, rss_peak = [], rss0
@@ -298,12 +299,14 @@ def run_clients(ctx, ports: list[int], kind: str, total: int, procs: int, tokens
             rss_peak = max(rss_peak, sum(proc_rss_bytes(pid) for pid in router_pids))
     wall = time.monotonic() - wall0
     cpus = [proc_cpu_s(pid) - c for pid, c in zip(router_pids, cpu0)]
+    system = sum(proc_cpu_s(pid, system_only=True) - c for pid, c in zip(router_pids, sys0))
     for c in clients:
         c.join()
     return {
         "results": [r for out, _, _ in got for r in out],
         "client_cpu_s": sum(c for _, c, _ in got),
         "router_cpu_s": sum(cpus),
+        "router_system_cpu_s": system,  # in the kernel: socket reads and writes
         "router_core_use_max": max(cpus) / wall,
         "wall_s": wall,
         "rss0": rss0,
@@ -475,13 +478,18 @@ def main() -> None:
         "routing_decisions_per_s": ok_routes / route["wall_s"],
         "routing_ok": ok_routes,
         "router_cpu_us_per_route": 1e6 * route["router_cpu_s"] / max(ok_routes, 1),
+        # What one router core would do if it had nothing else to run (this host's clients and
+        # workers share its cores): requests routed per second of router CPU.
+        "routing_decisions_per_router_cpu_s": ok_routes / max(route["router_cpu_s"], 1e-9),
         "routing_client_cpu_s": route["client_cpu_s"],
         "routing_wall_s": route["wall_s"],
         "streams_complete": complete,
         "relayed_tokens": num_tokens,
         "relayed_tokens_per_s": num_tokens / max(last - first, 1e-9),
         "router_cpu_us_per_token": 1e6 * relayed["router_cpu_s"] / max(num_tokens, 1),
+        "relayed_tokens_per_router_cpu_s": num_tokens / max(relayed["router_cpu_s"], 1e-9),
         "router_cpu_s": relayed["router_cpu_s"],
+        "router_kernel_share": relayed["router_system_cpu_s"] / max(relayed["router_cpu_s"], 1e-9),
         "relay_wall_s": relayed["wall_s"],
         "router_core_use": relayed["router_core_use_max"],  # the busiest router's
         "client_cpu_s": relayed["client_cpu_s"],

@@ -14,9 +14,11 @@ buffered for slow readers); and the rule that every error is an OpenAI error bod
 
 The event loop never tokenizes, detokenizes or parses a large body itself: that work runs on a
 small thread pool (`RouterState.offload`; the tokenizer releases the GIL), so one 10 MB request
-cannot stall every stream. A prompt too long to fit the context by its character count alone is
-refused before tokenizing (`common.api.body.check_prompt_chars`). The heap a large request freed
-goes back to the OS once it is over (`router.memory`).
+cannot stall every stream (a completions prompt of token ids or a few hundred characters is
+tokenized on the loop: the hop to the pool would cost more). A prompt too long to fit the
+context by its character count alone is refused before tokenizing
+(`common.api.body.check_prompt_chars`). The heap a large request freed goes back to the OS once
+it is over (`router.memory`).
 
 `/health` is 200 when at least one decode worker is live and either a prefill worker is live or
 the router runs with `--colocated` (decode workers prefill themselves).
@@ -40,7 +42,7 @@ from typing import Any, TypeVar
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -71,13 +73,14 @@ from router.job import Job
 from router.memory import Trimmer
 from router.metrics import RouterMetrics
 from router.registry import Registry
-from router.streaming import choice_deltas, sse_events
+from router.streaming import SSEResponse, choice_deltas
 
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 32 * 2**20
 DISCONNECT_POLL_S = 0.5  # how often a non-streamed request checks that its client is still there
 TOKENIZER_THREADS = 4  # tokenizing releases the GIL: a few requests at once, never the event loop
+INLINE_TOKENIZE_CHARS = 256  # completions prompts up to this many chars tokenize on the loop
 OPEN_PATHS = frozenset({"/health"})  # served without the API key
 T = TypeVar("T")
 
@@ -332,9 +335,13 @@ async def _validated(
     body = await _json_body(state, request)
     gen = parse_request(url, body, state.served_model_names, state.tool_format())
     context_len = state.context_len()
-    check_prompt_chars(_texts(gen), context_len, "messages" if url == CHAT_URL else "prompt")
+    texts = _texts(gen)
+    check_prompt_chars(texts, context_len, "messages" if url == CHAT_URL else "prompt")
     if gen.params.structured_output is not None:  # compiles (cached): a 400 names what fails
         await state.offload(check_structured_output, gen.params.structured_output, state.tokenizer)
+    if gen.endpoint != "chat" and sum(map(len, texts)) <= INLINE_TOKENIZE_CHARS:
+        # Token ids or a short text: a hop to the pool costs more than the work.
+        return gen, engine_inputs(gen, state.tokenizer, context_len)
     return gen, await state.offload(engine_inputs, gen, state.tokenizer, context_len)
 
 
@@ -382,7 +389,7 @@ async def _generate(state: RouterState, request: Request, url: str) -> Response:
     prompt_tokens = sum(len(inp.prompt_token_ids) for inp in inputs)
     timer.dispatched()
     if gen.stream:
-        events = sse_events(
+        return SSEResponse(
             gen,
             response_id,
             created,
@@ -393,7 +400,6 @@ async def _generate(state: RouterState, request: Request, url: str) -> Response:
             state.request_timeout_s,
             timer,
         )
-        return StreamingResponse(events, media_type="text/event-stream")
 
     async def collect() -> None:
         async for _ in choice_deltas(job, choices, state.request_timeout_s, timer):

@@ -2,7 +2,9 @@
 
 Owns `EventBuffer`, where the dispatcher puts a job's events (the decode workers' `TokenOutput`s,
 a flight's failure) and its reader (`router.streaming`) takes everything there at once: a batch of
-tokens from one `TokenBatch` wakes the reader once, not once per token. And `RelayBudget`, the
+tokens from one `TokenBatch` wakes the reader once, not once per token; or, when the reader set
+`on_put`, the reader is called at once and takes them without a wake-up (a stream that writes its
+chunks from there). And `RelayBudget`, the
 bound on what all buffers hold together: a reader that cannot keep up (a slow HTTP client, or a
 router short of CPU) makes its buffer grow, so
 
@@ -72,6 +74,7 @@ class EventBuffer:
         self.num_tokens = 0
         self.overflowed = False
         self._waiter: asyncio.Future[None] | None = None
+        self.on_put: Callable[[], None] | None = None  # called for each event put, not waking
 
     def __len__(self) -> int:
         return len(self._events)
@@ -84,15 +87,19 @@ class EventBuffer:
         self._events.append(event)
         self.num_tokens += n
         self.budget.add(n)
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
         if self.num_tokens > self.budget.max_request_tokens and not self.overflowed:
             self.overflowed = True
             self.budget.num_overflows += 1
             self.clear()  # what the reader never read is dropped: its memory comes back now
             if self.on_overflow is not None:
-                self.on_overflow()
+                self.on_overflow()  # puts the failure: that put calls or wakes the reader
+                return
+        if self.on_put is not None:
+            self.on_put()
+            return
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     def get_nowait(self) -> tuple[int, Any]:
         event = self._events.popleft()

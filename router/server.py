@@ -145,6 +145,7 @@ class RouterServer:
 
         from common.runtime.ports import PortInUse
         from router.app import create_app
+        from router.sse import expose_http_cycle
 
         cfg = self.config
         try:
@@ -155,7 +156,7 @@ class RouterServer:
             raise PortInUse(cfg.control_host, cfg.control_port, "--control-port") from None
         self.http = uvicorn.Server(
             uvicorn.Config(
-                create_app(self.state),
+                expose_http_cycle(create_app(self.state)),  # streams write without a wake-up
                 host=cfg.host,
                 port=cfg.port,
                 log_level=cfg.log_level,

@@ -1,41 +1,91 @@
 """The router side of generation: workers' token outputs in, a response's choices or SSE out.
 
-Owns `choice_delta_batches` (and `choice_deltas`, one delta at a time), the loop that applies a
-job's events (the decode workers' `TokenOutput`s, or a flight's failure) to its choices until all
-are done, everything buffered at each wake-up at once, releasing each choice on the worker once it
-is done (which aborts it there when a stop string cut it short), timing tokens into the request's
-metrics, and turning failures and timeouts into `RequestError`s; and `sse_events`, the byte stream
-a `StreamingResponse` sends (role chunks, delta chunks, the usage chunk, an error event, `[DONE]`;
-one event per delta as always, the events of one wake-up written in one piece), closing the job at
-the end. The choices are `common.api.choice.Choice`s and every body comes from
-`common.api.responses`. Called by `router.app`.
+Owns `ChoiceFeed`, which applies a job's events (the decode workers' `TokenOutput`s, or a
+flight's failure) to its choices: timing tokens into the request's metrics, releasing each choice
+on the worker once it is done (which aborts it there when a stop string cut it short), and
+turning a failure into a `RequestError`; `choice_delta_batches` / `choice_deltas`, the loop over
+it for a whole (non-streamed) response, everything buffered at each wake-up at once; and
+`SSEResponse`, a streamed response (role chunks, delta chunks, the usage chunk, an error event,
+`[DONE]`; one event per delta as always). A stream's events are applied and its chunks written
+as the events are put (`EventBuffer.on_put`, from the control plane's handling of a
+`TokenBatch`), through a `router.sse.DirectWriter`: no task wakes up per token, and a text chunk
+is a pre-encoded template (`router.sse.ChunkTemplates`). When the client's socket is paused
+(back-pressure), or the server gives no direct writer, the response's task writes instead, each
+wake-up's events in one piece, while the job's buffer holds what waits (bounded by
+`router.relay`). The job is closed at the end, and when the client goes away. The choices are
+`common.api.choice.Choice`s and every body comes from `common.api.responses`. Called by
+`router.app`.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TypeVar
 
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
 from common.api.choice import Choice, Delta
 from common.api.requests import GenerationRequest, RequestError
-from common.api.responses import (
-    DONE,
-    delta_chunk,
-    error_event,
-    role_chunk,
-    sse,
-    usage_chunk,
-)
+from common.api.responses import DONE, delta_chunk, error_event, role_chunk, sse, usage_chunk
 from common.api.tokenizer import Tokenizer
-from router.dispatch import FlightFailed
+from router.flight import Event, FlightFailed
 from router.job import Job
 from router.metrics import RequestTimer
+from router.sse import ChunkTemplates, DirectWriter, direct_writer
 
 T = TypeVar("T")
 
 
 def _pair(choice: Choice, delta: Delta) -> tuple[Choice, Delta]:
     return choice, delta
+
+
+class ChoiceFeed:
+    """A job's events applied to its choices, until every choice is done."""
+
+    def __init__(self, job: Job, choices: Sequence[Choice], timer: RequestTimer) -> None:
+        self.job = job
+        self.choices = choices
+        self.timer = timer
+        self.remaining = sum(not c.done for c in choices)
+
+    @property
+    def done(self) -> bool:
+        return not self.remaining
+
+    def apply(
+        self, events: list[Event], render: Callable[[Choice, Delta], T]
+    ) -> tuple[list[T], RequestError | None]:
+        """`render(choice, delta)` of each event's delta, and the failure that ended them if one
+        did. `render` runs right after its delta is applied (a chunk's logprobs are the choice's
+        tokens from the delta's first on: later tokens must not be there yet)."""
+        rendered = []
+        for index, event in events:
+            if isinstance(event, FlightFailed):  # what came before it is shown first, as it came
+                return rendered, RequestError(
+                    event.reason, code=event.code, type="service_unavailable"
+                )
+            choice = self.choices[index]
+            if choice.done:
+                continue  # tokens a worker sent before it saw the abort of a stopped choice
+            self.timer.tokens(index, len(event.token_ids))
+            delta = choice.add(
+                event.token_ids,
+                event.logprobs,
+                event.top_logprobs,
+                finished=event.finished,
+                finish_reason=event.finish_reason,
+                prompt_logprobs=event.prompt_logprobs,
+            )
+            if choice.done:
+                self.remaining -= 1
+                self.job.finish(index)  # aborts it on the worker when a stop string cut it short
+            rendered.append(render(choice, delta))
+            if not self.remaining:
+                break
+        return rendered, None
 
 
 async def choice_delta_batches(
@@ -46,38 +96,16 @@ async def choice_delta_batches(
     render: Callable[[Choice, Delta], T] = _pair,
 ) -> AsyncIterator[list[T]]:
     """Apply the job's events until every choice is done, yielding `render(choice, delta)` of
-    everything that arrived by each wake-up together; RequestError on failure or timeout.
-
-    `render` runs right after its delta is applied (a chunk's logprobs are the choice's tokens
-    from the delta's first on: later tokens of the same wake-up must not be there yet)."""
+    everything that arrived by each wake-up together; RequestError on failure or timeout."""
     clock = timer.metrics.clock
     deadline = clock() + timeout_s
-    remaining = sum(not c.done for c in choices)
-    while remaining:
-        rendered = []
-        for index, event in await job.next_events(deadline - clock()):
-            if isinstance(event, FlightFailed):
-                if rendered:  # what came before the failure is shown first, as it came
-                    yield rendered
-                raise RequestError(event.reason, code=event.code, type="service_unavailable")
-            choice = choices[index]
-            if choice.done:
-                continue  # tokens a worker sent before it saw the abort of a stopped choice
-            timer.tokens(index, len(event.token_ids))
-            delta = choice.add(
-                event.token_ids,
-                event.logprobs,
-                event.top_logprobs,
-                finished=event.finished,
-                finish_reason=event.finish_reason,
-                prompt_logprobs=event.prompt_logprobs,
-            )
-            if choice.done:
-                remaining -= 1
-                job.finish(index)  # aborts it on the worker when a stop string cut it short
-            rendered.append(render(choice, delta))
-            if not remaining:
-                break
+    feed = ChoiceFeed(job, choices, timer)
+    while not feed.done:
+        rendered, error = feed.apply(await job.next_events(deadline - clock()), render)
+        if error is not None:
+            if rendered:
+                yield rendered
+            raise error
         yield rendered
 
 
@@ -90,52 +118,171 @@ async def choice_deltas(
             yield item
 
 
-async def sse_events(
-    request: GenerationRequest,
-    response_id: str,
-    created: int,
-    job: Job,
-    choices: Sequence[Choice],
-    tokenizer: Tokenizer,
-    prompt_tokens: int,
-    timeout_s: float,
-    timer: RequestTimer,
-) -> AsyncIterator[bytes]:
-    """The SSE body of a streamed response; the job is closed (aborting what runs) at the end.
+class _ClientGone(Exception):
+    pass
+
+
+class SSEResponse(Response):
+    """A streamed response's SSE body; the job is closed (aborting what runs) at the end.
 
     A failure mid-stream becomes an error event; the stream then ends with [DONE] as usual.
     """
-    try:
-        if request.endpoint == "chat":
-            for choice in choices:
-                yield sse(role_chunk(request, response_id, created, choice.index))
 
-        def event(choice: Choice, delta: Delta) -> bytes:
-            new_tokens = len(choice.token_ids) > delta.first_token
-            # A delta with no text still carries its tokens' logprobs when they were asked for
-            # (and an echoed prompt's: an empty prompt text may still have tokens).
-            shows_tokens = new_tokens or delta.echo
-            if (
-                delta.text
-                or delta.finish_reason
-                or delta.tool_calls
-                or (choice.want_logprobs and shows_tokens)
-            ):
-                return sse(delta_chunk(request, response_id, created, choice, delta, tokenizer))
-            return b""
+    media_type = "text/event-stream"
 
-        # One event per delta, as always; the events of one wake-up go out in one piece (one
-        # send through the server, not one per token).
-        async for events in choice_delta_batches(job, choices, timeout_s, timer, event):
-            if any(events):
-                yield b"".join(events)
-        completion_tokens = sum(len(c.token_ids) for c in choices)
-        timer.finished(prompt_tokens, completion_tokens, [c.finish_reason or "" for c in choices])
-        if request.include_usage:
-            yield sse(usage_chunk(request, response_id, created, prompt_tokens, completion_tokens))
-    except RequestError as e:
-        timer.failed(e.code)
-        yield error_event(e)
-    finally:
-        job.close()  # also when the client went away: abort on the workers
-    yield DONE
+    def __init__(
+        self,
+        request: GenerationRequest,
+        response_id: str,
+        created: int,
+        job: Job,
+        choices: Sequence[Choice],
+        tokenizer: Tokenizer,
+        prompt_tokens: int,
+        timeout_s: float,
+        timer: RequestTimer,
+    ) -> None:
+        self.status_code = 200
+        self.background = None
+        self.init_headers(None)
+        self.request, self.response_id, self.created = request, response_id, created
+        self.job, self.choices, self.tokenizer = job, choices, tokenizer
+        self.prompt_tokens, self.timeout_s, self.timer = prompt_tokens, timeout_s, timer
+        self.feed = ChoiceFeed(job, choices, timer)
+        self.templates = ChunkTemplates(request, response_id, created, tokenizer)
+        self.writer: DirectWriter | None = None
+        self.error: BaseException | None = None  # what ended the relay from `_on_put`
+        self._wake: asyncio.Future[None] | None = None
+        self._busy = False  # the task is sending, or `_on_put` is running: no direct writes
+
+    def event(self, choice: Choice, delta: Delta) -> bytes:
+        """The SSE event of one delta, or b'' when it shows nothing."""
+        if ChunkTemplates.applies(choice, delta):
+            return self.templates.text_chunk(choice, delta.text) if delta.text else b""
+        new_tokens = len(choice.token_ids) > delta.first_token
+        # A delta with no text still carries its tokens' logprobs when they were asked for
+        # (and an echoed prompt's: an empty prompt text may still have tokens).
+        shows_tokens = new_tokens or delta.echo
+        if (
+            delta.text
+            or delta.finish_reason
+            or delta.tool_calls
+            or (choice.want_logprobs and shows_tokens)
+        ):
+            request, tokenizer = self.request, self.tokenizer
+            return sse(
+                delta_chunk(request, self.response_id, self.created, choice, delta, tokenizer)
+            )
+        return b""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        job, timer = self.job, self.timer
+        gone = asyncio.ensure_future(_disconnect(receive))
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            if self.request.endpoint == "chat":
+                head = b"".join(
+                    sse(role_chunk(self.request, self.response_id, self.created, c.index))
+                    for c in self.choices
+                )
+                await _body(send, head)
+            self.writer = direct_writer(scope, send)
+            job.events.on_put = self._on_put
+            await self._relay(send, gone)
+            completion_tokens = sum(len(c.token_ids) for c in self.choices)
+            reasons = [c.finish_reason or "" for c in self.choices]
+            timer.finished(self.prompt_tokens, completion_tokens, reasons)
+            if self.request.include_usage:
+                usage = usage_chunk(
+                    self.request, self.response_id, self.created, self.prompt_tokens,
+                    completion_tokens,
+                )  # fmt: skip
+                await _body(send, sse(usage))
+        except RequestError as e:
+            timer.failed(e.code)
+            await _body(send, error_event(e))
+        except _ClientGone:
+            return
+        finally:
+            gone.cancel()
+            job.events.on_put = None
+            job.close()  # also when the client went away: abort on the workers
+        await send({"type": "http.response.body", "body": DONE, "more_body": False})
+
+    async def _relay(self, send: Send, gone: asyncio.Future[None]) -> None:
+        """Until every choice is done: `_on_put` writes, this task writes only what it cannot."""
+        clock = self.timer.metrics.clock
+        deadline = clock() + self.timeout_s
+        while True:
+            if self.error is not None:
+                raise self.error
+            if self.feed.done:
+                return
+            if self.job.events.empty():
+                await self._wait(gone, deadline - clock())
+            elif self._direct():
+                self._on_put()
+            else:  # the socket is paused (or no direct writer): write here, waiting for it
+                rendered, error = self.feed.apply(self.job.events.take_all(), self.event)
+                self._busy = True
+                try:
+                    if self.writer is not None:
+                        await self.writer.flush()  # a direct write that had to wait goes first
+                    await _body(send, b"".join(rendered))
+                finally:
+                    self._busy = False
+                if error is not None:
+                    raise error
+
+    async def _wait(self, gone: asyncio.Future[None], timeout_s: float) -> None:
+        """Until `_on_put` wakes the task; _ClientGone, or RequestError(504) after `timeout_s`."""
+        wake = self._wake = asyncio.get_running_loop().create_future()
+        try:
+            done, _ = await asyncio.wait(
+                (wake, gone), timeout=max(timeout_s, 0.0), return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            self._wake = None
+        if gone in done:
+            raise _ClientGone
+        if not done:
+            raise RequestError("the request timed out", code=504, type="timeout")
+
+    def _direct(self) -> bool:
+        return self.writer is not None and not self._busy and self.writer.ready()
+
+    def _on_put(self) -> None:
+        """Events were put: apply them and write their chunks now when the socket takes them;
+        else (or when the stream ends here) wake the task."""
+        if self.error is None and not self.feed.done and self._direct():
+            assert self.writer is not None
+            self._busy = True
+            try:
+                while not self.job.events.empty() and not self.feed.done:
+                    rendered, error = self.feed.apply(self.job.events.take_all(), self.event)
+                    data = b"".join(rendered)
+                    if data:
+                        self.writer.write(data)
+                    if error is not None:
+                        self.error = error
+                        break
+            except Exception as e:  # fails this stream, in its task; never the control plane
+                self.error = e
+            finally:
+                self._busy = False
+            if self.error is None and not self.feed.done:
+                return
+        wake = self._wake
+        if wake is not None and not wake.done():
+            wake.set_result(None)
+
+
+async def _body(send: Send, data: bytes) -> None:
+    if data:
+        await send({"type": "http.response.body", "body": data, "more_body": True})
+
+
+async def _disconnect(receive: Receive) -> None:
+    """Until the client goes away."""
+    while (await receive())["type"] != "http.disconnect":
+        pass

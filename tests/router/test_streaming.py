@@ -2,7 +2,9 @@
 
 The SSE bytes of streamed completions and chat (with and without the usage chunk), the error event
 of a failed or timed-out flight, stop strings that release a choice on the worker, and the
-non-streamed path (`choice_deltas`, then a whole body) giving the same text.
+non-streamed path (`choice_deltas`, then a whole body) giving the same text. Every test runs with
+the response's task writing (`task`: no direct writer, as under a server other than uvicorn) and
+with chunks written as the events are put (`direct`: a fake uvicorn cycle).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Sequence
+from types import SimpleNamespace
 
 import pytest
 
@@ -22,23 +25,36 @@ from common.model.model_files import resolve_model
 from common.protocol import TokenOutput
 from router.dispatch import FlightFailed
 from router.metrics import RouterMetrics
-from router.streaming import choice_deltas, sse_events
+from router.relay import EventBuffer
+from router.sse import HTTP_CYCLE
+from router.streaming import SSEResponse, choice_deltas
 
 IM_END = 2
 
 
 class ScriptedJob:
-    """Stands in for `router.dispatch.Job`: hands out scripted events, records finish and close."""
+    """Stands in for `router.job.Job`: scripted events, put into a real event buffer one per loop
+    turn (`feed`, as the dispatcher puts them) or handed out one per wake-up (`next_events`);
+    records finish and close."""
+
+    together = False  # put every scripted event at once
 
     def __init__(self, events: Sequence[tuple[int, TokenOutput | FlightFailed]]) -> None:
-        self.events = list(events)
+        self.script = list(events)
+        self.events = EventBuffer()
         self.finished: list[int] = []
         self.closed = False
 
+    async def feed(self) -> None:
+        while self.script and not self.closed:
+            for _ in range(len(self.script) if self.together else 1):
+                self.events.put_nowait(self.script.pop(0))
+            await asyncio.sleep(0)
+
     async def next_event(self, timeout_s: float) -> tuple[int, TokenOutput | FlightFailed]:
-        if not self.events:  # what Job does when nothing arrives before the deadline
+        if not self.script:  # what Job does when nothing arrives before the deadline
             raise RequestError("the request timed out", code=504, type="timeout")
-        return self.events.pop(0)
+        return self.script.pop(0)
 
     async def next_events(self, timeout_s: float) -> list[tuple[int, TokenOutput | FlightFailed]]:
         return [await self.next_event(timeout_s)]  # one event per wake-up
@@ -48,6 +64,7 @@ class ScriptedJob:
 
     def close(self) -> None:
         self.closed = True
+        self.events.clear()
 
 
 class Clock:
@@ -95,11 +112,48 @@ def setup(tok: Tokenizer, url: str, body: dict) -> tuple:
     return request, choices, sum(len(inp.prompt_token_ids) for inp in inputs)
 
 
-def stream(tok, request, choices, prompt_tokens, job, metrics) -> str:
+MODE = {"writer": "task"}
+
+
+@pytest.fixture(autouse=True, params=["task", "direct"])
+def writer(request: pytest.FixtureRequest) -> str:
+    MODE["writer"] = request.param
+    return request.param
+
+
+class FakeCycle:
+    """What `router.sse.DirectWriter` reads of uvicorn's request cycle."""
+
+    def __init__(self) -> None:
+        self.flow = SimpleNamespace(write_paused=False)
+        self.disconnected = False
+
+
+def stream(tok, request, choices, prompt_tokens, job, metrics, timeout_s: float = 60.0) -> str:
+    """The body of an `SSEResponse` over `job`, run as an ASGI app."""
+
     async def collect() -> bytes:
         timer = metrics.start_request()
-        events = sse_events(request, "resp-1", 1700, job, choices, tok, prompt_tokens, 60.0, timer)
-        return b"".join([e async for e in events])
+        response = SSEResponse(
+            request, "resp-1", 1700, job, choices, tok, prompt_tokens, timeout_s, timer
+        )
+        body: list[bytes] = []
+
+        async def send(message: dict) -> None:
+            if message["type"] == "http.response.body":
+                body.append(message["body"])
+
+        async def receive() -> dict:
+            await asyncio.Event().wait()  # the client never leaves
+            return {"type": "http.disconnect"}
+
+        scope = {"type": "http"}
+        if MODE["writer"] == "direct":
+            scope[HTTP_CYCLE] = FakeCycle()
+        feeding = asyncio.ensure_future(job.feed())
+        await response(scope, receive, send)
+        feeding.cancel()
+        return b"".join(body)
 
     return asyncio.run(collect()).decode()
 
@@ -218,7 +272,7 @@ def test_timeout_becomes_a_504_error_event(tok: Tokenizer) -> None:
     )
     job = ScriptedJob([])  # the worker never answers
     metrics = RouterMetrics(Clock())
-    events = parse_sse(stream(tok, request, choices, prompt_tokens, job, metrics))
+    events = parse_sse(stream(tok, request, choices, prompt_tokens, job, metrics, timeout_s=0.05))
     assert events[0]["error"]["code"] == 504 and events[0]["error"]["type"] == "timeout"
     assert events[1:] == ["[DONE]"] and job.closed
     assert dict(metrics.request_errors_total) == {504: 1}
@@ -234,7 +288,7 @@ def test_stop_string_releases_the_choice_and_ignores_later_tokens(tok: Tokenizer
     events = parse_sse(stream(tok, request, choices, prompt_tokens, job, metrics))
     assert "".join(e["choices"][0]["text"] for e in events[:-1]) == " one two"
     assert events[-2]["choices"][0]["finish_reason"] == "stop"
-    assert job.finished == [0] and job.events == [(0, tokens([four]))]  # never read
+    assert job.finished == [0]  # released on the worker: " four" may still come, never shown
     assert metrics.generation_tokens_total == 3  # the stop string's token counts, " four" not
 
 
@@ -276,12 +330,10 @@ def test_non_streamed_collects_the_same_text(tok: Tokenizer) -> None:
 
 
 class TogetherJob(ScriptedJob):
-    """Hands out every scripted event at the first wake-up, as a `TokenBatch` (or a router
-    behind its workers) delivers them."""
+    """Puts every scripted event at once, as a `TokenBatch` (or a router behind its workers)
+    delivers them."""
 
-    async def next_events(self, timeout_s: float) -> list[tuple[int, TokenOutput | FlightFailed]]:
-        events, self.events = self.events, []
-        return events or [await self.next_event(timeout_s)]
+    together = True
 
 
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
@@ -308,3 +360,100 @@ def test_events_that_arrive_together_give_the_same_sse(tok: Tokenizer, endpoint:
         assert job.closed
     assert texts[0] == texts[1]
     assert texts[1].count("data: {") == (5 + 2 if endpoint == "chat" else 5)
+
+
+class PausingCycle(FakeCycle):
+    """A uvicorn cycle whose `send` waits while the client's socket is paused, as uvicorn's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body: list[bytes] = []
+        self.resumed = asyncio.Event()
+        self.resumed.set()
+
+    def pause(self, paused: bool) -> None:
+        self.flow.write_paused = paused
+        if paused:
+            self.resumed.clear()
+        else:
+            self.resumed.set()
+
+    async def send(self, message: dict) -> None:
+        if self.flow.write_paused:
+            await self.resumed.wait()
+        if message["type"] == "http.response.body":
+            self.body.append(message["body"])
+
+
+def test_direct_chunks_are_written_as_events_are_put_and_wait_out_back_pressure(
+    tok: Tokenizer,
+) -> None:
+    words = ids(tok, " one two three four five six")
+    request, choices, prompt_tokens = setup(
+        tok, "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 6, "stream": True}
+    )
+    job = ScriptedJob([])
+    metrics = RouterMetrics(Clock())
+
+    async def run() -> str:
+        cycle = PausingCycle()
+        timer = metrics.start_request()
+        response = SSEResponse(
+            request, "resp-1", 1700, job, choices, tok, prompt_tokens, 60.0, timer
+        )
+
+        async def receive() -> dict:
+            await asyncio.Event().wait()
+            return {"type": "http.disconnect"}
+
+        task = asyncio.ensure_future(response({"type": "http", HTTP_CYCLE: cycle}, receive,
+                                              cycle.send))  # fmt: skip
+        await asyncio.sleep(0.01)
+        job.events.put_nowait((0, tokens(words[:1])))
+        assert cycle.body[-1].startswith(b"data: ")  # written by the put: no task woke for it
+        cycle.pause(True)  # the client stops reading: the task writes, waiting for the socket
+        job.events.put_nowait((0, tokens(words[1:2])))
+        job.events.put_nowait((0, tokens(words[2:3])))
+        await asyncio.sleep(0.01)
+        assert len(cycle.body) == 1
+        job.events.put_nowait((0, tokens(words[3:4])))
+        cycle.pause(False)
+        await asyncio.sleep(0.01)
+        job.events.put_nowait((0, tokens(words[4:5])))  # direct again
+        job.events.put_nowait((0, tokens(words[5:], "length")))
+        await asyncio.wait_for(task, 5)
+        return b"".join(cycle.body).decode()
+
+    events = parse_sse(asyncio.run(run()))
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == tok.decode(words)
+    assert events[-2]["choices"][0]["finish_reason"] == "length" and events[-1] == "[DONE]"
+    assert job.closed and metrics.generation_tokens_total == 6
+
+
+def test_a_client_that_leaves_closes_the_job(tok: Tokenizer) -> None:
+    request, choices, prompt_tokens = setup(
+        tok, "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 6, "stream": True}
+    )
+    job = ScriptedJob([])
+
+    async def run() -> None:
+        cycle = PausingCycle()
+        timer = RouterMetrics(Clock()).start_request()
+        response = SSEResponse(
+            request, "resp-1", 1700, job, choices, tok, prompt_tokens, 60.0, timer
+        )
+        left = asyncio.Event()
+
+        async def receive() -> dict:
+            await left.wait()
+            return {"type": "http.disconnect"}
+
+        task = asyncio.ensure_future(response({"type": "http", HTTP_CYCLE: cycle}, receive,
+                                              cycle.send))  # fmt: skip
+        await asyncio.sleep(0.01)
+        job.events.put_nowait((0, tokens(ids(tok, " one"))))
+        left.set()
+        await asyncio.wait_for(task, 5)
+
+    asyncio.run(run())
+    assert job.closed and job.events.empty()
