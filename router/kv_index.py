@@ -21,8 +21,8 @@ prompt's first block: any other matches nothing. One holder is stored as its id,
 Tiers: a worker with a KV tier (common.engine.kv_tier) also reports the keys its host RAM
 ("cpu") and disk ("disk") tiers hold, in `KVEvents` of that `tier` (numbered with its other
 messages; a reset replaces that tier's keys only). A key held in any tier counts as held for
-`match` (reloading it costs far less than computing it); `tiers_of` says where each of a prompt's
-leading blocks is, for a peer fetch to read it out by key.
+`match` and `holders` (reloading it costs far less than computing it); `tiers_of` says where each
+of a prompt's leading blocks is, for a peer fetch to read it out by key.
 
 Called by `router.control` (events, heartbeats, removal) and `router.policy` (matching).
 """
@@ -92,6 +92,7 @@ class PrefixIndex:
         self._workers: dict[str, _WorkerIndex] = {}
         self._holders: Holders = {}  # reported keys
         self._pending_roots: Holders = {}  # the first key of each pending prompt
+        self._tier_holders: Holders = {}  # keys in a worker's KV tier
         self.num_resyncs_asked = 0
         self.num_events_applied = 0
 
@@ -144,6 +145,11 @@ class PrefixIndex:
         gone = held - set(msg.stored) if msg.reset else set(msg.evicted) & held
         held -= gone
         held.update(msg.stored)
+        for key in gone:
+            if not w.in_tier(key):
+                _unhold(self._tier_holders, key, msg.worker_id)
+        for key in msg.stored:
+            _hold(self._tier_holders, key, msg.worker_id)
         self.num_events_applied += 1
         if msg.seq == w.seq + 1:
             w.seq = msg.seq
@@ -204,12 +210,14 @@ class PrefixIndex:
             _unhold(self._holders, key, worker_id)
         for key in w.roots:
             _unhold(self._pending_roots, key, worker_id)
+        for key in set().union(*w.tiers.values()):
+            _unhold(self._tier_holders, key, worker_id)
 
     def holders(self, key: bytes) -> set[str]:
         """Workers that may hold `key`: reported holders, and workers with a prompt starting
         with it pending (maybe expired by now: `match` says how much each holds)."""
         found: set[str] = set()
-        for holders in (self._holders, self._pending_roots):
+        for holders in (self._holders, self._pending_roots, self._tier_holders):
             held = holders.get(key)
             if isinstance(held, set):
                 found |= held
