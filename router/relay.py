@@ -3,8 +3,8 @@
 Owns `EventBuffer`, where the dispatcher puts a job's events (the decode workers' `TokenOutput`s,
 a flight's failure) and its reader (`router.streaming`) takes everything there at once: a batch of
 tokens from one `TokenBatch` wakes the reader once, not once per token; or, when the reader set
-`on_put`, the reader is called at once and takes them without a wake-up (a stream that writes its
-chunks from there). And `RelayBudget`, the
+`on_put`, each event is offered to it first and one it takes at once is never buffered (a stream
+that writes its chunks from there). And `RelayBudget`, the
 bound on what all buffers hold together: a reader that cannot keep up (a slow HTTP client, or a
 router short of CPU) makes its buffer grow, so
 
@@ -74,7 +74,8 @@ class EventBuffer:
         self.num_tokens = 0
         self.overflowed = False
         self._waiter: asyncio.Future[None] | None = None
-        self.on_put: Callable[[], None] | None = None  # called for each event put, not waking
+        # The reader's: offered each event first; True when it took it at once (never buffered).
+        self.on_put: Callable[[tuple[int, Any]], bool] | None = None
 
     def __len__(self) -> int:
         return len(self._events)
@@ -83,6 +84,9 @@ class EventBuffer:
         return not self._events
 
     def put_nowait(self, event: tuple[int, Any]) -> None:
+        on_put = self.on_put
+        if on_put is not None and on_put(event):
+            return
         n = num_tokens(event)
         self._events.append(event)
         self.num_tokens += n
@@ -94,9 +98,8 @@ class EventBuffer:
             if self.on_overflow is not None:
                 self.on_overflow()  # puts the failure: that put calls or wakes the reader
                 return
-        if self.on_put is not None:
-            self.on_put()
-            return
+        if on_put is not None:
+            return  # it woke its reader itself
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)

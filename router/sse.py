@@ -6,20 +6,20 @@ text, cut once per choice from `common.api.responses.delta_chunk`'s own output, 
 chunk is two concatenations and one string encoding instead of a dict built and encoded, byte
 for byte what `delta_chunk` makes. And `DirectWriter`: a streamed response's body chunks written
 from any callback on the event loop (the control plane's, as a `TokenBatch` is read), without
-waking the response's task: uvicorn's ASGI `send` completes without suspending unless the
-client's socket is paused for back-pressure, and the writer only calls it when not paused.
-`expose_http_cycle` (the outermost ASGI layer, wrapped around the app by `router.server`) puts
-uvicorn's per-request cycle into the scope, where `direct_writer` finds what it needs; under any
-other server there is none and the stream's task writes as usual.
+waking the response's task and without the per-message path through the middleware and the
+HTTP library (a third of a token's cost): framed as the server frames them, straight onto the
+connection's transport, whenever the client's socket is not paused for back-pressure (uvicorn's
+flow control). `expose_http_cycle` (the outermost ASGI layer, wrapped around the app by
+`router.server`) puts uvicorn's per-request cycle into the scope, where `direct_writer` finds
+the transport, the flow control and the framing; under any other server there is none and the
+stream's task writes through `send` as usual.
 
 Used by `router.streaming`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
-from collections.abc import Coroutine
 from typing import Any
 
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -73,7 +73,7 @@ def expose_http_cycle(app: ASGIApp) -> ASGIApp:
     async def exposed(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             cycle = getattr(send, "__self__", None)
-            if cycle is not None and hasattr(cycle, "flow") and hasattr(cycle, "disconnected"):
+            if all(hasattr(cycle, name) for name in ("transport", "flow", "disconnected")):
                 scope[HTTP_CYCLE] = cycle
         await app(scope, receive, send)
 
@@ -81,55 +81,33 @@ def expose_http_cycle(app: ASGIApp) -> ASGIApp:
 
 
 class DirectWriter:
-    """Writes a streamed response's body chunks at once, from any callback on the loop."""
+    """Writes a streamed response's body chunks at once, from any callback on the loop: framed
+    as the server frames them (HTTP/1.1 chunked, or raw to an HTTP/1.0 client) straight onto
+    the connection's transport, after the response start went through the server's `send`."""
 
-    def __init__(self, send: Send, cycle: Any) -> None:
-        self.send = send  # the response's own send (through every middleware)
+    def __init__(self, cycle: Any, chunked: bool) -> None:
         self.cycle = cycle
-        self._pending: asyncio.Task | None = None  # a write that had to wait after all
+        self.transport = cycle.transport
+        self.chunked = chunked
 
     def ready(self) -> bool:
-        """A write now completes at once (the client's socket is not paused, nor gone)."""
-        flow = self.cycle.flow
+        """A write now goes out at once (the client's socket is not paused, nor gone)."""
         return not (
-            flow.write_paused
-            or self.cycle.disconnected
-            or (self._pending is not None and not self._pending.done())
+            self.cycle.flow.write_paused or self.cycle.disconnected or self.transport.is_closing()
         )
 
     def write(self, data: bytes) -> None:
-        """Send `data` as a body chunk now; call only when `ready`."""
-        coro = self.send({"type": "http.response.body", "body": data, "more_body": True})
-        try:
-            waiting_for = coro.send(None)
-        except StopIteration:
-            return
-        # A server that suspended after all: a task finishes the write, later writes wait for it.
-        self._pending = asyncio.ensure_future(_finish(coro, waiting_for))
-
-    async def flush(self) -> None:
-        """Until a write that had to wait is done."""
-        if self._pending is not None:
-            await self._pending
+        """Send `data` as a body chunk now; call only when `ready` (and never with b'')."""
+        self.transport.write(b"%x\r\n%b\r\n" % (len(data), data) if self.chunked else data)
 
 
-async def _finish(coro: Coroutine[Any, Any, None], waiting_for: Any) -> None:
-    """Drive a coroutine that suspended on `waiting_for` (a future) to its end, as a task would."""
-    while True:
-        try:
-            await waiting_for
-        except asyncio.CancelledError:
-            coro.close()
-            raise
-        except BaseException:
-            pass  # the coroutine sees the future's exception when it resumes
-        try:
-            waiting_for = coro.send(None)
-        except StopIteration:
-            return
-
-
-def direct_writer(scope: Scope, send: Send) -> DirectWriter | None:
+def direct_writer(scope: Scope) -> DirectWriter | None:
     """A `DirectWriter` for this response, or None when the server exposes no cycle."""
     cycle = scope.get(HTTP_CYCLE)
-    return DirectWriter(send, cycle) if cycle is not None else None
+    if cycle is None:
+        return None
+    # uvicorn's httptools protocol says how it frames; h11 chunks for HTTP/1.1 peers.
+    chunked = getattr(cycle, "chunked_encoding", None)
+    if chunked is None:
+        chunked = scope.get("http_version") == "1.1"
+    return DirectWriter(cycle, bool(chunked))

@@ -62,30 +62,40 @@ class ChoiceFeed:
         did. `render` runs right after its delta is applied (a chunk's logprobs are the choice's
         tokens from the delta's first on: later tokens must not be there yet)."""
         rendered = []
-        for index, event in events:
-            if isinstance(event, FlightFailed):  # what came before it is shown first, as it came
-                return rendered, RequestError(
-                    event.reason, code=event.code, type="service_unavailable"
-                )
-            choice = self.choices[index]
-            if choice.done:
-                continue  # tokens a worker sent before it saw the abort of a stopped choice
-            self.timer.tokens(index, len(event.token_ids))
-            delta = choice.add(
-                event.token_ids,
-                event.logprobs,
-                event.top_logprobs,
-                finished=event.finished,
-                finish_reason=event.finish_reason,
-                prompt_logprobs=event.prompt_logprobs,
-            )
-            if choice.done:
-                self.remaining -= 1
-                self.job.finish(index)  # aborts it on the worker when a stop string cut it short
-            rendered.append(render(choice, delta))
-            if not self.remaining:
+        for event in events:
+            if self.done:
                 break
+            shown, error = self.apply_one(event, render)
+            if error is not None:  # what came before it is shown first, as it came
+                return rendered, error
+            if shown is not None:
+                rendered.append(shown)
         return rendered, None
+
+    def apply_one(
+        self, event: Event, render: Callable[[Choice, Delta], T]
+    ) -> tuple[T | None, RequestError | None]:
+        """`render(choice, delta)` of one event (None for tokens of a choice already done), or
+        the failure it reports."""
+        index, out = event
+        if isinstance(out, FlightFailed):
+            return None, RequestError(out.reason, code=out.code, type="service_unavailable")
+        choice = self.choices[index]
+        if choice.done:
+            return None, None  # tokens a worker sent before it saw the abort of a stopped choice
+        self.timer.tokens(index, len(out.token_ids))
+        delta = choice.add(
+            out.token_ids,
+            out.logprobs,
+            out.top_logprobs,
+            finished=out.finished,
+            finish_reason=out.finish_reason,
+            prompt_logprobs=out.prompt_logprobs,
+        )
+        if choice.done:
+            self.remaining -= 1
+            self.job.finish(index)  # aborts it on the worker when a stop string cut it short
+        return render(choice, delta), None
 
 
 async def choice_delta_batches(
@@ -186,7 +196,7 @@ class SSEResponse(Response):
                     for c in self.choices
                 )
                 await _body(send, head)
-            self.writer = direct_writer(scope, send)
+            self.writer = direct_writer(scope)
             job.events.on_put = self._on_put
             await self._relay(send, gone)
             completion_tokens = sum(len(c.token_ids) for c in self.choices)
@@ -221,13 +231,11 @@ class SSEResponse(Response):
             if self.job.events.empty():
                 await self._wait(gone, deadline - clock())
             elif self._direct():
-                self._on_put()
+                self._drain()
             else:  # the socket is paused (or no direct writer): write here, waiting for it
                 rendered, error = self.feed.apply(self.job.events.take_all(), self.event)
                 self._busy = True
                 try:
-                    if self.writer is not None:
-                        await self.writer.flush()  # a direct write that had to wait goes first
                     await _body(send, b"".join(rendered))
                 finally:
                     self._busy = False
@@ -251,27 +259,48 @@ class SSEResponse(Response):
     def _direct(self) -> bool:
         return self.writer is not None and not self._busy and self.writer.ready()
 
-    def _on_put(self) -> None:
-        """Events were put: apply them and write their chunks now when the socket takes them;
-        else (or when the stream ends here) wake the task."""
-        if self.error is None and not self.feed.done and self._direct():
+    def _on_put(self, event: Event) -> bool:
+        """An event for this stream: applied and its chunk written now (True) when nothing waits
+        before it and the socket takes it; else left to be buffered (False) for the task, which
+        is woken. The task is woken too when the stream ends here."""
+        if self.error is None and not self.feed.done and self.job.events.empty() and self._direct():
             assert self.writer is not None
             self._busy = True
             try:
-                while not self.job.events.empty() and not self.feed.done:
-                    rendered, error = self.feed.apply(self.job.events.take_all(), self.event)
-                    data = b"".join(rendered)
-                    if data:
-                        self.writer.write(data)
-                    if error is not None:
-                        self.error = error
-                        break
+                data, error = self.feed.apply_one(event, self.event)
+                if data:
+                    self.writer.write(data)
+                if error is not None:
+                    self.error = error
             except Exception as e:  # fails this stream, in its task; never the control plane
                 self.error = e
             finally:
                 self._busy = False
             if self.error is None and not self.feed.done:
-                return
+                return True
+            self._wake_task()
+            return True
+        self._wake_task()
+        return False
+
+    def _drain(self) -> None:
+        """Apply and write what the buffer holds, while the socket takes it."""
+        assert self.writer is not None
+        self._busy = True
+        try:
+            while not self.job.events.empty() and not self.feed.done and self.error is None:
+                rendered, error = self.feed.apply(self.job.events.take_all(), self.event)
+                data = b"".join(rendered)
+                if data:
+                    self.writer.write(data)
+                if error is not None:
+                    self.error = error
+        except Exception as e:
+            self.error = e
+        finally:
+            self._busy = False
+
+    def _wake_task(self) -> None:
         wake = self._wake
         if wake is not None and not wake.done():
             wake.set_result(None)

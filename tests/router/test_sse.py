@@ -1,5 +1,5 @@
-"""router/sse.py: pre-encoded chunks equal `delta_chunk`'s bytes, the direct writer's order and
-its hand-over when a send has to wait, and where the uvicorn cycle comes from."""
+"""router/sse.py: pre-encoded chunks equal `delta_chunk`'s bytes, the direct writer's framing and
+when it may write, and where the uvicorn cycle comes from."""
 
 from __future__ import annotations
 
@@ -67,62 +67,65 @@ def test_only_text_deltas_use_templates(tok: Tokenizer) -> None:
     assert not ChunkTemplates.applies(choice, Delta("x", 0, None))
 
 
-class Cycle:
-    """What the writer reads of uvicorn's request cycle; its `send` may have to wait once."""
+class Transport:
+    def __init__(self) -> None:
+        self.written: list[bytes] = []
+        self.closing = False
 
-    def __init__(self, wait_first: bool = False) -> None:
+    def write(self, data: bytes) -> None:
+        self.written.append(data)
+
+    def is_closing(self) -> bool:
+        return self.closing
+
+
+class Cycle:
+    """What the writer reads of uvicorn's request cycle."""
+
+    def __init__(self, chunked_encoding: bool | None = None) -> None:
         self.flow = SimpleNamespace(write_paused=False)
         self.disconnected = False
-        self.written: list[bytes] = []
-        self.gate: asyncio.Future[None] | None = None
-        self.wait_first = wait_first
+        self.transport = Transport()
+        if chunked_encoding is not None:  # uvicorn's httptools protocol says how it frames
+            self.chunked_encoding = chunked_encoding
 
     async def send(self, message: dict) -> None:
-        if self.wait_first:
-            self.wait_first = False
-            self.gate = asyncio.get_running_loop().create_future()
-            await self.gate
-        self.written.append(message["body"])
+        pass
 
 
-def test_direct_writes_complete_at_once() -> None:
-    async def run() -> list[bytes]:
-        cycle = Cycle()
-        writer = DirectWriter(cycle.send, cycle)
-        for data in (b"a", b"b"):
-            assert writer.ready()
-            writer.write(data)
-        assert cycle.written == [b"a", b"b"]  # before any await
-        cycle.flow.write_paused = True
-        assert not writer.ready()
-        cycle.flow.write_paused, cycle.disconnected = False, True
-        assert not writer.ready()
-        return cycle.written
+@pytest.mark.parametrize(
+    "http_version,chunked_encoding,framed",
+    [("1.1", None, True), ("1.0", None, False), ("1.1", True, True), ("1.0", False, False)],
+)
+def test_direct_writes_are_framed_as_the_server_frames(
+    http_version: str, chunked_encoding: bool | None, framed: bool
+) -> None:
+    cycle = Cycle(chunked_encoding)
+    writer = direct_writer({"type": "http", "http_version": http_version, HTTP_CYCLE: cycle})
+    assert writer is not None and writer.ready()
+    writer.write(b"data: x\n\n")
+    writer.write(b"y" * 300)
+    expected = [b"9\r\ndata: x\n\n\r\n", b"12c\r\n" + b"y" * 300 + b"\r\n"]
+    assert cycle.transport.written == (expected if framed else [b"data: x\n\n", b"y" * 300])
 
-    assert asyncio.run(run()) == [b"a", b"b"]
 
-
-def test_a_send_that_waits_is_finished_by_a_task_before_later_writes() -> None:
-    async def run() -> list[bytes]:
-        cycle = Cycle(wait_first=True)
-        writer = DirectWriter(cycle.send, cycle)
-        writer.write(b"first")
-        assert cycle.written == [] and not writer.ready()  # waiting: later writes must wait too
-        assert cycle.gate is not None
-        cycle.gate.set_result(None)
-        await writer.flush()
-        assert writer.ready()
-        writer.write(b"second")
-        return cycle.written
-
-    assert asyncio.run(run()) == [b"first", b"second"]
+def test_not_ready_while_paused_gone_or_closing() -> None:
+    cycle = Cycle()
+    writer = DirectWriter(cycle, chunked=True)
+    assert writer.ready()
+    cycle.flow.write_paused = True
+    assert not writer.ready()
+    cycle.flow.write_paused, cycle.disconnected = False, True
+    assert not writer.ready()
+    cycle.disconnected, cycle.transport.closing = False, True
+    assert not writer.ready()
 
 
 def test_the_cycle_is_exposed_only_from_a_server_that_has_one() -> None:
     seen: list[object] = []
 
     async def app(scope: dict, receive: object, send: object) -> None:
-        seen.append(direct_writer(scope, send))  # type: ignore[arg-type]
+        seen.append(direct_writer(scope))  # type: ignore[arg-type]
 
     async def plain_send(message: dict) -> None:
         pass

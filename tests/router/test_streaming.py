@@ -121,12 +121,25 @@ def writer(request: pytest.FixtureRequest) -> str:
     return request.param
 
 
-class FakeCycle:
-    """What `router.sse.DirectWriter` reads of uvicorn's request cycle."""
+class FakeTransport:
+    def __init__(self, out: list[bytes]) -> None:
+        self.out = out
 
-    def __init__(self) -> None:
+    def write(self, data: bytes) -> None:
+        self.out.append(data)
+
+    def is_closing(self) -> bool:
+        return False
+
+
+class FakeCycle:
+    """What `router.sse.DirectWriter` reads of uvicorn's request cycle; its transport writes
+    where the response's `send` does."""
+
+    def __init__(self, out: list[bytes]) -> None:
         self.flow = SimpleNamespace(write_paused=False)
         self.disconnected = False
+        self.transport = FakeTransport(out)
 
 
 def stream(tok, request, choices, prompt_tokens, job, metrics, timeout_s: float = 60.0) -> str:
@@ -149,7 +162,7 @@ def stream(tok, request, choices, prompt_tokens, job, metrics, timeout_s: float 
 
         scope = {"type": "http"}
         if MODE["writer"] == "direct":
-            scope[HTTP_CYCLE] = FakeCycle()
+            scope[HTTP_CYCLE] = FakeCycle(body)  # HTTP/1.0 framing: the bare bytes
         feeding = asyncio.ensure_future(job.feed())
         await response(scope, receive, send)
         feeding.cancel()
@@ -366,8 +379,8 @@ class PausingCycle(FakeCycle):
     """A uvicorn cycle whose `send` waits while the client's socket is paused, as uvicorn's."""
 
     def __init__(self) -> None:
-        super().__init__()
         self.body: list[bytes] = []
+        super().__init__(self.body)
         self.resumed = asyncio.Event()
         self.resumed.set()
 
