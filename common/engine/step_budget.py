@@ -27,7 +27,8 @@ log = logging.getLogger(__name__)
 
 SLACK = 0.1  # a chunk's fixed-cost share of its per-token cost
 DECAY = 0.98  # weight of the past per timed step: about the last 50 steps count
-MIN_STEPS = 8  # steps of each kind (with and without prompt tokens) before the fit is used
+MIN_STEPS = 8  # steps with prompt tokens before the fit is used
+MIN_SPREAD = 0.05  # ... whose token counts vary by this share, unless decode steps were seen too
 MIN_CHUNK = 16  # never smaller: a block's worth
 REFIT_STEPS = 8  # the chunk is recomputed every this many timed steps (a 3x3 solve each time)
 
@@ -39,6 +40,7 @@ class StepCosts:
         self.decay = decay
         self._xtx = np.zeros((3, 3))
         self._xty = np.zeros(3)
+        self._prompt = np.zeros(3)  # fading count, sum and sum of squares of prompt tokens
         self.prefill_steps = 0  # timed steps with prompt tokens
         self.decode_steps = 0  # timed steps without
 
@@ -51,14 +53,29 @@ class StepCosts:
         self._xty = self.decay * self._xty + x * seconds
         if prompt_tokens:
             self.prefill_steps += 1
+            self._prompt = self.decay * self._prompt + np.array([1.0, x[1], x[1] * x[1]])
         else:
             self.decode_steps += 1
 
+    def _separable(self) -> bool:
+        """Whether the steps seen tell the fixed part from the per-token part: steps without
+        prompt tokens (a decode-only step is the fixed part plus its rows), or prompt steps of
+        varied sizes (a prefill-only worker's prompts end in chunks of all lengths)."""
+        if self.prefill_steps < MIN_STEPS:
+            return False
+        if self.decode_steps >= MIN_STEPS:
+            return True
+        count, total, squares = self._prompt
+        mean = total / count
+        spread = max(squares / count - mean * mean, 0.0) ** 0.5
+        return spread >= MIN_SPREAD * mean
+
     def fit(self) -> tuple[float, float, float] | None:
         """(fixed s, s per prompt token, s per decode row), or None while under-determined."""
-        if min(self.prefill_steps, self.decode_steps) < MIN_STEPS:
+        if not self._separable():
             return None
-        # a tiny ridge keeps a direction the steps never varied along from blowing up
+        # a tiny ridge keeps a direction the steps never varied along (no decode rows on a
+        # prefill-only worker) at zero instead of blowing up
         ridge = 1e-9 * max(float(np.trace(self._xtx)), 1.0) * np.eye(3)
         try:
             fixed, per_token, per_row = np.linalg.solve(self._xtx + ridge, self._xty)

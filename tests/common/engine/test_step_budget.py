@@ -36,14 +36,26 @@ def test_the_fit_recovers_the_step_costs():
     assert per_row == pytest.approx(0.0003, rel=1e-3)
 
 
-def test_no_fit_until_both_kinds_of_step_were_seen():
+def test_no_fit_until_the_fixed_part_is_separable():
     costs = StepCosts()
     for _ in range(50):
-        costs.record(100, 0, 0.2)  # prompt steps only: the fixed part is not separable yet
+        costs.record(100, 0, 0.2)  # prompt steps of one size only: fixed and per-token mixed up
     assert costs.fit() is None and costs.prefill_token_s() is None
     for _ in range(MIN_STEPS):
         costs.record(0, 4, 0.011)
     assert costs.fit() is not None
+
+
+def test_a_prefill_only_worker_fits_from_its_varied_chunks():
+    costs = StepCosts()
+    rng = random.Random(1)
+    for _ in range(60):  # chunks of 256 and prompt tails of any length; never a decode row
+        p = rng.choice([256, 256, rng.randint(1, 255)])
+        costs.record(p, 0, 0.012 + 0.0015 * p)
+    fixed, per_token, per_row = costs.fit()
+    assert fixed == pytest.approx(0.012, rel=1e-3) and per_token == pytest.approx(0.0015, rel=1e-4)
+    assert per_row == pytest.approx(0.0, abs=1e-6)
+    assert PrefillBudget(2048, None, costs).tokens() == 80
 
 
 def test_the_chunk_is_where_the_fixed_cost_is_a_slack_share():
