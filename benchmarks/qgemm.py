@@ -62,14 +62,14 @@ def rates(n: int, k: int, bits: int, zero: bool, m: int, repeats: int) -> dict[s
     qt = quantize_rtn(torch.randn(n, k), bits, 32)
     if not zero:
         qt.zero = None
-    layer = QuantLinear(qt)
-    packed = cpu_qgemm.pack(qt)
+    weight = QuantLinear(qt).kernel_weight()
+    packed = cpu_qgemm.pack(weight)
     dense = qt.dequantize()
     x = torch.randn(m, k)
     fns = {
         "a8": lambda: cpu_qgemm.matmul_a8(x, packed),
-        "c": lambda: cpu_quant._c_matmul(x, layer),
-        "f32tiles": lambda: cpu_quant._f32tiles_matmul(x, layer),
+        "c": lambda: cpu_quant._c_matmul(x, weight),
+        "f32tiles": lambda: cpu_quant._f32tiles_matmul(x, weight),
         "float32": lambda: F.linear(x, dense),
     }
     calls = {}

@@ -65,9 +65,29 @@ def cmd_quantize(args: argparse.Namespace) -> int:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-    from common.kernels.tune import run_tune_command
+    """Load the engine flags' model as an engine would (threads, activation mode, dtype), then
+    time its quantized matmuls again (common.kernels.tune)."""
+    import torch
 
-    return run_tune_command(args)
+    from common.config import config_from_args
+    from common.kernels import cpu_quant, tune
+    from common.model.llama import CausalLM
+    from common.model.model_files import resolve_model
+    from common.model.quant import kernel_weights
+    from common.model.weights import iter_weights
+
+    config = config_from_args(args)
+    if config.num_threads > 0:
+        torch.set_num_threads(config.num_threads)
+    cpu_quant.set_activations(config.cpu_activations)
+    source = resolve_model(config.model)
+    hf_config = source.hf_config
+    max_len = config.max_model_len or int(getattr(hf_config, "max_position_embeddings", 2048))
+    model = CausalLM(hf_config, max_positions=max_len)
+    model.load_weights(iter_weights(source), config.quantization, config.quantization_group_size)
+    dtype = config.resolved_dtype()
+    model = model.to(dtype=dtype).eval()
+    return tune.run_tune_command(kernel_weights([model]), dtype)
 
 
 def cmd_limits(args: argparse.Namespace) -> int:

@@ -2,7 +2,8 @@
 
 - `common/` never imports a stage (`router`, `prefill`, `decode`), not even lazily, except the
   `pdserve` dispatcher `common/cli.py`; `kvtransfer/` imports no stage; stages do not import
-  each other; `benchmarks/` never imports `tests/`.
+  each other; `benchmarks/` never imports `tests/`; `common/kernels` never imports
+  `common/model`.
 - Module-level imports between the packages' modules form no cycle (imports inside functions are
   the deliberate way to defer a heavy import and are allowed to point back).
 - Every module imports in a fresh interpreter.
@@ -99,6 +100,19 @@ def test_common_and_kvtransfer_never_import_a_stage() -> None:
         tree = parse(path)
         for name in all_imports(tree, mod, path.name == "__init__.py"):
             if top(name) in STAGES:
+                offenders.append(f"{mod} imports {name}")
+    assert not offenders, offenders
+
+
+def test_kernels_never_import_the_model() -> None:
+    """common/kernels take tensors and plain descriptions (quant_weight.QuantWeight,
+    cpu_layer.LayerWeights) that the model side builds: not even a lazy or type-only import of
+    common.model there."""
+    offenders = []
+    for path in source_files("common/kernels"):
+        mod = module_name(path)
+        for name in all_imports(parse(path), mod, path.name == "__init__.py"):
+            if name == "common.model" or name.startswith("common.model."):
                 offenders.append(f"{mod} imports {name}")
     assert not offenders, offenders
 

@@ -62,7 +62,7 @@ def compute_dtype(module: nn.Module, m: int, act_dtype: torch.dtype) -> str:
     # the kernels' choice reads x's shape and dtype only: a broadcast row, no [m, K] buffer
     x = torch.zeros(1, module.in_features, dtype=act_dtype).expand(m, -1)
     if isinstance(module, QuantLinear):
-        dtype = PATH_DTYPES.get(cpu_quant.path_for(module, x), "act")
+        dtype = PATH_DTYPES.get(cpu_quant.path_for(module.kernel_weight(), x), "act")
         return act if dtype == "act" else dtype
     if getattr(module, "packed", None) is not None:  # oneDNN's prepacked matmul, in its dtype
         return str(module.weight.dtype).removeprefix("torch.")

@@ -10,16 +10,19 @@ It applies to pure decode steps (one new token per sequence) on the CPU with flo
 bfloat16 activations, a KV cache in that dtype or 8-bit (int8 / fp8 with scales: quantized and
 read in C), the torch attention backend, and every projection quantized and served by
 the C kernel at this batch size (`cpu_quant.path_for`); anything else returns None and the
-caller runs the per-op path. The layers' weight pointers are read once per (batch size, dtype)
-and dropped by the model's `_apply`; the step's positions, slots and block tables once per step.
-`PDSERVE_CPU_LAYER=0` (or `enabled = False`) turns it off. Called by
-`common.model.llama.CausalLM.forward`.
+caller runs the per-op path. The model side describes each layer as a `LayerWeights` (tensors,
+kernel weights and numbers; nothing here knows the model's classes) and keeps them in a
+`DecodeLayers`, which holds the C structs made from them per (layers run, batch size, dtype): the
+structs' raw pointers live exactly as long as the tensors they point into. The step's positions,
+slots and block tables are read once per step. `PDSERVE_CPU_LAYER=0` (or `enabled = False`) turns
+it off. Called by `common.model.llama.CausalLM.forward`.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -27,18 +30,17 @@ import torch
 
 from common.kernels import cpu_attention, cpu_ops, cpu_quant
 from common.kernels.cbuild import CLibrary
+from common.kernels.quant_weight import QuantWeight
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
     from common.kernels.attention import AttentionMetadata
-    from common.model.llama import CausalLM, DecoderLayer
 
 _SOURCE = Path(__file__).parent / "csrc" / "decode_layer.c"
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 enabled = os.environ.get("PDSERVE_CPU_LAYER", "1") != "0"
-
-_MISSING = object()
+MAX_STACKS = 64  # (layers run, batch size, dtype) kept per model: batch sizes are few
 _p, _i, _f, _l = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_long
 
 
@@ -78,38 +80,75 @@ def available() -> bool:
     return _LIB.available()
 
 
-def run_layers(
-    model: CausalLM, layers: Sequence[DecoderLayer], x: torch.Tensor, meta: AttentionMetadata
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The decoder `layers` of a decode step in one C call, x the embedding output: (last MLP
-    output, residual stream, which is x updated in place); None when this step or any of the
-    layers is not one the C code takes. One call for all the layers saves ~25 us of Python a
-    layer at batch 1 over one per layer."""
-    if not layers or not _step_applies(x, meta):
-        return None
-    attn = layers[0].self_attn
-    key = (len(layers), x.shape[0], x.dtype, attn.k_cache.data_ptr())
-    stacks = model.cpu_stacks
-    stack = stacks.get(key, _MISSING)
-    if stack is _MISSING:
-        if len(stacks) >= 512:
-            stacks.clear()
-        plans = [_make_plan(layer, x) for layer in layers]
-        stack = None
-        if all(p is not None for p in plans):
-            stack = (_Layer * len(plans))(*plans)
-        stacks[key] = stack
-    if stack is None:
-        return None
-    step = _step(meta, layers[0], x)
-    out = torch.empty_like(x)
-    rc = _LIB.get().decode_layers(stack, len(layers), step, x.data_ptr(), out.data_ptr())
-    if rc != 0:
-        raise RuntimeError(f"the CPU decode layers failed at layer {rc // 1000} (code {rc % 1000})")
-    return out, x
+@dataclass(eq=False)
+class LayerWeights:
+    """One pre-norm decoder layer (RMSNorm, attention with fused QKV and rotary, RMSNorm, SwiGLU
+    MLP with fused gate/up) as the C code takes it, built by the model side over its tensors."""
+
+    projections: tuple[QuantWeight | None, ...]  # qkv, o, gate_up, down (None: not quantized)
+    biases: tuple[torch.Tensor | None, ...]  # of the same four
+    norms: tuple[torch.Tensor, ...]  # input, post-attention, then q and k (per head) if any
+    norm_eps: tuple[float, ...]  # of the same norms
+    scale: float  # of the attention scores
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate: int
+    k_cache: torch.Tensor  # [blocks, block_size, kv heads, head_dim]
+    v_cache: torch.Tensor
+    k_scales: torch.Tensor | None  # an 8-bit cache's [blocks, block_size, kv heads]
+    v_scales: torch.Tensor | None
+    torch_attention: bool  # the layer attends with the torch backend (the C code is its twin)
 
 
-def _step_applies(x: torch.Tensor, meta: AttentionMetadata) -> bool:
+class DecodeLayers:
+    """A model's decoder layers for the C call: their descriptions and the C structs made from
+    them, which point into the tensors the descriptions hold. Made by the model side, replaced
+    when its tensors change (.to(), new KV caches)."""
+
+    def __init__(self, layers: Sequence[LayerWeights]) -> None:
+        self.layers = list(layers)
+        self._stacks: dict[tuple, ctypes.Array | None] = {}
+
+    def run(
+        self, num_layers: int, x: torch.Tensor, meta: AttentionMetadata, positions: torch.Tensor,
+        cos: torch.Tensor, sin: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
+        """The first `num_layers` layers of a decode step in one C call, x the embedding output,
+        `positions` (int64) the step's and `cos` / `sin` the rotary tables: (last MLP output,
+        residual stream, which is x updated in place); None when this step or any of the layers
+        is not one the C code takes. One call for all the layers saves ~25 us of Python a layer
+        at batch 1 over one per layer."""
+        if not num_layers or not step_applies(x, meta):
+            return None
+        stack = self._stack(num_layers, x)
+        if stack is None:
+            return None
+        step = _step(meta, positions, cos, sin, x)
+        out = torch.empty_like(x)
+        rc = _LIB.get().decode_layers(stack, num_layers, step, x.data_ptr(), out.data_ptr())
+        if rc != 0:
+            raise RuntimeError(
+                f"the CPU decode layers failed at layer {rc // 1000} (code {rc % 1000})"
+            )
+        return out, x
+
+    def _stack(self, num_layers: int, x: torch.Tensor) -> ctypes.Array | None:
+        key = (num_layers, x.shape[0], x.dtype)
+        if key not in self._stacks:
+            if len(self._stacks) >= MAX_STACKS:
+                self._stacks.clear()
+            plans = [_make_plan(layer, x) for layer in self.layers[:num_layers]]
+            ok = len(plans) == num_layers and all(p is not None for p in plans)
+            self._stacks[key] = (_Layer * num_layers)(*plans) if ok else None
+        return self._stacks[key]
+
+    def num_stacks(self) -> int:
+        """How many (layers run, batch size, dtype) the C code takes so far."""
+        return sum(stack is not None for stack in self._stacks.values())
+
+
+def step_applies(x: torch.Tensor, meta: AttentionMetadata) -> bool:
     """A decode step (one token per sequence) of CPU activations the C layers take, with the
     switches on (tests and benchmarks flip them: read per call, never cached)."""
     return (
@@ -124,46 +163,40 @@ def _step_applies(x: torch.Tensor, meta: AttentionMetadata) -> bool:
     )
 
 
-def _make_plan(layer: DecoderLayer, x: torch.Tensor) -> _Layer | None:
+def _make_plan(layer: LayerWeights, x: torch.Tensor) -> _Layer | None:
     """The layer's weights and caches for the C call; None when the C code does not take it."""
-    from common.model.quant import QuantLinear
-
-    attn, mlp = layer.self_attn, layer.mlp
-    projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-    norms = [layer.input_layernorm, layer.post_attention_layernorm]
-    if attn.qk_norm:
-        norms += [attn.q_norm, attn.k_norm]
-    k_cache, k_scales, v_scales = attn.k_cache, attn.k_scales, attn.v_scales
+    k_cache, k_scales, v_scales = layer.k_cache, layer.k_scales, layer.v_scales
     kv8 = k_scales is not None and v_scales is not None
+    projections = layer.projections
     if not (
         cpu_ops.available()
-        and attn.backend == "torch"
+        and layer.torch_attention
         and k_cache.dim() == 4
         and (k_cache.dtype == x.dtype or (kv8 and k_cache.dtype in cpu_attention._KV_DTYPES))
         and (not kv8 or (k_scales.is_contiguous() and v_scales.is_contiguous()))
         and k_cache.is_contiguous()
-        and attn.v_cache.is_contiguous()
-        and attn.num_heads % attn.num_kv_heads == 0
-        and attn.num_heads // attn.num_kv_heads <= 64
-        and attn.head_dim % 2 == 0
-        and attn.head_dim <= 1024
+        and layer.v_cache.is_contiguous()
+        and layer.num_heads % layer.num_kv_heads == 0
+        and layer.num_heads // layer.num_kv_heads <= 64
+        and layer.head_dim % 2 == 0
+        and layer.head_dim <= 1024
         and x.shape[1] <= cpu_ops.MAX_HIDDEN
-        and all(isinstance(p, QuantLinear) for p in projections)
-        and all(cpu_quant.path_for(p, x) == "c" for p in projections)
-        and all(p.bias is None or _fits(p.bias, x) for p in projections)
-        and all(_fits(n.weight, x) and n.eps == layer.input_layernorm.eps for n in norms)
+        and len(projections) == len(layer.biases) == 4
+        and len(layer.norms) in (2, 4)
+        and all(w is not None and cpu_quant.path_for(w, x) == "c" for w in projections)
+        and all(b is None or _fits(b, x) for b in layer.biases)
+        and all(_fits(n, x) for n in layer.norms)
+        and all(eps == layer.norm_eps[0] for eps in layer.norm_eps)
         and available()
     ):
         return None
-    qkv, o, gate_up, down = (_proj(p) for p in projections)
-    q_norm = attn.q_norm.weight.data_ptr() if attn.qk_norm else None
-    k_norm = attn.k_norm.weight.data_ptr() if attn.qk_norm else None
+    qkv, o, gate_up, down = (_proj(w, b) for w, b in zip(projections, layer.biases))
+    q_norm, k_norm = [n.data_ptr() for n in layer.norms[2:]] or [None, None]
     return _Layer(
-        qkv, o, gate_up, down, layer.input_layernorm.weight.data_ptr(),
-        layer.post_attention_layernorm.weight.data_ptr(), q_norm, k_norm,
-        layer.input_layernorm.eps, attn.scale, x.shape[1], attn.num_heads, attn.num_kv_heads,
-        attn.head_dim, mlp.intermediate, k_cache.shape[1], k_cache.data_ptr(),
-        attn.v_cache.data_ptr(), k_cache.numel() // (attn.num_kv_heads * attn.head_dim),
+        qkv, o, gate_up, down, layer.norms[0].data_ptr(), layer.norms[1].data_ptr(), q_norm,
+        k_norm, layer.norm_eps[0], layer.scale, x.shape[1], layer.num_heads, layer.num_kv_heads,
+        layer.head_dim, layer.intermediate, k_cache.shape[1], k_cache.data_ptr(),
+        layer.v_cache.data_ptr(), k_cache.numel() // (layer.num_kv_heads * layer.head_dim),
         k_scales.data_ptr() if kv8 else None, v_scales.data_ptr() if kv8 else None,
         cpu_attention._KV_DTYPES[k_cache.dtype] if kv8 else _DTYPES[x.dtype],
     )  # fmt: skip
@@ -173,29 +206,31 @@ def _fits(t: torch.Tensor, x: torch.Tensor) -> bool:
     return t.dtype == x.dtype and t.is_contiguous()
 
 
-def _proj(layer) -> _Proj:
-    bits, group, qweight, scale, zero, sdtype = cpu_quant.c_weights(layer)
-    bias = None if layer.bias is None else layer.bias.data_ptr()
-    n, k = layer.out_features, layer.in_features
-    return _Proj(qweight, scale, zero, bias, bits, group, sdtype, n, k)
+def _proj(w: QuantWeight, bias: torch.Tensor | None) -> _Proj:
+    bits, group, qweight, scale, zero, sdtype = cpu_quant.c_weights(w)
+    bias_ptr = None if bias is None else bias.data_ptr()
+    return _Proj(qweight, scale, zero, bias_ptr, bits, group, sdtype, w.n, w.k)
 
 
-def _step(meta: AttentionMetadata, layer: DecoderLayer, x: torch.Tensor) -> _Step:
-    """What every layer of this step shares, made on the step's first layer and kept on `meta`
-    with the tensors it points into."""
-    rotary = layer.self_attn.rotary
-    key = (id(rotary), rotary.positions.data_ptr(), x.dtype, x.shape[0])
+def _step(
+    meta: AttentionMetadata, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    x: torch.Tensor,
+) -> _Step:  # fmt: skip
+    """What every layer of this step shares, made once a step and kept on `meta` with the
+    tensors it points into (checked by identity: a new tensor is a new step)."""
     cached = meta.__dict__.get("_cpu_layer_step")
-    if cached is not None and cached[0] == key:
-        return cached[1]
+    if cached is not None:
+        (p, c, s, dtype, m), step = cached[:2]
+        if p is positions and c is cos and s is sin and dtype == x.dtype and m == x.shape[0]:
+            return step
     tables = meta.block_tables.to(torch.int32).contiguous()
     lens = meta.seq_lens.to(torch.int32).contiguous()
     slots = meta.slot_mapping.to(torch.int64).contiguous()
-    positions = rotary.positions  # int64, contiguous (set_positions)
     step = _Step(
-        positions.data_ptr(), slots.data_ptr(), rotary.cos.data_ptr(), rotary.sin.data_ptr(),
-        tables.data_ptr(), lens.data_ptr(), rotary.cos.shape[0], x.shape[0], tables.shape[1],
-        _DTYPES[x.dtype], torch.get_num_threads(),
+        positions.data_ptr(), slots.data_ptr(), cos.data_ptr(), sin.data_ptr(), tables.data_ptr(),
+        lens.data_ptr(), cos.shape[0], x.shape[0], tables.shape[1], _DTYPES[x.dtype],
+        torch.get_num_threads(),
     )  # fmt: skip
-    meta.__dict__["_cpu_layer_step"] = (key, step, (tables, lens, slots, positions))
+    key = (positions, cos, sin, x.dtype, x.shape[0])
+    meta.__dict__["_cpu_layer_step"] = (key, step, (tables, lens, slots))
     return step

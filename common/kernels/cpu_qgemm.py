@@ -1,6 +1,6 @@
 """Batched CPU matmuls over quantized weights with int8 activations (W4A8 and W8A8).
 
-x [M, K] @ W.T for W in common.model.quant's format (int4 groups, int8 per channel or group, with
+x [M, K] @ W.T for W a `quant_weight.QuantWeight` (int4 groups, int8 per channel or group, with
 or without zero points), M from 2 up (decode batches, small prefills): each row of x is quantized
 per block of `BLOCK` columns to int8 with a float32 scale (max |x| / 127, round to nearest even),
 each block's products are summed exactly in int32 (AVX-512 VNNI / AVX-VNNI dpbusd, AVX2 maddubs,
@@ -18,14 +18,11 @@ from __future__ import annotations
 import ctypes
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
 from common.kernels.cbuild import CLibrary
-
-if TYPE_CHECKING:
-    from common.model.quant import QuantizedTensor
+from common.kernels.quant_weight import QuantWeight
 
 BLOCK = 32  # columns of K per activation scale (llama.cpp's Q8_0 block)
 PANEL = 16  # output columns per weight panel (one 512-bit vector of int32 sums)
@@ -88,21 +85,21 @@ def supports(bits: int, group_size: int, k: int) -> bool:
     return bits in (4, 8) and group_size % BLOCK == 0 and k % group_size == 0
 
 
-def pack(qt: QuantizedTensor) -> PackedWeight:
-    """Repack `qt` into panels; ValueError when `supports` says no."""
-    n, k = qt.shape
-    if not supports(qt.bits, qt.group_size, k):
+def pack(w: QuantWeight) -> PackedWeight:
+    """Repack `w` into panels; ValueError when `supports` says no."""
+    n, k = w.n, w.k
+    if not supports(w.bits, w.group_size, k):
         raise ValueError(
             f"int8-activation GEMM needs K and the group size in multiples of {BLOCK}: "
-            f"{qt.bits}-bit [{n}, {k}], group {qt.group_size}"
+            f"{w.bits}-bit [{n}, {k}], group {w.group_size}"
         )
     panels = -(-n // PANEL)
     pad = panels * PANEL - n
-    codes = qt.unpack()  # int16: int4 0..15, int8 -128..127
-    if qt.bits == 8:
+    codes = w.unpack()  # int16: int4 0..15, int8 -128..127
+    if w.bits == 8:
         codes = codes + 128
     codes = torch.nn.functional.pad(codes.to(torch.uint8), (0, 0, 0, pad))
-    if qt.bits == 4:
+    if w.bits == 4:
         # [P, 16 columns, k/8, high/low, 4] -> [P, k/8, 16, 4, low/high] -> one byte per pair
         u = codes.view(panels, PANEL, k // 8, 2, 4).permute(0, 2, 1, 4, 3)
         codes = u[..., 0] | (u[..., 1] << 4)
@@ -113,8 +110,8 @@ def pack(qt: QuantizedTensor) -> PackedWeight:
         t = torch.nn.functional.pad(t.to(torch.float32), (0, 0, 0, pad))
         return t.view(panels, PANEL, -1).permute(0, 2, 1).contiguous()
 
-    zero = None if qt.zero is None else per_panel(qt.zero)
-    return PackedWeight(qt.bits, qt.group_size, n, k, codes.contiguous(), per_panel(qt.scale), zero)
+    zero = None if w.zero is None else per_panel(w.zero)
+    return PackedWeight(w.bits, w.group_size, n, k, codes.contiguous(), per_panel(w.scale), zero)
 
 
 def matmul_a8(x: torch.Tensor, w: PackedWeight, lib: CLibrary | None = None) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""CPU matmuls over quantized weights (common.model.quant's format), one path chosen per call.
+"""CPU matmuls over quantized weights (`common.kernels.quant_weight.QuantWeight`), one path chosen
+per call.
 
 Paths, all computing x [M, K] @ W.T for W = the dequantized weight:
   c          csrc/quant_matmul.c: dequantizes each weight group in registers once per 8 rows of x,
@@ -27,7 +28,8 @@ other paths, exactly as before it existed), auto where the measurement (or the t
 first and the kernel was built with VNNI or AVX2 (not its portable C).
 `PDSERVE_CPU_QUANT_KERNEL=c|f32tiles|int4pack|int8pack|a8|dequant` forces one where it applies,
 as a path name in `kernel_choice` does (tests use it; read when a layer first meets a batch
-size). Called by `common.model.quant.QuantLinear`.
+size). Called by `common.model.quant.QuantLinear`, which describes its weight as a
+`QuantWeight`.
 """
 
 from __future__ import annotations
@@ -36,7 +38,6 @@ import ctypes
 import logging
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -44,9 +45,7 @@ import torch.nn.functional as F
 from common.kernels import cpu_qgemm
 from common.kernels.cbuild import REDUCTION_FLAGS, CLibrary
 from common.kernels.cpu_gemm import MIN_ROWS, tiled_matmul
-
-if TYPE_CHECKING:
-    from common.model.quant import QuantLinear
+from common.kernels.quant_weight import QuantWeight
 
 log = logging.getLogger(__name__)
 
@@ -120,68 +119,63 @@ def c_available() -> bool:
     return _LIB.available()
 
 
-def applies(path: str, layer: QuantLinear, x: torch.Tensor) -> bool:
-    """Whether `path` can compute this layer for this input."""
+def applies(path: str, w: QuantWeight, x: torch.Tensor) -> bool:
+    """Whether `path` can compute this weight for this input."""
     if path == "c":
         return (
-            layer.scale.dtype in (torch.float32, torch.bfloat16)
-            and (layer.zero is None or layer.zero.dtype == layer.scale.dtype)
+            w.scale.dtype in (torch.float32, torch.bfloat16)
+            and (w.zero is None or w.zero.dtype == w.scale.dtype)
             and c_available()
         )
     if path == "f32tiles":
-        return applies("c", layer, x) and x.dtype in (torch.float32, torch.bfloat16)
+        return applies("c", w, x) and x.dtype in (torch.float32, torch.bfloat16)
     if path == "int4pack":
-        g = layer.group_size
-        return layer.bits == 4 and g in (32, 64, 128, 256) and x.dtype in _TORCH_DTYPES
+        g = w.group_size
+        return w.bits == 4 and g in (32, 64, 128, 256) and x.dtype in _TORCH_DTYPES
     if path == "a8":
         return (
-            layer.scale.dtype in (torch.float32, torch.bfloat16)
+            w.scale.dtype in (torch.float32, torch.bfloat16)
             and x.dtype in (torch.float32, torch.bfloat16)
-            and cpu_qgemm.supports(layer.bits, layer.group_size, layer.in_features)
+            and cpu_qgemm.supports(w.bits, w.group_size, w.k)
             and cpu_qgemm.available()
         )
     if path == "int8pack":
-        return (
-            layer.bits == 8
-            and layer.group_size == layer.in_features
-            and layer.zero is None
-            and x.dtype in _TORCH_DTYPES
-        )
+        return w.bits == 8 and w.group_size == w.k and w.zero is None and x.dtype in _TORCH_DTYPES
     return path == "dequant"
 
 
 _TORCH_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def choose(layer: QuantLinear, x: torch.Tensor) -> str:
+def choose(w: QuantWeight, x: torch.Tensor) -> str:
     forced = os.environ.get("PDSERVE_CPU_QUANT_KERNEL") or (
         kernel_choice if kernel_choice in PATHS else None
     )
     if forced:
         if forced not in PATHS:
             raise ValueError(f"PDSERVE_CPU_QUANT_KERNEL must be one of {PATHS}, not {forced!r}")
-        if applies(forced, layer, x):
+        if applies(forced, w, x):
             return forced  # else the usual choice: forcing int8pack must not break int4 layers
     int8 = int8_activations()
-    if int8 and activations == "int8" and applies("a8", layer, x):
+    if int8 and activations == "int8" and applies("a8", w, x):
         return "a8"
     if kernel_choice == "auto" and not forced:
-        candidates = _tuned_order(layer, x)
+        candidates = _tuned_order(w, x)
     else:
-        candidates = _table_order(layer.bits, x)
+        candidates = _table_order(w.bits, x)
     for path in candidates:
-        if (path != "a8" or int8) and applies(path, layer, x):
+        if (path != "a8" or int8) and applies(path, w, x):
             return path
     return "dequant"
 
 
-def _tuned_order(layer: QuantLinear, x: torch.Tensor) -> list[str]:
+def _tuned_order(w: QuantWeight, x: torch.Tensor) -> list[str]:
     from common.kernels import tune  # it imports this module
 
-    order = tune.order_for(layer.bits, x.dtype, x.shape[0])
+    order = tune.order_for(w.bits, x.dtype, x.shape[0])
     if order is None:
-        tune.tune_layer(layer, x.dtype)
-        order = tune.order_for(layer.bits, x.dtype, x.shape[0]) or []
+        tune.tune_layer(w, x.dtype)
+        order = tune.order_for(w.bits, x.dtype, x.shape[0]) or []
     return order
 
 
@@ -194,84 +188,84 @@ def _table_order(bits: int, x: torch.Tensor) -> tuple[str, ...]:
     return ()
 
 
-def path_for(layer: QuantLinear, x: torch.Tensor) -> str:
+def path_for(w: QuantWeight, x: torch.Tensor) -> str:
     """The path `choose` picks for x's batch size, dtype, `activations` and `kernel_choice`, kept
-    on the layer (so the environment variable counts when a layer first meets a batch size): this
-    runs ~120 times a decode step, where Python overhead is a visible share of the step."""
+    on the weight (so the environment variable counts when a layer first meets a batch size):
+    this runs ~120 times a decode step, where Python overhead is a visible share of the step."""
     key = (x.shape[0], x.dtype, activations, kernel_choice)
-    path = layer.cpu_paths.get(key)
+    path = w.paths.get(key)
     if path is None:
-        path = layer.cpu_paths[key] = choose(layer, x)
+        path = w.paths[key] = choose(w, x)
     return path
 
 
-def quant_matmul(x: torch.Tensor, layer: QuantLinear) -> torch.Tensor:
+def quant_matmul(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
     """x [M, K] @ W.T on the CPU through the path `choose` picks; the result has x's dtype."""
-    return run_path(path_for(layer, x), x, layer)
+    return run_path(path_for(w, x), x, w)
 
 
-def run_path(path: str, x: torch.Tensor, layer: QuantLinear) -> torch.Tensor:
+def run_path(path: str, x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
     """x [M, K] @ W.T through `path` (which must apply: see `applies`)."""
     if path == "c":
-        return _c_matmul(x, layer)
+        return _c_matmul(x, w)
     if path == "f32tiles":
-        return _f32tiles_matmul(x, layer)
+        return _f32tiles_matmul(x, w)
     if path == "a8":
-        packed = layer.cpu_cache.get("a8")
-        if packed is None:
-            packed = layer.cpu_cache["a8"] = cpu_qgemm.pack(layer.qt)
-        return cpu_qgemm.matmul_a8(x, packed)
+        return cpu_qgemm.matmul_a8(x, _prepared(w, path, None, cpu_qgemm.pack))
     if path == "int4pack":
-        packed, scale_zero = _prepared(layer, x.dtype, _prepare_int4pack)
+        packed, scale_zero = _prepared(w, path, x.dtype, _prepare_int4pack)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x.contiguous(), packed, layer.group_size, scale_zero
+            x.contiguous(), packed, w.group_size, scale_zero
         )
     if path == "int8pack":
-        scales = _prepared(layer, x.dtype, lambda lay, dt: lay.scale[:, 0].to(dt).contiguous())
-        return torch.ops.aten._weight_int8pack_mm(x.contiguous(), layer.qweight, scales)
-    return F.linear(x, layer.qt.dequantize(x.dtype))
+        scales = _prepared(w, path, x.dtype, _int8pack_scales)
+        return torch.ops.aten._weight_int8pack_mm(x.contiguous(), w.qweight, scales)
+    return F.linear(x, w.dequantize(x.dtype))
 
 
-def _prepared(layer: QuantLinear, dtype: torch.dtype, make):
-    """A repacked form of the layer's weight, made once per (kind, dtype) and kept on the layer."""
-    key = (make.__name__, dtype, layer.qweight.data_ptr(), layer.scale.dtype)
-    hit = layer.cpu_cache.get(key)
-    if hit is None:
-        layer.cpu_cache.clear()  # weights or their dtype changed: drop stale copies
-        hit = layer.cpu_cache[key] = make(layer, dtype)
-    return hit
+def _prepared(w: QuantWeight, path: str, dtype: torch.dtype | None, make):
+    """A repacked copy of the weight for `path`, made once per x dtype (None: any) and kept on it
+    while the tensors it was made from are unchanged (their versions count in-place writes)."""
+    versions = w.versions()
+    hit = w.derived.get((path, dtype))
+    if hit is None or hit[0] != versions:
+        hit = w.derived[(path, dtype)] = (versions, make(w) if dtype is None else make(w, dtype))
+    return hit[1]
 
 
-def _prepare_int4pack(layer: QuantLinear, dtype: torch.dtype):
-    qt = layer.qt
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(qt.unpack().to(torch.int32), 1)
-    zero = qt.zero if qt.zero is not None else torch.zeros_like(qt.scale)
+def _int8pack_scales(w: QuantWeight, dtype: torch.dtype) -> torch.Tensor:
+    return w.scale[:, 0].to(dtype).contiguous()
+
+
+def _prepare_int4pack(w: QuantWeight, dtype: torch.dtype):
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(w.unpack().to(torch.int32), 1)
+    zero = w.zero if w.zero is not None else torch.zeros_like(w.scale)
     # [K/group, N, 2] of (scale, zero): torch's w = (q - 8) * scale + zero, the same as ours
-    scale_zero = torch.stack((qt.scale, zero), dim=-1).transpose(0, 1).contiguous().to(dtype)
+    scale_zero = torch.stack((w.scale, zero), dim=-1).transpose(0, 1).contiguous().to(dtype)
     return packed, scale_zero
 
 
-def _c_matmul(x: torch.Tensor, layer: QuantLinear) -> torch.Tensor:
+def _c_matmul(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
     # one call: the kernel converts/reorders x and writes x's dtype (torch ops per call cost more
     # than the matmul itself at decode sizes)
     m, k = x.shape
     if x.stride(1) != 1 or x.dtype not in (torch.float32, torch.bfloat16):
         x = x.to(torch.float32).contiguous()
-    bits, group, qweight, scale, zero, sdtype = c_weights(layer)
-    n = layer.out_features
+    bits, group, qweight, scale, zero, sdtype = c_weights(w)
+    n = w.n
     out = torch.empty(m, n, dtype=x.dtype)
     rc = _LIB.get().quant_matmul(
         x.data_ptr(), x.stride(0), 0 if x.dtype == torch.float32 else 1, m, k, n, bits, group,
         qweight, scale, zero, sdtype, out.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     if rc != 0:
-        raise ValueError(f"shape not supported by the CPU quantized kernel: {layer} (rc {rc})")
+        raise ValueError(f"shape not supported by the CPU quantized kernel: {w} (rc {rc})")
     return out
 
 
-def _f32tiles_matmul(x: torch.Tensor, layer: QuantLinear) -> torch.Tensor:
-    k = layer.in_features
-    bits, group, qweight, scale, zero, sdtype = c_weights(layer)
+def _f32tiles_matmul(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
+    k = w.k
+    bits, group, qweight, scale, zero, sdtype = c_weights(w)
     threads = torch.get_num_threads()
 
     def fill(n0: int, n1: int, tile: torch.Tensor) -> None:
@@ -279,23 +273,24 @@ def _f32tiles_matmul(x: torch.Tensor, layer: QuantLinear) -> torch.Tensor:
             n0, n1, k, bits, group, qweight, scale, zero, sdtype, tile.data_ptr(), threads
         )
         if rc != 0:
-            raise ValueError(f"shape not supported by the CPU dequantize kernel: {layer} (rc {rc})")
+            raise ValueError(f"shape not supported by the CPU dequantize kernel: {w} (rc {rc})")
 
-    return tiled_matmul(x, layer.out_features, fill)
+    return tiled_matmul(x, w.n, fill)
 
 
-def c_weights(layer: QuantLinear) -> tuple[int, int, int, int, int | None, int]:
+def c_weights(w: QuantWeight) -> tuple[int, int, int, int, int | None, int]:
     """(bits, group size, codes, scale, zero or None, scale dtype 0 float32 / 1 bfloat16): the
-    C kernel's view of the layer's weight, read once (cleared by layer.to())."""
-    weights = layer.cpu_cache.get("c")
+    C kernel's view of the weight, read once and kept on it (so never longer than the tensors
+    the pointers point into, which it holds; it reads them in place, so writes show)."""
+    weights = w.derived.get("c")
     if weights is None:
-        zero = layer.zero
-        weights = layer.cpu_cache["c"] = (
-            layer.bits,
-            layer.group_size,
-            layer.qweight.data_ptr(),
-            layer.scale.data_ptr(),
+        zero = w.zero
+        weights = w.derived["c"] = (
+            w.bits,
+            w.group_size,
+            w.qweight.data_ptr(),
+            w.scale.data_ptr(),
             None if zero is None else zero.data_ptr(),
-            0 if layer.scale.dtype == torch.float32 else 1,
+            0 if w.scale.dtype == torch.float32 else 1,
         )
     return weights

@@ -1,22 +1,23 @@
 """Kernel choice by measurement on the machine that serves: which cpu_quant path runs which batch.
 
-At an engine's start on the CPU (`prepare`, called by the model runner once the weights are
-loaded) or with `pdserve tune`, every path cpu_quant has for a quantized layer that the
-activation mode allows is timed at M = `M_POINTS` rows on the model's own layers: one of each
-format among them (the fused QKV, O, fused gate/up, down and the LM head of a Llama), each cut
-to at most `MAX_ROWS` output rows (a slice of rows runs at the whole's rate; its time is scaled
-back up by the layer's rows) and summed per weight width (bits). Each figure is the best of a
-few calls after one warm-up, the calls of all paths and layers interleaved (round after round,
-so a busy moment of a shared machine hits every path alike); a path slower at some M than the
-fastest at that M times 256 / M is not timed at larger M (a kernel's time does not drop as M
-grows, the fastest's at most grows with M) and ranks after those that were. Sums where a path
-does not apply to one of the layers count that layer at its fastest path's time. The C decode
-layers (common.kernels.cpu_layer) run a whole decoder layer in one C call only where all its
-projections take c, saving the torch calls between them that a matmul's timing does not see:
-where they are on, c's sum for the projections' width is credited with `LAYER_OPS` small torch
-calls, timed here. A few seconds on a 2-core host for the default model. A measurement where
-more than `MAX_UNSURE` of the timings stayed unconfirmed (a machine busy with other work) serves
-its process but is not cached (`pdserve tune` writes it anyway, with that share in the file).
+At an engine's start on the CPU (`prepare`, called by the model runner once the weights are loaded,
+with the model's quantized matmuls as `quant_weight.QuantWeight`s named by module:
+common.model.quant.kernel_weights) or with `pdserve tune` (common.cli loads the model), every path
+cpu_quant has for a quantized layer that the activation mode allows is timed at M = `M_POINTS` rows
+on the model's own layers: one of each format among them (the fused QKV, O, fused gate/up, down and
+the LM head of a Llama), each cut to at most `MAX_ROWS` output rows (a slice of rows runs at the
+whole's rate; its time is scaled back up by the layer's rows) and summed per weight width (bits).
+Each figure is the best of a few calls after one warm-up, the calls of all paths and layers
+interleaved (round after round, so a busy moment of a shared machine hits every path alike); a path
+slower at some M than the fastest at that M times 256 / M is not timed at larger M (a kernel's time
+does not drop as M grows, the fastest's at most grows with M) and ranks after those that were. Sums
+where a path does not apply to one of the layers count that layer at its fastest path's time. The C
+decode layers (common.kernels.cpu_layer) run a whole decoder layer in one C call only where all its
+projections take c, saving the torch calls between them that a matmul's timing does not see: where
+they are on, c's sum for the projections' width is credited with `LAYER_OPS` small torch calls,
+timed here. A few seconds on a 2-core host for the default model. A measurement where more than
+`MAX_UNSURE` of the timings stayed unconfirmed (a machine busy with other work) serves its process
+but is not cached (`pdserve tune` writes it anyway, with that share in the file).
 
 The result, per bits, is each point's paths ordered fastest first; a batch of M rows uses the
 order of the first point >= M (the last beyond 256), so point m_i serves M in (m_{i-1}, m_i].
@@ -31,7 +32,6 @@ mode) no engine tuned for (a test, a benchmark) is tuned on its own shape at its
 
 from __future__ import annotations
 
-import argparse
 import bisect
 import hashlib
 import json
@@ -43,11 +43,10 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from common.kernels import cpu_qgemm, cpu_quant, isa
 from common.kernels.cbuild import cache_dir
-from common.model.quant import QuantizedTensor, QuantLinear, TiedQuantHead
+from common.kernels.quant_weight import QuantWeight
 
 log = logging.getLogger(__name__)
 
@@ -62,20 +61,22 @@ _DECODER_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 ROUNDS, ROUNDS_LARGE, EXTRA_ROUNDS = 5, 3, 3
 # above this share of timings whose best no second call confirmed, the tables are not cached
 MAX_UNSURE = 0.25
-# (path, layer, x) -> seconds of one call through that path: tests inject a fake
-TimeCall = Callable[[str, QuantLinear, torch.Tensor], float]
+# (path, weight, x) -> seconds of one call through that path: tests inject a fake
+TimeCall = Callable[[str, QuantWeight, torch.Tensor], float]
+# (module name, weight) of each quantized matmul of a model: common.model.quant.kernel_weights
+NamedWeights = Iterable[tuple[str, QuantWeight]]
 Table = list[tuple[int, list[str], dict[str, float]]]  # (M, paths fastest first, ms per path)
 
 
-def time_call(path: str, layer: QuantLinear, x: torch.Tensor) -> float:
-    """Seconds of one call of `path`, after a warm-up at the layer's first call of it (packing,
+def time_call(path: str, w: QuantWeight, x: torch.Tensor) -> float:
+    """Seconds of one call of `path`, after a warm-up at the weight's first call of it (packing,
     building, first touch)."""
-    warm = layer.__dict__.setdefault("tune_warm", set())
+    warm = w.derived.setdefault("tune_warm", set())
     if path not in warm:
         warm.add(path)
-        cpu_quant.run_path(path, x, layer)
+        cpu_quant.run_path(path, x, w)
     t0 = time.perf_counter()
-    cpu_quant.run_path(path, x, layer)
+    cpu_quant.run_path(path, x, w)
     return time.perf_counter() - t0
 
 
@@ -90,24 +91,20 @@ def dispatch_s(hidden: int = 576, calls: int = 50) -> float:
     return best
 
 
-def representative_layers(models: Iterable[nn.Module | None]) -> list[QuantLinear]:
-    """One layer of each (format, shape) the models multiply by: their QuantLinear layers and a
-    tied quantized LM head's embedding (not an embedding only looked up)."""
-    found: dict[tuple, QuantLinear] = {}
-    for model in models:
-        for module in model.modules() if model is not None else ():
-            layer = module.embedding if isinstance(module, TiedQuantHead) else module
-            if isinstance(module, TiedQuantHead) or type(module) is QuantLinear:
-                found.setdefault(layer_format(layer), layer)
+def representative_layers(weights: NamedWeights) -> list[QuantWeight]:
+    """One weight of each (format, shape) among a model's quantized matmuls."""
+    found: dict[tuple, QuantWeight] = {}
+    for _, w in weights:
+        found.setdefault(layer_format(w), w)
     return list(found.values())
 
 
-def layer_format(layer: QuantLinear) -> tuple:
-    return (layer.bits, layer.group_size, layer.out_features, layer.in_features,
-            layer.zero is not None, str(layer.scale.dtype).removeprefix("torch."))  # fmt: skip
+def layer_format(w: QuantWeight) -> tuple:
+    return (w.bits, w.group_size, w.n, w.k, w.zero is not None,
+            str(w.scale.dtype).removeprefix("torch."))  # fmt: skip
 
 
-def tuning_key(layers: list[QuantLinear], dtype: torch.dtype) -> dict:
+def tuning_key(layers: list[QuantWeight], dtype: torch.dtype) -> dict:
     """What the measurement depends on besides the load of the machine."""
     libs = {}
     for name, lib in (("quant_matmul", cpu_quant._LIB), ("quant_gemm", cpu_qgemm._LIB)):
@@ -137,7 +134,7 @@ def allowed_paths(dtype: torch.dtype) -> list[str]:
 
 
 def measure(
-    layers: list[QuantLinear], dtype: torch.dtype, timer: TimeCall = time_call,
+    layers: list[QuantWeight], dtype: torch.dtype, timer: TimeCall = time_call,
     c_credit_s: dict[int, float] | None = None, stats: dict | None = None,
 ) -> dict[int, Table]:  # fmt: skip
     """Each bits' table (see the module docstring), timing `layers` with x in `dtype`;
@@ -146,12 +143,12 @@ def measure(
     gen = torch.Generator().manual_seed(0)
     for bits in sorted({layer.bits for layer in layers}):
         group = [_slice(layer) for layer in layers if layer.bits == bits]
-        xs = {m: torch.randn(m, max(lay.in_features for lay, _ in group), generator=gen)
+        xs = {m: torch.randn(m, max(lay.k for lay, _ in group), generator=gen)
               for m in M_POINTS}  # fmt: skip
         live = [p for p in allowed_paths(dtype) if any(_applies(p, lay, dtype) for lay, _ in group)]
         raw: list[dict[str, float]] = []  # per M: ms per path timed there
         for m in M_POINTS:
-            xm = [xs[m][:, : lay.in_features].to(dtype) for lay, _ in group]
+            xm = [xs[m][:, : lay.k].to(dtype) for lay, _ in group]
             runs = [
                 (p, i) for p in live for i, (lay, _) in enumerate(group) if _applies(p, lay, dtype)
             ]
@@ -198,25 +195,22 @@ def _best_of(runs: list, call: Callable, m: int, stats: dict) -> dict:
     return {run: min(ts) for run, ts in samples.items()}
 
 
-def _applies(path: str, layer: QuantLinear, dtype: torch.dtype) -> bool:
-    return cpu_quant.applies(path, layer, torch.empty(0, layer.in_features, dtype=dtype))
+def _applies(path: str, w: QuantWeight, dtype: torch.dtype) -> bool:
+    return cpu_quant.applies(path, w, torch.empty(0, w.k, dtype=dtype))
 
 
-def _slice(layer: QuantLinear) -> tuple[QuantLinear, float]:
-    """A layer over at most MAX_ROWS of `layer`'s rows (views: no copy) and the factor that
-    scales its times back to the whole; a new module, so what the kernels cache while being
-    timed (packed copies) goes with it."""
-    rows = min(layer.out_features, MAX_ROWS)
-    qt = layer.qt
-    zero = None if qt.zero is None else qt.zero[:rows]
-    part = QuantizedTensor(
-        qt.bits, qt.group_size, qt.qweight[:rows], qt.scale[:rows], zero, (rows, qt.shape[1])
-    )
-    return QuantLinear(part), layer.out_features / rows
+def _slice(w: QuantWeight) -> tuple[QuantWeight, float]:
+    """A weight over at most MAX_ROWS of `w`'s rows (views: no copy) and the factor that
+    scales its times back to the whole; a new one, so what the kernels keep while it is timed
+    (packed copies) goes with it."""
+    rows = min(w.n, MAX_ROWS)
+    zero = None if w.zero is None else w.zero[:rows]
+    part = QuantWeight(w.bits, w.group_size, w.qweight[:rows], w.scale[:rows], zero, rows, w.k)
+    return part, w.n / rows
 
 
 def load_or_measure(
-    layers: list[QuantLinear], dtype: torch.dtype, timer: TimeCall = time_call,
+    layers: list[QuantWeight], dtype: torch.dtype, timer: TimeCall = time_call,
     force: bool = False, layer_bits: Iterable[int] = (),
 ) -> tuple[dict[int, Table], Path, bool]:  # fmt: skip
     """The tables for these layers from the cache, else measured and written (always measured
@@ -318,33 +312,29 @@ def describe(tables: dict[int, Table], dtype: torch.dtype) -> list[str]:
     return lines
 
 
-def layer_kernel_bits(models: Iterable[nn.Module | None]) -> set[int]:
+def layer_kernel_bits(weights: NamedWeights) -> set[int]:
     """The widths of the decoder projections when the C decode layers are on (they run a layer
     in one call only where all four take c)."""
     from common.kernels import cpu_layer
 
     if not (cpu_layer.enabled and cpu_layer.available()):
         return set()
-    return {
-        module.bits
-        for model in models
-        for name, module in (model.named_modules() if model is not None else ())
-        if type(module) is QuantLinear and name.rpartition(".")[2] in _DECODER_PROJECTIONS
-    }
+    return {w.bits for name, w in weights if name.rpartition(".")[2] in _DECODER_PROJECTIONS}
 
 
 def prepare(
-    kernel_choice: str, dtype: torch.dtype, models: Iterable[nn.Module | None],
+    kernel_choice: str, dtype: torch.dtype, weights: NamedWeights,
     timer: TimeCall = time_call, force: bool = False,
 ) -> dict[int, Table]:  # fmt: skip
-    """Set cpu_quant's kernel choice; for `auto`, tune for the models' quantized layers (or read
-    the cached tables) and log which path serves which range. Returns the tables ({} otherwise)."""
+    """Set cpu_quant's kernel choice; for `auto`, tune for a model's quantized matmuls (`weights`,
+    from common.model.quant.kernel_weights; or read the cached tables) and log which path serves
+    which range. Returns the tables ({} otherwise)."""
     cpu_quant.set_kernel_choice(kernel_choice)
-    models = list(models)
-    layers = representative_layers(models)
+    weights = list(weights)
+    layers = representative_layers(weights)
     if kernel_choice != "auto" or not layers:
         return {}
-    bits = layer_kernel_bits(models)
+    bits = layer_kernel_bits(weights)
     tables, path, measured = load_or_measure(layers, dtype, timer, force, bits)
     install(tables, dtype)
     how = "measured" if measured else "cached"
@@ -354,39 +344,24 @@ def prepare(
     return tables
 
 
-def tune_layer(layer: QuantLinear, dtype: torch.dtype) -> None:
+def tune_layer(w: QuantWeight, dtype: torch.dtype) -> None:
     """Tables for a layer no engine tuned for, from its own shape (cached like an engine's)."""
-    tables, _, measured = load_or_measure([layer], dtype)
+    tables, _, measured = load_or_measure([w], dtype)
     install(tables, dtype)
     if measured:
-        log.info("kernel choice for %s (%s):", layer, "; ".join(describe(tables, dtype)))
+        log.info("kernel choice for %s (%s):", w, "; ".join(describe(tables, dtype)))
 
 
-def run_tune_command(args: argparse.Namespace) -> int:
-    """`pdserve tune`: measure for the engine flags' model, dtype, threads and activation mode,
-    rewrite the cache entry, print the table."""
-    from common.config import config_from_args
-    from common.model.llama import CausalLM
-    from common.model.model_files import resolve_model
-    from common.model.weights import iter_weights
-
-    config = config_from_args(args)
-    if config.num_threads > 0:
-        torch.set_num_threads(config.num_threads)
-    cpu_quant.set_activations(config.cpu_activations)
-    source = resolve_model(config.model)
-    hf_config = source.hf_config
-    max_len = config.max_model_len or int(getattr(hf_config, "max_position_embeddings", 2048))
-    model = CausalLM(hf_config, max_positions=max_len)
-    model.load_weights(iter_weights(source), config.quantization, config.quantization_group_size)
-    dtype = config.resolved_dtype()
-    model = model.to(dtype=dtype).eval()
-    layers = representative_layers([model])
+def run_tune_command(weights: NamedWeights, dtype: torch.dtype) -> int:
+    """`pdserve tune` once common.cli has loaded the model (its quantized matmuls, `weights`):
+    measure again, rewrite the cache entry, print the table."""
+    weights = list(weights)
+    layers = representative_layers(weights)
     if not layers:
         print("no quantized layers: nothing to tune (see --quantization)")
         return 0
     t0 = time.perf_counter()
-    bits = layer_kernel_bits([model])
+    bits = layer_kernel_bits(weights)
     tables, path, _ = load_or_measure(layers, dtype, force=True, layer_bits=bits)
     print(f"kernel choice, {torch.get_num_threads()} threads, activations "
           f"{cpu_quant.activations}, measured in {time.perf_counter() - t0:.1f} s:")  # fmt: skip

@@ -146,6 +146,21 @@ class DecoderLayer(nn.Module):
         h, residual = self.post_attention_layernorm(self.self_attn(h, meta), residual)
         return self.mlp(h), residual
 
+    def cpu_layer_weights(self) -> cpu_layer.LayerWeights:
+        """This layer as the C decode layers take it (over its own tensors and KV cache)."""
+        attn, mlp = self.self_attn, self.mlp
+        projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        norms = [self.input_layernorm, self.post_attention_layernorm]
+        if attn.qk_norm:
+            norms += [attn.q_norm, attn.k_norm]
+        return cpu_layer.LayerWeights(
+            tuple(p.kernel_weight() if type(p) is QuantLinear else None for p in projections),
+            tuple(p.bias for p in projections), tuple(n.weight for n in norms),
+            tuple(n.eps for n in norms), attn.scale, attn.num_heads, attn.num_kv_heads,
+            attn.head_dim, mlp.intermediate, attn.k_cache, attn.v_cache, attn.k_scales,
+            attn.v_scales, torch_attention=attn.backend == "torch",
+        )  # fmt: skip
+
 
 class CausalLM(nn.Module):
     """The whole decoder. forward() gives hidden states; compute_logits() the vocabulary scores."""
@@ -169,11 +184,22 @@ class CausalLM(nn.Module):
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.cpu_stacks: dict = {}  # common.kernels.cpu_layer's per-step layer arrays
+        self.cpu_layers: cpu_layer.DecodeLayers | None = None  # the C decode layers' view
 
     def _apply(self, fn, recurse=True):
-        self.cpu_stacks.clear()  # .to() may move the weights the arrays point into
+        self.cpu_layers = None  # .to() may replace the tensors it holds
         return super()._apply(fn, recurse)
+
+    def cpu_decode_layers(self) -> cpu_layer.DecodeLayers:
+        """The decoder layers as the C decode layers take them; made again when a layer's KV
+        cache is not the one it was made with (the model runner binds them after loading)."""
+        cached, attns = self.cpu_layers, self.__dict__.get("_cpu_attns", ())
+        if cached is None or any(w.k_cache is not a.k_cache for w, a in zip(cached.layers, attns)):
+            self._cpu_attns = [layer.self_attn for layer in self.layers]  # a plain list: fast
+            cached = self.cpu_layers = cpu_layer.DecodeLayers(
+                [layer.cpu_layer_weights() for layer in self.layers]
+            )
+        return cached
 
     def forward(
         self,
@@ -186,7 +212,12 @@ class CausalLM(nn.Module):
         x = self.embed_tokens(input_ids)
         self.rotary.set_positions(positions, x.dtype)
         layers = self.layers if num_layers is None else self.layers[:num_layers]
-        fused = cpu_layer.run_layers(self, layers, x, meta)  # a CPU decode step: one C call
+        fused = None
+        if cpu_layer.step_applies(x, meta):  # a CPU decode step: the layers in one C call
+            rotary = self.rotary
+            fused = self.cpu_decode_layers().run(
+                len(layers), x, meta, rotary.positions, rotary.cos, rotary.sin
+            )
         if fused is not None:
             self.layers_run += len(layers)
             return self.norm(*fused)[0]
@@ -206,6 +237,7 @@ class CausalLM(nn.Module):
             raise ValueError(f"unknown attention backend {name!r}")
         for layer in self.layers:
             layer.self_attn.backend = name
+        self.cpu_layers = None
 
     def pack_for_cpu(self) -> None:
         """Prepack every projection (and the LM head) for oneDNN; call after the final .to()."""

@@ -27,6 +27,7 @@ from common.config import EngineConfig, parse_size
 from common.kernels import cpu_quant, kv_quant, tune
 from common.kernels.attention import AttentionMetadata, Row, build_batch
 from common.model.llama import CausalLM, head_dim_of
+from common.model.quant import kernel_weights
 
 if TYPE_CHECKING:
     from common.model.cuda_graph import DecodeGraphs
@@ -98,7 +99,8 @@ class ModelRunner:
         if config.speculative == "draft" and config.draft_model is not None:
             self.draft_model = self._load_draft(config.draft_model, hf_config)
         if self.device.type == "cpu":  # which kernel serves which batch size: measured or cached
-            tune.prepare(config.kernel_choice, self.dtype, [self.model, self.draft_model])
+            weights = kernel_weights([self.model, self.draft_model])
+            tune.prepare(config.kernel_choice, self.dtype, weights)
         self.num_blocks = self._num_blocks(hf_config)
         if self.num_blocks * self.block_size < self.max_model_len:
             raise ValueError(

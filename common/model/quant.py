@@ -6,12 +6,15 @@ a dense weight, and the two modules the Llama family swaps in when its checkpoin
 `--quantization` asks for it: `QuantLinear` (projections, LM head) and `QuantEmbedding` (row lookup,
 dequantized per row). The matmul dispatches on the device: CPU -> `common.kernels.cpu_quant`, CUDA
 -> `common.kernels.triton_quant.quant_matmul` (imported lazily, never on CPU), anything else ->
-dequantize then matmul (the reference every kernel is tested against). Called by
-`common.model.llama` (load_weights) and the weight loaders in `common.model.weights`.
+dequantize then matmul (the reference every kernel is tested against); the CPU kernels take the
+weight as a `common.kernels.quant_weight.QuantWeight` (`kernel_weight`), and `kernel_weights`
+lists a model's quantized matmuls that way for common.kernels.tune. Called by `common.model.llama`
+(load_weights) and the weight loaders in `common.model.weights`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from common.kernels import cpu_quant
+from common.kernels.quant_weight import QuantWeight
 
 QUANTIZATION_MODES = ("auto", "none", "int8", "int4")
 # Tried in this order when --quantization-group-size is 0 (auto) for int4: the largest that divides
@@ -66,25 +70,19 @@ class QuantizedTensor:
         zero = 0 if self.zero is None else self.zero.nbytes
         return self.qweight.nbytes + self.scale.nbytes + zero
 
+    def kernel_weight(self) -> QuantWeight:
+        """This weight as the CPU kernels take it (over the same tensors)."""
+        n, k = self.shape
+        return QuantWeight(self.bits, self.group_size, self.qweight, self.scale,
+                                     self.zero, n, k)  # fmt: skip
+
     def unpack(self) -> torch.Tensor:
         """The codes as int16 [N, K]: 0..15 for int4, -128..127 for int8."""
-        if self.bits == 8:
-            return self.qweight.to(torch.int16)
-        q = self.qweight.to(torch.int16)
-        return torch.stack((q & 0xF, q >> 4), dim=-1).reshape(self.shape)
+        return self.kernel_weight().unpack()
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The dense [N, K] weight in `dtype`, computed in float32 then rounded once."""
-        n, k = self.shape
-        groups = k // self.group_size
-        compute = torch.float32
-        q = self.unpack().to(compute)
-        if self.bits == 4:
-            q = q - 8
-        w = q.view(n, groups, self.group_size) * self.scale.to(compute)[..., None]
-        if self.zero is not None:
-            w = w + self.zero.to(compute)[..., None]
-        return w.reshape(n, k).to(dtype)
+        return self.kernel_weight().dequantize(dtype)
 
     def rows(self, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Dequantize only the rows `index` (an embedding lookup)."""
@@ -179,7 +177,8 @@ class QuantLinear(nn.Module):
     """A linear layer over a QuantizedTensor weight (codes, scale and zero are buffers).
 
     `.to(dtype)` converts scale/zero (float buffers) and leaves the integer codes alone, so the
-    format holds after the model runner's cast. CPU kernels cache a repacked copy per dtype.
+    format holds after the model runner's cast. The CPU kernels take the weight as
+    `kernel_weight()` and keep what they derive from it (pointers, repacked copies) there.
     """
 
     def __init__(self, qt: QuantizedTensor, bias: torch.Tensor | None = None) -> None:
@@ -190,15 +189,25 @@ class QuantLinear(nn.Module):
         self.register_buffer("scale", qt.scale.contiguous())
         self.register_buffer("zero", None if qt.zero is None else qt.zero.contiguous())
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), False)
-        self.cpu_cache: dict = {}  # common.kernels.cpu_quant's repacked weights and pointers
-        self.cpu_paths: dict = {}  # common.kernels.cpu_quant's kernel choice per batch size
+        self._kernel_weight: QuantWeight | None = None
 
     def _apply(self, fn, recurse=True):
-        # .to() / .float() / .cuda() may move or convert the buffers: drop what was derived
-        # from them (the C kernel keeps raw pointers, the torch kernels repacked copies)
-        self.cpu_cache.clear()
-        self.cpu_paths.clear()
+        # .to() / .float() / .cuda() may replace the buffers: let go of the old ones now
+        self._kernel_weight = None
         return super()._apply(fn, recurse)
+
+    def kernel_weight(self) -> QuantWeight:
+        """The weight as the CPU kernels take it, over the current buffers: a new one (and so
+        nothing the kernels derived from the old) whenever a buffer was replaced."""
+        w, buffers = self._kernel_weight, self._buffers
+        if (
+            w is None
+            or w.qweight is not buffers["qweight"]
+            or w.scale is not buffers["scale"]
+            or w.zero is not buffers["zero"]
+        ):
+            w = self._kernel_weight = self.qt.kernel_weight()
+        return w
 
     @property
     def qt(self) -> QuantizedTensor:
@@ -222,7 +231,7 @@ class QuantLinear(nn.Module):
         if x.dim() != 2:  # decode batches are already [tokens, K]: no reshape per call
             lead, x = x.shape[:-1], x.reshape(-1, self.in_features)
         if x.device.type == "cpu":
-            out = cpu_quant.quant_matmul(x, self)
+            out = cpu_quant.quant_matmul(x, self.kernel_weight())
         elif x.device.type == "cuda" and _triton_quant() is not None:
             kernel = _triton_quant()
             out = kernel(x, self.qweight, self.scale, self.zero, self.bits, self.group_size)
@@ -261,6 +270,20 @@ class TiedQuantHead(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.embedding.linear(x)
+
+
+def kernel_weights(models: Iterable[nn.Module | None]) -> list[tuple[str, QuantWeight]]:
+    """(module name, kernel weight) of every quantized matmul of the models: their QuantLinear
+    layers and a tied quantized LM head (not an embedding only looked up). What
+    common.kernels.tune measures at an engine's start."""
+    found = []
+    for model in models:
+        for name, module in model.named_modules() if model is not None else ():
+            if isinstance(module, TiedQuantHead):
+                found.append((name, module.embedding.kernel_weight()))
+            elif type(module) is QuantLinear:
+                found.append((name, module.kernel_weight()))
+    return found
 
 
 _TRITON_UNSET = object()

@@ -58,7 +58,7 @@ def _forward(runner, inputs, fused: bool, monkeypatch) -> torch.Tensor:
 
 
 def _stack_in_use(runner) -> bool:
-    return any(stack is not None for stack in runner.model.cpu_stacks.values())
+    return runner.model.cpu_layers is not None and runner.model.cpu_layers.num_stacks() > 0
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -115,17 +115,17 @@ def _attns(runner):
 def test_prefill_steps_and_dense_models_take_the_per_op_path(tiny_llama, monkeypatch) -> None:
     hf_model, _ = tiny_llama
     calls = []
-    real_run = cpu_layer.run_layers
+    real_run = cpu_layer.DecodeLayers.run
 
-    def counting_run(model, layers, x, meta):
-        out = real_run(model, layers, x, meta)
+    def counting_run(self, *args):
+        out = real_run(self, *args)
         calls.append(out is not None)
         return out
 
-    monkeypatch.setattr(cpu_layer, "run_layers", counting_run)
+    monkeypatch.setattr(cpu_layer.DecodeLayers, "run", counting_run)
     runner = _runner(hf_model, "int4", "float32")
     _prefill_then_decode_inputs(runner)  # a prefill step: several tokens per sequence
-    assert calls and not any(calls)
+    assert not any(calls) and runner.model.cpu_layers is None  # not even described
     dense = _runner(hf_model, "none", "float32")
     calls.clear()
     inputs = _prefill_then_decode_inputs(dense)
@@ -143,9 +143,42 @@ def test_switches_are_read_per_call_and_to_drops_plans(tiny_llama, monkeypatch) 
     ids, pos, meta = inputs
     x = torch.randn(len(CONTEXTS), hf_model.config.hidden_size)
     monkeypatch.setattr(cpu_ops, "enabled", False)  # a plan made earlier must not override it
-    runner.model.rotary.set_positions(pos, x.dtype)
-    assert cpu_layer.run_layers(model, model.layers, x, meta) is None
+    rotary = runner.model.rotary
+    rotary.set_positions(pos, x.dtype)
+    run = (len(model.layers), x, meta, rotary.positions, rotary.cos, rotary.sin)
+    assert model.cpu_decode_layers().run(*run) is None
     monkeypatch.setattr(cpu_ops, "enabled", True)
-    assert cpu_layer.run_layers(model, model.layers, x, meta) is not None
+    assert model.cpu_decode_layers().run(*run) is not None
     model.to(torch.float32)  # may move weights: the raw pointers must go
-    assert not model.cpu_stacks
+    assert model.cpu_layers is None
+
+
+def test_rebound_kv_caches_are_written_even_at_the_old_address(tiny_llama, monkeypatch) -> None:
+    """The runner binds new KV caches: layer 0's a new tensor at the old one's address (as a
+    freed cache's memory may be handed out again), the others elsewhere. Layer arrays cached by
+    that address, as they were, would still point into the old caches of the other layers; made
+    anew from the new tensors, the step writes its K/V into the new caches, as the per-op path
+    does."""
+    hf_model, _ = tiny_llama
+    monkeypatch.setenv("PDSERVE_CPU_QUANT_KERNEL", "c")
+    runner = _runner(hf_model, "int4", "float32")
+    inputs = _prefill_then_decode_inputs(runner)
+    per_op = _forward(runner, inputs, False, monkeypatch)
+    per_op_kv = [(a.k_cache.clone(), a.v_cache.clone()) for a in _attns(runner)]
+    _forward(runner, inputs, True, monkeypatch)  # arrays made for the old caches
+    assert _stack_in_use(runner)
+    old = runner.kv_cache
+    new = old.clone()  # the state before this step's writes: undo them
+    slots = inputs[2].slot_mapping
+    new.flatten(2, 3)[:, :, slots] = 0
+    for i, attn in enumerate(_attns(runner)):
+        attn.k_cache = old[i, 0].view_as(old[i, 0]) if i == 0 else new[i, 0]
+        attn.v_cache = new[i, 1]
+        if i == 0:
+            attn.k_cache.flatten(0, 1)[slots] = 0
+    first = _attns(runner)[0].k_cache
+    assert first is not old[0, 0] and first.data_ptr() == old[0, 0].data_ptr()
+    fused = _forward(runner, inputs, True, monkeypatch)
+    assert torch.equal(fused, per_op)
+    for attn, (k, v) in zip(_attns(runner), per_op_kv):
+        assert torch.equal(attn.k_cache, k) and torch.equal(attn.v_cache, v)

@@ -41,6 +41,10 @@ def weight(bits: int, group: int, zero: bool, n: int = N, k: int = K) -> Quantiz
     return qt
 
 
+def pack(qt: QuantizedTensor) -> cpu_qgemm.PackedWeight:
+    return cpu_qgemm.pack(qt.kernel_weight())
+
+
 def activations(m: int, dtype: torch.dtype, k: int = K) -> torch.Tensor:
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
     x[:, 7] *= 20  # an outlier channel, as LLM activations have
@@ -93,7 +97,7 @@ def check(out: torch.Tensor, x: torch.Tensor, qt: QuantizedTensor) -> None:
 def test_matches_both_references(bits, group, zero, m, dtype):
     qt = weight(bits, group, zero)
     x = activations(m, dtype)
-    check(cpu_qgemm.matmul_a8(x, cpu_qgemm.pack(qt)), x, qt)
+    check(cpu_qgemm.matmul_a8(x, pack(qt)), x, qt)
 
 
 SECTIONS = {"portable": "portable", "avx2": "avx2", "avxvnni": "avxvnni",
@@ -108,7 +112,7 @@ def test_each_isa_section(level, bits, group, zero, monkeypatch):
     if not lib.available() or cpu_qgemm.isa(lib) != SECTIONS[level]:
         pytest.skip(f"no {level} build on this host")
     qt = weight(bits, group, zero)
-    packed = cpu_qgemm.pack(qt)
+    packed = pack(qt)
     for m in (1, 5, 9, 130):  # every row tail of the 8- and 4-row tiles
         for dtype in (torch.float32, torch.bfloat16):
             x = activations(m, dtype)
@@ -117,7 +121,7 @@ def test_each_isa_section(level, bits, group, zero, monkeypatch):
 
 def test_strided_and_float16_inputs():
     qt = weight(4, 32, True)
-    packed = cpu_qgemm.pack(qt)
+    packed = pack(qt)
     wide = activations(6, torch.float32, 2 * K)
     x = wide[:, :K]  # a row stride of 2K
     assert torch.equal(cpu_qgemm.matmul_a8(x, packed), cpu_qgemm.matmul_a8(x.contiguous(), packed))
@@ -128,7 +132,7 @@ def test_strided_and_float16_inputs():
 
 def test_zero_and_nonfinite_rows():
     qt = weight(8, 32, False)
-    packed = cpu_qgemm.pack(qt)
+    packed = pack(qt)
     x = activations(4, torch.float32)
     x[1] = 0
     x[2, 100] = float("nan")
@@ -143,13 +147,13 @@ def test_tails_refused_cleanly():
     # N need not be a multiple of the panel; K and the group must be whole blocks of 32
     qt = weight(4, 32, True, n=3, k=64)
     x = activations(5, torch.float32, 64)
-    check(cpu_qgemm.matmul_a8(x, cpu_qgemm.pack(qt)), x, qt)
+    check(cpu_qgemm.matmul_a8(x, pack(qt)), x, qt)
     assert not cpu_qgemm.supports(4, 16, 48) and not cpu_qgemm.supports(8, 48, 96)
     with pytest.raises(ValueError, match="multiples of 32"):
-        cpu_qgemm.pack(quantize_rtn(torch.randn(8, 48), 4, 16))
+        pack(quantize_rtn(torch.randn(8, 48), 4, 16))
     with pytest.raises(ValueError, match="columns"):
-        cpu_qgemm.matmul_a8(torch.randn(2, 96), cpu_qgemm.pack(qt))
-    assert cpu_qgemm.matmul_a8(torch.randn(0, 64), cpu_qgemm.pack(qt)).shape == (0, 3)
+        cpu_qgemm.matmul_a8(torch.randn(2, 96), pack(qt))
+    assert cpu_qgemm.matmul_a8(torch.randn(0, 64), pack(qt)).shape == (0, 3)
 
 
 def test_bfloat16_scales_are_read_exactly():
@@ -157,6 +161,4 @@ def test_bfloat16_scales_are_read_exactly():
     qt16 = QuantizedTensor(4, 64, qt.qweight, qt.scale.bfloat16(), qt.zero.bfloat16(), qt.shape)
     x = activations(7, torch.float32)
     ref = QuantizedTensor(4, 64, qt.qweight, qt16.scale.float(), qt16.zero.float(), qt.shape)
-    assert torch.equal(
-        cpu_qgemm.matmul_a8(x, cpu_qgemm.pack(qt16)), cpu_qgemm.matmul_a8(x, cpu_qgemm.pack(ref))
-    )
+    assert torch.equal(cpu_qgemm.matmul_a8(x, pack(qt16)), cpu_qgemm.matmul_a8(x, pack(ref)))

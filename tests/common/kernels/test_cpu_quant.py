@@ -36,7 +36,7 @@ def layer(bits: int = 4, group: int = 32, n: int = 80, k: int = 192) -> QuantLin
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_each_mode_picks(monkeypatch, bits, dtype):
-    lay = layer(bits).to(dtype)
+    lay = layer(bits).to(dtype).kernel_weight()
     x = {m: torch.randn(m, 192, dtype=dtype) for m in (1, 2, 16, 128, 300)}
     monkeypatch.setattr(cpu_quant, "activations", "float")
     assert all(cpu_quant.choose(lay, x[m]) != "a8" for m in x)
@@ -52,31 +52,31 @@ def test_each_mode_picks(monkeypatch, bits, dtype):
 def test_a8_formats_it_does_not_take_fall_through(monkeypatch):
     monkeypatch.setattr(cpu_quant, "activations", "int8")
     lay = QuantLinear(quantize_rtn(torch.randn(16, 96), 4, 16))  # groups of 16
-    assert cpu_quant.choose(lay, torch.randn(8, 96)) == "c"
+    assert cpu_quant.choose(lay.kernel_weight(), torch.randn(8, 96)) == "c"
 
 
 def test_a8_path_is_the_kernel_plus_bias(monkeypatch):
     monkeypatch.setattr(cpu_quant, "activations", "int8")
     lay = layer()
     x = torch.randn(9, 192)
-    want = cpu_qgemm.matmul_a8(x, cpu_qgemm.pack(lay.qt)) + lay.bias
+    want = cpu_qgemm.matmul_a8(x, cpu_qgemm.pack(lay.kernel_weight())) + lay.bias
     assert torch.equal(lay(x), want)
-    assert "a8" in lay.cpu_cache
+    assert ("a8", None) in lay.kernel_weight().derived
     lay = lay.to(torch.bfloat16)  # scale converted: the packed copy is dropped and remade
-    assert "a8" not in lay.cpu_cache
+    assert ("a8", None) not in lay.kernel_weight().derived
     got = lay(x.bfloat16())
-    assert got.dtype == torch.bfloat16 and "a8" in lay.cpu_cache
+    assert got.dtype == torch.bfloat16 and ("a8", None) in lay.kernel_weight().derived
 
 
 def test_cached_choices_follow_the_mode(monkeypatch):
     lay = layer()
     x = torch.randn(8, 192)
     monkeypatch.setattr(cpu_quant, "activations", "float")
-    assert cpu_quant.path_for(lay, x) == "c"
+    assert cpu_quant.path_for(lay.kernel_weight(), x) == "c"
     cpu_quant.set_activations("int8")
-    assert cpu_quant.path_for(lay, x) == "a8"
+    assert cpu_quant.path_for(lay.kernel_weight(), x) == "a8"
     cpu_quant.set_activations("float")
-    assert cpu_quant.path_for(lay, x) == "c"
+    assert cpu_quant.path_for(lay.kernel_weight(), x) == "c"
     with pytest.raises(ValueError, match="cpu activations must be one of"):
         cpu_quant.set_activations("int4")
 
@@ -118,3 +118,46 @@ def test_int8_activations_agree_with_float_greedy(tiny_llama, mode):
         same += n
         assert b.output_logprobs[:n] == pytest.approx(a.output_logprobs[:n], abs=0.3)
     assert same >= 0.75 * params.max_tokens * len(prompts)
+
+
+@pytest.mark.parametrize("path", ["a8", "int4pack", "c", "f32tiles", "dequant"])
+def test_a_weight_written_in_place_is_never_served_from_an_old_copy(monkeypatch, path):
+    """The same tensors (so the same data_ptr) with new values: a repacked copy keyed by the
+    address, as it was, would serve the old weight; keyed by the tensors' versions it is made
+    again, and the C kernel's pointers read the new values in place."""
+    monkeypatch.setenv("PDSERVE_CPU_QUANT_KERNEL", path)
+    monkeypatch.setattr(cpu_quant, "activations", "int8" if path == "a8" else "float")
+    lay, other = layer(), layer(n=80, k=192)
+    with torch.no_grad():
+        other.scale.mul_(3)
+    x = torch.randn(4, 192, dtype=torch.bfloat16)
+    lay = lay.to(torch.bfloat16)
+    other = other.to(torch.bfloat16)
+    w = lay.kernel_weight()
+    if not cpu_quant.applies(path, w, x):
+        pytest.skip(f"{path} does not apply here")
+    before = lay(x)
+    ptrs = (lay.qweight.data_ptr(), lay.scale.data_ptr(), lay.zero.data_ptr())
+    with torch.no_grad():  # as load_weights does: copy into the buffers
+        lay.qweight.copy_(other.qweight)
+        lay.scale.copy_(other.scale)
+        lay.zero.copy_(other.zero)
+        lay.bias.copy_(other.bias)
+    assert (lay.qweight.data_ptr(), lay.scale.data_ptr(), lay.zero.data_ptr()) == ptrs
+    assert lay.kernel_weight() is w  # same tensors, same description
+    assert torch.equal(lay(x), other(x)) and not torch.equal(before, other(x))
+
+
+def test_a_replaced_buffer_makes_a_new_weight_description(monkeypatch):
+    """A buffer assigned anew (not through .to()): the C kernel's cached pointers were into the
+    old tensor, which a new one may reuse the address of; the layer describes its new buffers
+    and the kernel reads those."""
+    monkeypatch.setattr(cpu_quant, "activations", "float")
+    lay, other = layer(), layer(n=80, k=192)
+    with torch.no_grad():
+        other.scale.mul_(3)
+    x = torch.randn(1, 192)
+    old = lay.kernel_weight()
+    assert cpu_quant.path_for(old, x) == "c" and not torch.equal(lay(x), other(x))
+    lay.qweight, lay.scale, lay.zero, lay.bias = other.qweight, other.scale, other.zero, other.bias
+    assert lay.kernel_weight() is not old and torch.equal(lay(x), other(x))

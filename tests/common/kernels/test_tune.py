@@ -17,7 +17,8 @@ from torch import nn
 
 from common.config import EngineConfig, add_engine_args, config_from_args
 from common.kernels import cpu_qgemm, cpu_quant, tune
-from common.model.quant import QuantLinear, quantize_rtn
+from common.kernels.quant_weight import QuantWeight
+from common.model.quant import QuantLinear, kernel_weights, quantize_rtn
 
 # built here, from the kernel cache the tests below move away
 if not (cpu_quant.c_available() and cpu_qgemm.available()):
@@ -54,14 +55,14 @@ class FakeTimer:
         self.calls = 0
         self.rule = rule or (lambda path, m: {"c": 1.0, "dequant": 3.0}.get(path, 2.0) * m)
 
-    def __call__(self, path: str, layer: QuantLinear, x: torch.Tensor) -> float:
+    def __call__(self, path: str, w: QuantWeight, x: torch.Tensor) -> float:
         self.calls += 1
         return 1e-3 * self.rule(path, x.shape[0])
 
 
 def test_cache_written_then_reused(cache):
     timer = FakeTimer()
-    tables = tune.prepare("auto", torch.float32, [model()], timer)
+    tables = tune.prepare("auto", torch.float32, kernel_weights([model()]), timer)
     files = list(cache.glob("tune-*.json"))
     assert len(files) == 1 and timer.calls > 0
     body = json.loads(files[0].read_text())
@@ -69,7 +70,7 @@ def test_cache_written_then_reused(cache):
     assert [p["m"] for p in body["tables"]["4"]] == list(tune.M_POINTS)
     calls = timer.calls
     cpu_quant.tuned.clear()  # a new process
-    assert tune.prepare("auto", torch.float32, [model()], timer) == tables
+    assert tune.prepare("auto", torch.float32, kernel_weights([model()]), timer) == tables
     assert timer.calls == calls  # read, not measured
     assert set(cpu_quant.tuned) == {(4, torch.float32, "auto"), (8, torch.float32, "auto")}
 
@@ -77,7 +78,7 @@ def test_cache_written_then_reused(cache):
 @pytest.mark.parametrize("change", ["flags", "threads", "shapes", "activations", "dtype"])
 def test_cache_invalidated(cache, monkeypatch, change):
     timer = FakeTimer()
-    tune.prepare("auto", torch.float32, [model()], timer)
+    tune.prepare("auto", torch.float32, kernel_weights([model()]), timer)
     calls, dtype, hidden = timer.calls, torch.float32, 64
     if change == "flags":
         monkeypatch.setattr(tune.isa, "cpu_flags", lambda: frozenset({"sse2", "avx2"}))
@@ -91,7 +92,7 @@ def test_cache_invalidated(cache, monkeypatch, change):
     else:
         dtype = torch.bfloat16
     try:
-        tune.prepare("auto", dtype, [model(hidden)], timer)
+        tune.prepare("auto", dtype, kernel_weights([model(hidden)]), timer)
     finally:
         if change == "threads":
             torch.set_num_threads(threads)
@@ -107,7 +108,9 @@ def winner(path_at_m):
 def test_each_range_gets_the_path_measured_fastest(monkeypatch):
     monkeypatch.setattr(cpu_quant, "activations", "float")  # a8's availability varies by host
     fastest = lambda m: "c" if m <= 2 else ("dequant" if m <= 32 else "f32tiles")  # noqa: E731
-    tables = tune.prepare("auto", torch.float32, [model()], FakeTimer(winner(fastest)))
+    tables = tune.prepare(
+        "auto", torch.float32, kernel_weights([model()]), FakeTimer(winner(fastest))
+    )
     for bits in (4, 8):
         for m, order, ms in tables[bits]:
             assert order[0] == fastest(m) and ms[order[0]] == min(ms.values())
@@ -115,7 +118,7 @@ def test_each_range_gets_the_path_measured_fastest(monkeypatch):
     for m in (1, 2, 3, 4, 31, 32, 33, 64, 256, 300):
         # M takes the first point >= M: 3 -> 4, 33 -> 64, 300 -> 256
         want = fastest(next((p for p in tune.M_POINTS if p >= m), 256))
-        assert cpu_quant.choose(layer, torch.randn(m, 64)) == want, m
+        assert cpu_quant.choose(layer.kernel_weight(), torch.randn(m, 64)) == want, m
 
 
 def test_a_path_that_does_not_apply_falls_to_the_next_measured(monkeypatch):
@@ -124,29 +127,31 @@ def test_a_path_that_does_not_apply_falls_to_the_next_measured(monkeypatch):
     rule = lambda path, m: order.index(path) + 1.0 if path in order else 9.0  # noqa: E731
     # a per-channel int8 head: int8pack is measured (and wins) for bits 8
     head = qlayer(256, 64, 8, group=64)
-    tables = tune.prepare("auto", torch.bfloat16, [model(), nn.ModuleList([head])], FakeTimer(rule))
+    tables = tune.prepare(
+        "auto", torch.bfloat16, kernel_weights([model(), nn.ModuleList([head])]), FakeTimer(rule)
+    )
     assert tables[8][0][1][:2] == ["int8pack", "dequant"]
     x = torch.randn(4, 64, dtype=torch.bfloat16)
-    assert cpu_quant.choose(head.to(torch.bfloat16), x) == "int8pack"
+    assert cpu_quant.choose(head.to(torch.bfloat16).kernel_weight(), x) == "int8pack"
     grouped = qlayer(256, 64, 8, group=32).to(torch.bfloat16)  # int8pack does not apply
-    assert cpu_quant.choose(grouped, x) == "dequant"
+    assert cpu_quant.choose(grouped.kernel_weight(), x) == "dequant"
 
 
 @pytest.mark.parametrize("choice", ["c", "dequant", "table"])
 def test_kernel_choice_forces_and_measures_nothing(cache, monkeypatch, choice):
     monkeypatch.setattr(cpu_quant, "activations", "float")
     timer = FakeTimer()
-    assert tune.prepare(choice, torch.float32, [model()], timer) == {}
+    assert tune.prepare(choice, torch.float32, kernel_weights([model()]), timer) == {}
     assert timer.calls == 0 and not cache.exists()
     layer = qlayer(64, 64)
     for m in (1, 8, 200):
-        path = cpu_quant.choose(layer, torch.randn(m, 64))
+        path = cpu_quant.choose(layer.kernel_weight(), torch.randn(m, 64))
         if choice == "table":  # the float table: the C kernel, then the tiles
             assert path == ("c" if m < 128 else "f32tiles")
         else:
             assert path == choice
     cpu_quant.set_kernel_choice("int8pack")  # does not apply to int4: the table's order
-    assert cpu_quant.choose(layer, torch.randn(1, 64)) == "c"
+    assert cpu_quant.choose(layer.kernel_weight(), torch.randn(1, 64)) == "c"
 
 
 def test_kernel_choice_flag():
@@ -165,7 +170,7 @@ def test_startup_log_one_line_per_range(caplog, monkeypatch):
     monkeypatch.setattr(cpu_quant, "activations", "float")
     fastest = lambda m: "c" if m <= 8 else "f32tiles"  # noqa: E731
     with caplog.at_level(logging.INFO, logger="common.kernels.tune"):
-        tune.prepare("auto", torch.float32, [model()], FakeTimer(winner(fastest)))
+        tune.prepare("auto", torch.float32, kernel_weights([model()]), FakeTimer(winner(fastest)))
     lines = [r.getMessage().strip() for r in caplog.records]
     assert lines[0].startswith("kernel choice (measured, activations float,")
     assert lines[1:] == [
@@ -181,13 +186,15 @@ def test_startup_log_one_line_per_range(caplog, monkeypatch):
     caplog.clear()
     cpu_quant.tuned.clear()
     with caplog.at_level(logging.INFO, logger="common.kernels.tune"):
-        tune.prepare("auto", torch.float32, [model()], FakeTimer())
+        tune.prepare("auto", torch.float32, kernel_weights([model()]), FakeTimer())
     assert caplog.records[0].getMessage().startswith("kernel choice (cached,")
 
 
 def test_real_timings_rank_every_applicable_path(monkeypatch):
     monkeypatch.setattr(tune, "M_POINTS", (1, 4))
-    tables = tune.measure([qlayer(64, 64), qlayer(32, 64, 8)], torch.bfloat16)
+    tables = tune.measure(
+        [qlayer(64, 64).kernel_weight(), qlayer(32, 64, 8).kernel_weight()], torch.bfloat16
+    )
     allowed = tune.allowed_paths(torch.bfloat16)
     assert set(tables[4][0][1]) == {p for p in allowed if p != "int8pack"}
     assert set(tables[8][0][1]) == {p for p in allowed if p not in ("int4pack", "int8pack")}
@@ -197,7 +204,7 @@ def test_real_timings_rank_every_applicable_path(monkeypatch):
 def test_a_slow_path_stops_being_timed():
     rule = lambda path, m: 1.0 if path == "c" else (300.0 if path == "dequant" else 2.0)  # noqa: E731
     timer = FakeTimer(rule)
-    tables = tune.measure([qlayer(64, 64)], torch.float32, timer)
+    tables = tune.measure([qlayer(64, 64).kernel_weight()], torch.float32, timer)
     first, last = tables[4][0], tables[4][-1]
     assert "dequant" in first[2] and "dequant" not in last[2]  # 300x the fastest: dropped
     assert last[1][-1] == "dequant"  # still ranked, last
@@ -219,7 +226,7 @@ def test_noisy_timings_are_not_cached(cache, caplog):
         seen.add(run)
         return 1e-3 if first else 2e-3
 
-    tune.prepare("auto", torch.float32, [model()], timer)
+    tune.prepare("auto", torch.float32, kernel_weights([model()]), timer)
     assert not list(cache.glob("tune-*.json")) and "too noisy to cache" in caplog.text
     assert (4, torch.float32, "auto") in cpu_quant.tuned  # served by this process all the same
 

@@ -83,10 +83,10 @@ def test_cpu_kernels_match_reference(monkeypatch, path, bits, group, dtype, m) -
     qt = quantize_rtn(torch.randn(n, k) * 0.1, bits, group or k)
     layer = QuantLinear(qt).to(dtype)
     x = torch.randn(m, k).to(dtype)
-    if not cpu_quant.applies(path, layer, x):
+    if not cpu_quant.applies(path, layer.kernel_weight(), x):
         pytest.skip(f"{path} does not apply")
     monkeypatch.setenv("PDSERVE_CPU_QUANT_KERNEL", path)
-    assert cpu_quant.choose(layer, x) == path
+    assert cpu_quant.choose(layer.kernel_weight(), x) == path
     got = layer(x)
     assert got.dtype == dtype and got.shape == (m, n)
     # reference: the same (dtype-rounded) scale/zero, dequantized and multiplied in float32
@@ -274,15 +274,19 @@ def test_quantized_kv_handoff_matches_single_engine(tiny_llama) -> None:
 
 
 def test_layer_to_dtype_drops_cached_kernel_state() -> None:
-    """The C path keeps the weight's pointers and scale dtype on the layer; .to() must drop them
-    (scale/zero become new bfloat16 tensors), or the kernel would read freed float32 buffers."""
+    """The C path keeps the weight's pointers and scale dtype on the layer's kernel weight; .to()
+    makes a new one over the new buffers (scale/zero become new bfloat16 tensors), or the kernel
+    would read the float32 ones."""
     torch.manual_seed(0)
     layer = QuantLinear(quantize_rtn(torch.randn(64, 128) * 0.1, 4, 32))
     x = torch.randn(1, 128)
     first = layer(x)
-    assert layer.cpu_cache or layer.cpu_paths
+    old = layer.kernel_weight()
+    assert old.derived and old.paths
     layer = layer.to(torch.bfloat16)
-    assert not layer.cpu_cache and not layer.cpu_paths
+    assert layer._kernel_weight is None
+    new = layer.kernel_weight()
+    assert new is not old and not new.derived and not new.paths and new.scale is layer.scale
     got = layer(x.to(torch.bfloat16)).float()
     ref = quant_matmul_reference(x.to(torch.bfloat16).float(), layer.qt)
     assert (got - ref).abs().max() <= 2e-2 * ref.abs().max()
@@ -300,9 +304,9 @@ def test_float32_activations_never_pick_torchs_packed_kernels(monkeypatch, bits,
     if not cpu_quant.c_available():
         pytest.skip("no C compiler")
     for m in (1, 8, 64):
-        assert cpu_quant.choose(layer, torch.randn(m, 128)) == "c"
+        assert cpu_quant.choose(layer.kernel_weight(), torch.randn(m, 128)) == "c"
     packed = "int4pack" if bits == 4 else "int8pack"
-    bf16 = layer.to(torch.bfloat16)
+    bf16 = layer.to(torch.bfloat16).kernel_weight()
     assert cpu_quant.choose(bf16, torch.randn(64, 128, dtype=torch.bfloat16)) == packed
 
 
@@ -394,7 +398,7 @@ def test_dequantize_rows_is_the_reference_dequantization(bits, group, dtype, wit
     if not with_zero:
         layer.zero = None
     ref = layer.qt.dequantize(torch.float32)
-    bits_, group_, qweight, scale, zero, sdtype = cpu_quant.c_weights(layer)
+    bits_, group_, qweight, scale, zero, sdtype = cpu_quant.c_weights(layer.kernel_weight())
     for n0, n1 in [(0, 70), (13, 14), (5, 61)]:
         out = torch.full((n1 - n0, 192), float("nan"))
         rc = cpu_quant._LIB.get().dequantize_rows(
@@ -441,5 +445,5 @@ def test_batches_from_min_rows_take_f32tiles(monkeypatch, bits: int, group: int)
     for dtype in (torch.float32, torch.bfloat16):
         lay = layer.to(dtype)
         for m, want in [(1, False), (8, False), (MIN_ROWS - 1, False), (MIN_ROWS, True)]:
-            path = cpu_quant.choose(lay, torch.randn(m, 128, dtype=dtype))
+            path = cpu_quant.choose(lay.kernel_weight(), torch.randn(m, 128, dtype=dtype))
             assert (path == "f32tiles") == want, (dtype, m, path)
