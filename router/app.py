@@ -1,6 +1,7 @@
 """The router's HTTP API: a FastAPI app over the registry and the dispatcher.
 
-Owns the endpoints: `POST /v1/completions` and `POST /v1/chat/completions` (streamed and whole),
+Owns the endpoints: `POST /v1/completions` and `POST /v1/chat/completions` (served by
+`router.generate`, which the guard calls past FastAPI's routing; the routes document them),
 `GET /v1/models` and `GET /v1/models/{id}`, `GET /health`, `GET /metrics`, `GET /debug/block_books`
 (each worker's KV block audit, for leak checks), `POST /tokenize`, `POST /detokenize`, and FastAPI's
 `/openapi.json` and `/docs` (request schemas from `common.api.schemas`); optional Bearer auth on
@@ -29,12 +30,11 @@ Built by `router.server` (`create_app`), which runs it under uvicorn.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import secrets
-import time
-import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -47,41 +47,38 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from common.api import schemas
-from common.api.body import check_prompt_chars, parse_json_object
-from common.api.choice import Choice
+from common.api.body import check_prompt_chars
 from common.api.prompts import (
-    EngineInput,
     chat_prompt_ids,
-    choice_params,
-    engine_inputs,
     tool_call_format,
 )
 from common.api.requests import (
     CHAT_URL,
     COMPLETIONS_URL,
-    GenerationRequest,
     RequestError,
     parse_request,
 )
-from common.api.responses import chat_body, completion_body
-from common.api.structured import check_structured_output
 from common.api.tokenizer import Tokenizer
-from common.api.tools import message_texts
 from router.admission import Admission
 from router.dispatch import Dispatcher
-from router.job import Job
+from router.generate import (
+    error_response,
+    generate,
+    json_body,
+    prompt_texts,
+    serve_generate,
+    too_large,
+)
 from router.memory import Trimmer
 from router.metrics import RouterMetrics
 from router.registry import Registry
-from router.streaming import SSEResponse, choice_deltas
 
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 32 * 2**20
-DISCONNECT_POLL_S = 0.5  # how often a non-streamed request checks that its client is still there
 TOKENIZER_THREADS = 4  # tokenizing releases the GIL: a few requests at once, never the event loop
-INLINE_TOKENIZE_CHARS = 256  # completions prompts up to this many chars tokenize on the loop
 OPEN_PATHS = frozenset({"/health"})  # served without the API key
+GENERATE_URLS = frozenset({COMPLETIONS_URL, CHAT_URL})
 T = TypeVar("T")
 
 
@@ -133,14 +130,12 @@ class RouterState:
         return True, "ok"
 
 
-def error_response(e: RequestError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.code, headers=e.headers)
-
-
 class _Guard:
     """ASGI middleware in front of every route (FastAPI's own /openapi.json and /docs included):
-    the API key, and a declared body size over the limit refused before a byte of it is read.
-    Plain ASGI rather than BaseHTTPMiddleware, which would buffer streamed responses."""
+    the API key, and a declared body size over the limit refused before a byte of it is read;
+    then the generation endpoints straight to `router.generate.serve_generate`, everything else
+    through FastAPI. Plain ASGI rather than BaseHTTPMiddleware, which would buffer streamed
+    responses."""
 
     def __init__(self, app: ASGIApp, state: RouterState) -> None:
         self.app = app
@@ -152,7 +147,11 @@ class _Guard:
             if error is not None:
                 await error_response(error)(scope, receive, send)
                 return
-            await self.state.trimmer.serve(self.app, scope, receive, send, self.state.executor)
+            app = self.app
+            path = scope["path"]
+            if path in GENERATE_URLS and scope["method"] == "POST":  # past FastAPI's routing
+                app = functools.partial(serve_generate, self.state, path)
+            await self.state.trimmer.serve(app, scope, receive, send, self.state.executor)
             return
         await self.app(scope, receive, send)
 
@@ -171,12 +170,8 @@ class _Guard:
                 )
         length = headers.get(b"content-length", b"")
         if length.isdigit() and int(length) > state.max_body_bytes:
-            return _too_large(state)
+            return too_large(state)
         return None
-
-
-def _too_large(state: RouterState) -> RequestError:
-    return RequestError(f"the request body exceeds {state.max_body_bytes} bytes", code=413)
 
 
 def create_app(state: RouterState) -> FastAPI:
@@ -211,11 +206,11 @@ def create_app(state: RouterState) -> FastAPI:
 
     @app.post(COMPLETIONS_URL, openapi_extra=schemas.openapi_body(schemas.COMPLETION_REQUEST))
     async def completions(request: Request) -> Response:
-        return await _generate(state, request, COMPLETIONS_URL)
+        return await generate(state, request, COMPLETIONS_URL)
 
     @app.post(CHAT_URL, openapi_extra=schemas.openapi_body(schemas.CHAT_REQUEST))
     async def chat_completions(request: Request) -> Response:
-        return await _generate(state, request, CHAT_URL)
+        return await generate(state, request, CHAT_URL)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -259,12 +254,12 @@ def create_app(state: RouterState) -> FastAPI:
 
     @app.post("/tokenize", openapi_extra=schemas.openapi_body(schemas.TOKENIZE_REQUEST))
     async def tokenize(request: Request) -> Response:
-        body = await _json_body(state, request)
+        body = await json_body(state, request)
         _check_model(state, body)
         if "messages" in body:
             chat = {**body, "max_tokens": 1}
             gen = parse_request(CHAT_URL, chat, state.served_model_names, state.tool_format())
-            check_prompt_chars(_texts(gen), state.context_len(), "messages")
+            check_prompt_chars(prompt_texts(gen), state.context_len(), "messages")
             ids = await state.offload(chat_prompt_ids, gen, state.tokenizer)
         else:
             prompt = body.get("prompt")
@@ -280,7 +275,7 @@ def create_app(state: RouterState) -> FastAPI:
 
     @app.post("/detokenize", openapi_extra=schemas.openapi_body(schemas.DETOKENIZE_REQUEST))
     async def detokenize(request: Request) -> dict[str, Any]:
-        body = await _json_body(state, request)
+        body = await json_body(state, request)
         _check_model(state, body)
         return {"prompt": await state.offload(_detokenize, state.tokenizer, body.get("tokens"))}
 
@@ -318,120 +313,3 @@ def _detokenize(tokenizer: Tokenizer, ids: Any) -> str:
 
 def _json_bytes(value: Any) -> bytes:
     return json.dumps(value, separators=(",", ":")).encode()
-
-
-def _texts(gen: GenerationRequest) -> list[str]:
-    """The request's text that tokenizing would read (token-id prompts need no tokenizing)."""
-    if gen.endpoint == "chat":
-        tools = [json.dumps(gen.tools.tools)] if gen.tools is not None else []
-        return message_texts(gen.messages) + tools
-    return [p for p in gen.prompts if isinstance(p, str)]
-
-
-async def _validated(
-    state: RouterState, request: Request, url: str
-) -> tuple[GenerationRequest, list[EngineInput]]:
-    """The request read, validated and tokenized (off the loop): RequestError when it is bad."""
-    body = await _json_body(state, request)
-    gen = parse_request(url, body, state.served_model_names, state.tool_format())
-    context_len = state.context_len()
-    texts = _texts(gen)
-    check_prompt_chars(texts, context_len, "messages" if url == CHAT_URL else "prompt")
-    if gen.params.structured_output is not None:  # compiles (cached): a 400 names what fails
-        await state.offload(check_structured_output, gen.params.structured_output, state.tokenizer)
-    if gen.endpoint != "chat" and sum(map(len, texts)) <= INLINE_TOKENIZE_CHARS:
-        # Token ids or a short text: a hop to the pool costs more than the work.
-        return gen, engine_inputs(gen, state.tokenizer, context_len)
-    return gen, await state.offload(engine_inputs, gen, state.tokenizer, context_len)
-
-
-async def _json_body(state: RouterState, request: Request) -> dict:
-    """The body as a validated JSON object, read up to the size limit and parsed off the loop."""
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > state.max_body_bytes:  # no or a false Content-Length: stop reading here
-            raise _too_large(state)
-        chunks.append(chunk)
-    raw = b"".join(chunks)
-    if len(raw) < 65536:  # handing a small body to a thread costs more than parsing it
-        return parse_json_object(raw)
-    return await state.offload(parse_json_object, raw)
-
-
-async def _generate(state: RouterState, request: Request, url: str) -> Response:
-    timer = state.metrics.start_request()
-    try:
-        with state.admission.admit():  # waiting from here until every flight is dispatched
-            gen, inputs = await _validated(state, request, url)
-            chat = gen.endpoint == "chat"
-            response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-            choices = [
-                Choice(p * gen.n + k, inp.prompt_token_ids, params, gen, state.tokenizer)
-                for p, inp in enumerate(inputs)
-                for k, params in enumerate(choice_params(inp.params, gen.n))
-            ]
-            job = Job(
-                state.dispatcher,
-                response_id,
-                [(c.prompt_token_ids, c.params) for c in choices],
-                state.admission.relay,
-            )
-            try:
-                await job.start()
-            except BaseException:
-                job.close()
-                raise
-    except RequestError as e:
-        timer.failed(e.code)
-        raise
-    created = int(time.time())
-    prompt_tokens = sum(len(inp.prompt_token_ids) for inp in inputs)
-    timer.dispatched()
-    if gen.stream:
-        return SSEResponse(
-            gen,
-            response_id,
-            created,
-            job,
-            choices,
-            state.tokenizer,
-            prompt_tokens,
-            state.request_timeout_s,
-            timer,
-        )
-
-    async def collect() -> None:
-        async for _ in choice_deltas(job, choices, state.request_timeout_s, timer):
-            pass
-
-    try:
-        await _unless_disconnected(request, collect)
-    except RequestError as e:
-        timer.failed(e.code)
-        raise
-    finally:
-        job.close()
-    completion_tokens = sum(len(c.token_ids) for c in choices)
-    timer.finished(prompt_tokens, completion_tokens, [c.finish_reason or "" for c in choices])
-    build = chat_body if chat else completion_body
-    results = [c.result() for c in choices]
-    return JSONResponse(
-        build(gen, results, state.tokenizer, prompt_tokens, request_id=response_id, created=created)
-    )
-
-
-async def _unless_disconnected(request: Request, work: Callable[[], Awaitable[None]]) -> None:
-    """Run `work`; cancel it (and raise RequestError 499) if the client goes away first."""
-    task = asyncio.ensure_future(work())
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                raise RequestError("the client closed the connection", code=499)
-    finally:
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)

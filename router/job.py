@@ -37,6 +37,9 @@ class Job:
 
     async def start(self) -> None:
         """Dispatch every flight; on any failure the others are cancelled and it re-raises."""
+        if len(self.flights) == 1:  # nothing to run beside it: no task
+            await self.dispatcher.dispatch(self.flights[0])
+            return
         tasks = [asyncio.ensure_future(self.dispatcher.dispatch(f)) for f in self.flights]
         try:
             await asyncio.gather(*tasks)

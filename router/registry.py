@@ -65,6 +65,7 @@ class Registry:
         self.clock = clock
         self.workers: dict[str, Worker] = {}
         self._live: dict[str, LiveWorkers] = {r: LiveWorkers(order_for(r)) for r in ROLES}
+        self._max_model_len: int | None = -1  # -1: to be counted again
         self._books: dict[tuple[str, int], asyncio.Future[BlockBooksReply]] = {}
         self._book_queries = itertools.count()
 
@@ -77,6 +78,7 @@ class Registry:
         now = self.clock()
         worker = self.workers.get(msg.worker_id)
         if worker is None:
+            self._max_model_len = -1
             worker = self.workers[msg.worker_id] = Worker(
                 info=msg, identity=identity, last_seen_s=now, progress_s=now
             )
@@ -91,6 +93,7 @@ class Registry:
             )
         else:  # the same connection again: requests in flight on it are still its own
             worker.info, worker.last_seen_s, worker.progress_s = msg, now, now
+            self._max_model_len = -1
         return RegisterAck(accepted=True)
 
     def _refusal(self, identity: bytes, msg: Register) -> str:
@@ -106,9 +109,9 @@ class Registry:
         if msg.model not in self.model_names:
             return f"model {msg.model!r}, the router serves {sorted(self.model_names)}"
         block_size = self.block_size
-        others = [w for w in self.workers.values() if w.worker_id != msg.worker_id]
-        if block_size is None and others:
-            block_size = others[0].info.block_size
+        if block_size is None:
+            other = next((w for w in self.workers.values() if w.worker_id != msg.worker_id), None)
+            block_size = other.info.block_size if other is not None else None
         if block_size is not None and msg.block_size != block_size:
             return f"block size {msg.block_size}, the cluster uses {block_size}"
         if old is not None and old.role != msg.role:
@@ -173,6 +176,7 @@ class Registry:
             if reason:
                 log.warning("%s worker %r %s: removed", worker.role, worker.worker_id, reason)
                 del self.workers[worker.worker_id]
+                self._max_model_len = -1
                 self._changed(worker)
                 worker.watch(None)
                 dead.append(worker)
@@ -206,9 +210,12 @@ class Registry:
             live.discard(worker)
 
     def max_model_len(self) -> int | None:
-        """The longest prompt + output every live worker can hold; None with no workers."""
-        lens = [w.info.max_model_len for w in self.workers.values() if w.info.max_model_len > 0]
-        return min(lens) if lens else None
+        """The longest prompt + output every live worker can hold; None with no workers.
+        (Asked per request: kept from the last registration or removal, not counted again.)"""
+        if self._max_model_len == -1:
+            lens = [w.info.max_model_len for w in self.workers.values() if w.info.max_model_len > 0]
+            self._max_model_len = min(lens) if lens else None
+        return self._max_model_len
 
     async def block_books(
         self, send: Callable[[Worker, msgspec.Struct], bool], timeout_s: float = 5.0
