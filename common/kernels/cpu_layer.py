@@ -3,17 +3,21 @@
 At batch 1 a quantized model's decode step spends as long in Python and torch dispatch between
 the per-layer ops (RMSNorm, projections, rotary, attention, SiLU, about 12 calls a layer) as in
 streaming its weights. `run_layers` hands all the layers to C instead: the same C functions the
-per-op path calls (`fused_ops.c`, `quant_matmul.c`, `paged_decode.c`, linked into one library),
-in the same order with the same rounding, so outputs equal the per-op path's.
+per-op path calls (`fused_ops.c`, `quant_matmul.c`, `quant_gemm.c`, `paged_decode.c`, linked into
+one library), in the same order with the same rounding, so a decode step's outputs equal the
+per-op path's.
 
-It applies to pure decode steps (one new token per sequence) on the CPU with float32 or
-bfloat16 activations, a KV cache in that dtype or 8-bit (int8 / fp8 with scales: quantized and
-read in C), the torch attention backend, and every projection quantized and served by
-the C kernel at this batch size (`cpu_quant.path_for`); anything else returns None and the
-caller runs the per-op path. The model side describes each layer as a `LayerWeights` (tensors,
-kernel weights and numbers; nothing here knows the model's classes) and keeps them in a
-`DecodeLayers`, which holds the C structs made from them per (layers run, batch size, dtype): the
-structs' raw pointers live exactly as long as the tensors they point into. The step's positions,
+It applies to decode steps (one new token per sequence) and to steps of at most
+`MAX_MULTI_ROWS` new tokens in all (verifying drafts, short prefill chunks: each row attends on its
+own with its sequence's block table, causally) on the CPU with float32 or bfloat16 activations, a
+KV cache in that dtype or 8-bit (int8 / fp8 with scales: quantized and read in C), the torch
+attention backend, and every projection quantized and served at this batch size by the C kernel
+or the int8-activation GEMM (`cpu_quant.path_for`: c or a8, each called from C); anything else
+returns None and the caller runs the per-op path. The model side describes each layer as a
+`LayerWeights` (tensors, kernel weights and numbers; nothing here knows the model's classes) and
+keeps them in a `DecodeLayers`, which holds the C structs made from them per (layers run, batch
+size, dtype, cpu_quant's switches): the structs' raw pointers live exactly as long as the tensors
+they point into. The step's positions,
 slots and block tables are read once per step. `PDSERVE_CPU_LAYER=0` (or `enabled = False`) turns
 it off. Called by `common.model.llama.CausalLM.forward`.
 """
@@ -28,7 +32,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from common.kernels import cpu_attention, cpu_ops, cpu_quant
+from common.kernels import cpu_attention, cpu_ops, cpu_qgemm, cpu_quant
 from common.kernels.cbuild import CLibrary
 from common.kernels.quant_weight import QuantWeight
 
@@ -41,12 +45,17 @@ _SOURCE = Path(__file__).parent / "csrc" / "decode_layer.c"
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 enabled = os.environ.get("PDSERVE_CPU_LAYER", "1") != "0"
 MAX_STACKS = 64  # (layers run, batch size, dtype) kept per model: batch sizes are few
+# A step with several new tokens for a sequence (a verify, a short prefill chunk) runs here too
+# up to this many rows in all: each row attends through the decode kernel on its own (causal by
+# its length), which beats the per-op path's dispatch at a few rows, not a long prompt's attention
+MAX_MULTI_ROWS = 16
+_FUSED_PATHS = ("c", "a8")  # the cpu_quant paths the C layers run a projection through
 _p, _i, _f, _l = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_long
 
 
 class _Proj(ctypes.Structure):
     _fields_ = [("qweight", _p), ("scale", _p), ("zero", _p), ("bias", _p), ("bits", _i),
-                ("group_size", _i), ("sdtype", _i), ("n", _i), ("k", _i)]  # fmt: skip
+                ("group_size", _i), ("sdtype", _i), ("n", _i), ("k", _i), ("a8", _i)]  # fmt: skip
 
 
 class _Layer(ctypes.Structure):
@@ -71,7 +80,7 @@ _LIB = CLibrary(
         "decode_layers": [ctypes.POINTER(_Layer), _i, ctypes.POINTER(_Step), _p, _p],
     },
     "the CPU decode layer",
-    parts=[cpu_ops._LIB, cpu_attention._LIB, cpu_quant._LIB],
+    parts=[cpu_ops._LIB, cpu_attention._LIB, cpu_quant._LIB, cpu_qgemm._LIB],
 )
 
 
@@ -134,7 +143,8 @@ class DecodeLayers:
         return out, x
 
     def _stack(self, num_layers: int, x: torch.Tensor) -> ctypes.Array | None:
-        key = (num_layers, x.shape[0], x.dtype)
+        # the projections' paths depend on the rows and on cpu_quant's switches
+        key = (num_layers, x.shape[0], x.dtype, cpu_quant.activations, cpu_quant.kernel_choice)
         if key not in self._stacks:
             if len(self._stacks) >= MAX_STACKS:
                 self._stacks.clear()
@@ -149,8 +159,9 @@ class DecodeLayers:
 
 
 def step_applies(x: torch.Tensor, meta: AttentionMetadata) -> bool:
-    """A decode step (one token per sequence) of CPU activations the C layers take, with the
-    switches on (tests and benchmarks flip them: read per call, never cached)."""
+    """A step of CPU activations the C layers take (one token per sequence, or up to
+    MAX_MULTI_ROWS rows in all), with the switches on (tests and benchmarks flip them: read per
+    call, never cached)."""
     return (
         enabled
         and cpu_ops.enabled
@@ -159,7 +170,7 @@ def step_applies(x: torch.Tensor, meta: AttentionMetadata) -> bool:
         and x.dtype in _DTYPES
         and x.dim() == 2
         and x.is_contiguous()
-        and meta.max_query_len == 1
+        and (meta.max_query_len == 1 or x.shape[0] <= MAX_MULTI_ROWS)
     )
 
 
@@ -183,14 +194,14 @@ def _make_plan(layer: LayerWeights, x: torch.Tensor) -> _Layer | None:
         and x.shape[1] <= cpu_ops.MAX_HIDDEN
         and len(projections) == len(layer.biases) == 4
         and len(layer.norms) in (2, 4)
-        and all(w is not None and cpu_quant.path_for(w, x) == "c" for w in projections)
+        and all(w is not None and cpu_quant.path_for(w, x) in _FUSED_PATHS for w in projections)
         and all(b is None or _fits(b, x) for b in layer.biases)
         and all(_fits(n, x) for n in layer.norms)
         and all(eps == layer.norm_eps[0] for eps in layer.norm_eps)
         and available()
     ):
         return None
-    qkv, o, gate_up, down = (_proj(w, b) for w, b in zip(projections, layer.biases))
+    qkv, o, gate_up, down = (_proj(w, b, x) for w, b in zip(projections, layer.biases))
     q_norm, k_norm = [n.data_ptr() for n in layer.norms[2:]] or [None, None]
     return _Layer(
         qkv, o, gate_up, down, layer.norms[0].data_ptr(), layer.norms[1].data_ptr(), q_norm,
@@ -206,10 +217,17 @@ def _fits(t: torch.Tensor, x: torch.Tensor) -> bool:
     return t.dtype == x.dtype and t.is_contiguous()
 
 
-def _proj(w: QuantWeight, bias: torch.Tensor | None) -> _Proj:
-    bits, group, qweight, scale, zero, sdtype = cpu_quant.c_weights(w)
+def _proj(w: QuantWeight, bias: torch.Tensor | None, x: torch.Tensor) -> _Proj:
+    """The projection through the path cpu_quant chose for x's rows (c or a8); the pointers are
+    into tensors the weight keeps (`c_weights`, the a8 panels) while it lives."""
     bias_ptr = None if bias is None else bias.data_ptr()
-    return _Proj(qweight, scale, zero, bias_ptr, bits, group, sdtype, w.n, w.k)
+    if cpu_quant.path_for(w, x) == "a8":
+        packed = cpu_quant.a8_weights(w)
+        zero = None if packed.zero is None else packed.zero.data_ptr()
+        return _Proj(packed.codes.data_ptr(), packed.scale.data_ptr(), zero, bias_ptr,
+                     packed.bits, packed.group_size, 0, w.n, w.k, 1)  # fmt: skip
+    bits, group, qweight, scale, zero, sdtype = cpu_quant.c_weights(w)
+    return _Proj(qweight, scale, zero, bias_ptr, bits, group, sdtype, w.n, w.k, 0)
 
 
 def _step(
@@ -223,8 +241,7 @@ def _step(
         (p, c, s, dtype, m), step = cached[:2]
         if p is positions and c is cos and s is sin and dtype == x.dtype and m == x.shape[0]:
             return step
-    tables = meta.block_tables.to(torch.int32).contiguous()
-    lens = meta.seq_lens.to(torch.int32).contiguous()
+    tables, lens = _row_tables(meta)
     slots = meta.slot_mapping.to(torch.int64).contiguous()
     step = _Step(
         positions.data_ptr(), slots.data_ptr(), cos.data_ptr(), sin.data_ptr(), tables.data_ptr(),
@@ -234,3 +251,20 @@ def _step(
     key = (positions, cos, sin, x.dtype, x.shape[0])
     meta.__dict__["_cpu_layer_step"] = (key, step, (tables, lens, slots))
     return step
+
+
+def _row_tables(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's block table and length (int32): a sequence's own for a decode token; for the
+    q new tokens of a sequence of length L, its table q times with lengths L - q + 1 .. L, so
+    each token attends to the positions up to its own."""
+    tables = meta.block_tables.to(torch.int32)
+    if meta.max_query_len == 1:
+        return tables.contiguous(), meta.seq_lens.to(torch.int32).contiguous()
+    counts = torch.tensor(meta.query_lens_cpu)
+    lens = [
+        length - q + 1 + j
+        for q, length in zip(meta.query_lens_cpu, meta.seq_lens_cpu)
+        for j in range(q)
+    ]
+    rows = tables.repeat_interleave(counts, dim=0).contiguous()
+    return rows, torch.tensor(lens, dtype=torch.int32)

@@ -211,7 +211,7 @@ def run_path(path: str, x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
     if path == "f32tiles":
         return _f32tiles_matmul(x, w)
     if path == "a8":
-        return cpu_qgemm.matmul_a8(x, _prepared(w, path, None, cpu_qgemm.pack))
+        return cpu_qgemm.matmul_a8(x, a8_weights(w))
     if path == "int4pack":
         packed, scale_zero = _prepared(w, path, x.dtype, _prepare_int4pack)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
@@ -221,6 +221,12 @@ def run_path(path: str, x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
         scales = _prepared(w, path, x.dtype, _int8pack_scales)
         return torch.ops.aten._weight_int8pack_mm(x.contiguous(), w.qweight, scales)
     return F.linear(x, w.dequantize(x.dtype))
+
+
+def a8_weights(w: QuantWeight) -> cpu_qgemm.PackedWeight:
+    """The weight in the a8 path's panels, made once and kept on it (the C decode layers call
+    that kernel on it too)."""
+    return _prepared(w, "a8", None, cpu_qgemm.pack)
 
 
 def _prepared(w: QuantWeight, path: str, dtype: torch.dtype | None, make):

@@ -13,11 +13,12 @@ slower at some M than the fastest at that M times 256 / M is not timed at larger
 does not drop as M grows, the fastest's at most grows with M) and ranks after those that were. Sums
 where a path does not apply to one of the layers count that layer at its fastest path's time. The C
 decode layers (common.kernels.cpu_layer) run a whole decoder layer in one C call only where all its
-projections take c, saving the torch calls between them that a matmul's timing does not see: where
-they are on, c's sum for the projections' width is credited with `LAYER_OPS` small torch calls,
-timed here. A few seconds on a 2-core host for the default model. A measurement where more than
-`MAX_UNSURE` of the timings stayed unconfirmed (a machine busy with other work) serves its process
-but is not cached (`pdserve tune` writes it anyway, with that share in the file).
+projections take c or a8, saving the torch calls between them that a matmul's timing does not see:
+where they are on, those two paths' sums for the projections' width are credited with `LAYER_OPS`
+small torch calls, timed here. A few seconds on a 2-core host for the default model. A
+measurement where more than `MAX_UNSURE` of the timings stayed unconfirmed (a machine busy with
+other work) serves its process but is not cached (`pdserve tune` writes it anyway, with that share
+in the file).
 
 The result, per bits, is each point's paths ordered fastest first; a batch of M rows uses the
 order of the first point >= M (the last beyond 256), so point m_i serves M in (m_{i-1}, m_i].
@@ -50,12 +51,13 @@ from common.kernels.quant_weight import QuantWeight
 
 log = logging.getLogger(__name__)
 
-VERSION = 1  # of the method and the file: part of the key
+VERSION = 2  # of the method and the file: part of the key (2: a8 is credited like c)
 M_POINTS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 MAX_ROWS = 2048
 # the C decode layers (common.kernels.cpu_layer) fold about this many torch calls of a decoder
-# layer into one C call where its four projections all take c: c's sum is credited with them
+# layer into one C call where its four projections all take c or a8: their sums are credited
 LAYER_OPS = 12
+FUSED_PATHS = ("c", "a8")
 _DECODER_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 # best of, at M <= 16 and above (longer calls, smaller spread); then more of the unconfirmed
 ROUNDS, ROUNDS_LARGE, EXTRA_ROUNDS = 5, 3, 3
@@ -138,7 +140,8 @@ def measure(
     c_credit_s: dict[int, float] | None = None, stats: dict | None = None,
 ) -> dict[int, Table]:  # fmt: skip
     """Each bits' table (see the module docstring), timing `layers` with x in `dtype`;
-    `c_credit_s[bits]` is taken off the C kernel's sum for those bits (the C decode layers')."""
+    `c_credit_s[bits]` is taken off the sums of FUSED_PATHS for those bits (what the C decode
+    layers save when they run them)."""
     tables: dict[int, Table] = {}
     gen = torch.Generator().manual_seed(0)
     for bits in sorted({layer.bits for layer in layers}):
@@ -158,8 +161,9 @@ def measure(
                        for i in range(len(group))]  # fmt: skip
             ms = {p: 1e3 * sum(best_s.get((p, i), fastest[i]) for i in range(len(group)))
                   for p in live}  # fmt: skip
-            if "c" in ms:
-                ms["c"] = max(ms["c"] - 1e3 * (c_credit_s or {}).get(bits, 0.0), 1e-6)
+            for path in FUSED_PATHS:  # the paths the C decode layers run inside one call
+                if path in ms:
+                    ms[path] = max(ms[path] - 1e3 * (c_credit_s or {}).get(bits, 0.0), 1e-6)
             raw.append(ms)
             live = [p for p in live if ms[p] <= min(ms.values()) * M_POINTS[-1] / m]
         # a call on more rows never takes less time: a point above a later one was a busy moment

@@ -1,4 +1,6 @@
-/* One decoder layer of a decode step (one new token per sequence) on the CPU, in a single call:
+/* One decoder layer of a decode step on the CPU, in a single call (one new token per row: a
+ * sequence's decode token, or one token of a few a sequence verifies or prefills, each row with
+ * its own block table and length, so that it attends causally):
  *
  *   residual += x; h = RMSNorm(residual)            (first layer: residual = x, h = RMSNorm(x))
  *   qkv = h @ Wqkv.T (+ bias); Qwen3's per-head q/k RMSNorm
@@ -7,11 +9,13 @@
  *   residual += a @ Wo.T (+ bias); h = RMSNorm(residual)
  *   out = down(silu(gate(h)) * up(h))
  *
- * Each step is the same C function the per-op path calls (fused_ops.c, quant_matmul.c,
- * paged_decode.c, linked into this library with their own flags), with the same rounding, so
- * the result equals the per-op path's; what goes away is the Python and torch dispatch between
- * the ops (about 12 calls a layer, which at batch 1 cost as much as the weight streaming of a
- * 4-bit model). Compiled on first use by common/kernels/cpu_layer.py, which checks the shapes;
+ * Each step is the same C function the per-op path calls (fused_ops.c, quant_matmul.c or
+ * quant_gemm.c, paged_decode.c, linked into this library with their own flags), with the same
+ * rounding, so a decode step's result equals the per-op path's (rows of a verify or a short
+ * prefill attend through the decode kernel, rounded as a decode step at that position is, where
+ * the per-op path would use its prefill attention); what goes away is the Python and torch
+ * dispatch between the ops (about 12 calls a layer, which at batch 1 cost as much as the weight
+ * streaming of a 4-bit model). Compiled on first use by common/kernels/cpu_layer.py, which checks the shapes;
  * its entry point is decode_layers (at the end).
  *
  * Projections are quantized (common/model/quant.py's format). dtype: 0 = float32, 1 = bfloat16;
@@ -43,11 +47,16 @@ int paged_decode_kv(const void *q, long q_stride, const void *k_cache, const voi
 int quant_matmul(const void *x_in, long x_stride, int xdtype, int M, int K, int N, int bits,
                  int gs, const void *qweight, const void *scale, const void *zero, int sdtype,
                  void *out_, int nthreads);
+int qgemm_a8(const void *x_in, long x_stride, int xdtype, int M, int K, int N, int bits, int gs,
+             const uint8_t *codes, const float *scale, const float *zero, void *out,
+             int nthreads);
 
-/* A quantized projection [n, k]; zero and bias may be NULL. bias has the activations' dtype. */
+/* A quantized projection [n, k]; zero and bias may be NULL. bias has the activations' dtype.
+ * a8 = 0: quant_matmul's format (float activations); a8 = 1: quant_gemm.c's panels (qweight the
+ * codes, scale and zero float32), activations quantized to int8 per row and block of 32. */
 typedef struct {
     const void *qweight, *scale, *zero, *bias;
-    int bits, group_size, sdtype, n, k;
+    int bits, group_size, sdtype, n, k, a8;
 } Proj;
 
 typedef struct {
@@ -136,8 +145,11 @@ static void add_bias(void *out, const void *bias, int T, int n, int dtype) {
 }
 
 static int project(const Proj *p, const Step *s, const void *x, void *out) {
-    int rc = quant_matmul(x, p->k, s->dtype, s->tokens, p->k, p->n, p->bits, p->group_size,
-                          p->qweight, p->scale, p->zero, p->sdtype, out, s->threads);
+    int rc = p->a8 ? qgemm_a8(x, p->k, s->dtype, s->tokens, p->k, p->n, p->bits, p->group_size,
+                              p->qweight, p->scale, p->zero, out, s->threads)
+                   : quant_matmul(x, p->k, s->dtype, s->tokens, p->k, p->n, p->bits,
+                                  p->group_size, p->qweight, p->scale, p->zero, p->sdtype, out,
+                                  s->threads);
     if (rc == 0 && p->bias != NULL) add_bias(out, p->bias, s->tokens, p->n, s->dtype);
     return rc;
 }

@@ -22,26 +22,30 @@ BLOCK = 8
 CONTEXTS = [5, 17, 30]  # tokens already cached per sequence (different lengths, partial blocks)
 
 
-def _runner(hf_model, mode: str, dtype: str, kv_cache_dtype: str = "auto"):
+def _runner(
+    hf_model, mode: str, dtype: str, kv_cache_dtype: str = "auto", kernel: str = "c",
+    activations: str = "float",
+):  # fmt: skip
     # float activations: with int8 ones (auto) batches of 2+ take cpu_quant's a8, not the C layer;
     # the kernel forced to "c": a measured choice (auto) may pick another on a busy or portable
     # build, and the C decode layers run only where every projection takes "c"
     config = EngineConfig(
         model="tiny", dtype=dtype, kv_cache_memory="8MiB", block_size=BLOCK, quantization=mode,
-        cpu_activations="float", kv_cache_dtype=kv_cache_dtype, kernel_choice="c",
+        cpu_activations=activations, kv_cache_dtype=kv_cache_dtype, kernel_choice=kernel,
     )  # fmt: skip
     return Engine(config, hf_model.config, hf_model.state_dict().items()).runner
 
 
-def _prefill_then_decode_inputs(runner):
-    """Prefill every sequence's context (per-op path), then the decode step's inputs."""
+def _prefill_then_decode_inputs(runner, new_tokens: int = 1):
+    """Prefill every sequence's context (per-op path), then the inputs of the next step:
+    `new_tokens` per sequence (1: a decode step; more: as a verify step has)."""
     gen = torch.Generator().manual_seed(0)
     rows, decode = [], []
     next_block = 0
     for ctx in CONTEXTS:
-        blocks = list(range(next_block, next_block + ctx // BLOCK + 1))
+        blocks = list(range(next_block, next_block + (ctx + new_tokens) // BLOCK + 1))
         next_block += len(blocks)
-        tokens = torch.randint(0, 250, (ctx + 1,), generator=gen).tolist()
+        tokens = torch.randint(0, 250, (ctx + new_tokens,), generator=gen).tolist()
         rows.append((tokens[:ctx], 0, blocks))
         decode.append((tokens[ctx:], ctx, blocks))
     with torch.inference_mode():
@@ -124,7 +128,9 @@ def test_prefill_steps_and_dense_models_take_the_per_op_path(tiny_llama, monkeyp
 
     monkeypatch.setattr(cpu_layer.DecodeLayers, "run", counting_run)
     runner = _runner(hf_model, "int4", "float32")
-    _prefill_then_decode_inputs(runner)  # a prefill step: several tokens per sequence
+    # a prefill step of more rows than the C layers take (52 > MAX_MULTI_ROWS)
+    assert sum(CONTEXTS) > cpu_layer.MAX_MULTI_ROWS
+    _prefill_then_decode_inputs(runner)
     assert not any(calls) and runner.model.cpu_layers is None  # not even described
     dense = _runner(hf_model, "none", "float32")
     calls.clear()
@@ -182,3 +188,41 @@ def test_rebound_kv_caches_are_written_even_at_the_old_address(tiny_llama, monke
     assert torch.equal(fused, per_op)
     for attn, (k, v) in zip(_attns(runner), per_op_kv):
         assert torch.equal(attn.k_cache, k) and torch.equal(attn.v_cache, v)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("mode", ["int4", "int8"])
+def test_a8_projections_run_inside_the_c_layers(tiny_llama, mode, dtype, monkeypatch) -> None:
+    """int8 activations: the C layers call the a8 GEMM themselves (the measured choice at small
+    batches), with the per-op path's rounding: bit-identical."""
+    hf_model, _ = tiny_llama
+    runner = _runner(hf_model, mode, dtype, kernel="a8", activations="int8")
+    inputs = _prefill_then_decode_inputs(runner)
+    per_op = _forward(runner, inputs, False, monkeypatch)
+    fused = _forward(runner, inputs, True, monkeypatch)
+    assert _stack_in_use(runner)
+    assert torch.equal(fused, per_op), (fused.float() - per_op.float()).abs().max()
+
+
+@pytest.mark.parametrize("kernel,activations", [("c", "float"), ("a8", "int8")])
+def test_a_few_rows_per_sequence_attend_causally_in_the_c_layers(
+    tiny_llama, kernel, activations, monkeypatch
+) -> None:
+    """A step with 3 new tokens for each of 3 sequences (a verify step's shape, 9 rows): each
+    row attends to the positions up to its own through the decode kernel; the per-op path uses
+    its prefill attention and rotary (another summation order), so float32 agreement within 1e-4
+    of the activations' scale and the K/V written within 1e-5 (float32 rounding: ~1e-7 relative
+    per op, a few hundred ops deep)."""
+    hf_model, _ = tiny_llama
+    runner = _runner(hf_model, "int4", "float32", kernel=kernel, activations=activations)
+    inputs = _prefill_then_decode_inputs(runner, new_tokens=3)
+    assert inputs[0].shape[0] == 3 * len(CONTEXTS) <= cpu_layer.MAX_MULTI_ROWS
+    per_op = _forward(runner, inputs, False, monkeypatch)
+    caches = [(a.k_cache.clone(), a.v_cache.clone()) for a in _attns(runner)]
+    fused = _forward(runner, inputs, True, monkeypatch)
+    assert _stack_in_use(runner)
+    scale = per_op.abs().max()
+    assert (fused - per_op).abs().max() <= 1e-4 * scale
+    for attn, (k, v) in zip(_attns(runner), caches):  # rotary in C vs the per-op prefill's
+        assert torch.allclose(attn.k_cache, k, atol=1e-5)
+        assert torch.allclose(attn.v_cache, v, atol=1e-5)
