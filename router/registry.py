@@ -170,8 +170,23 @@ class Registry:
         """Remove and return the dead workers: silent for longer than `timeout_s`, stuck with work
         for longer than `stall_timeout_s`, or marked unreachable."""
         now = self.clock()
+        silent_before, stalled_before = now - self.timeout_s, now - self.stall_timeout_s
+        stalls = self.stall_timeout_s > 0
+        # Run 5 times a second over every worker: a cheap look first, the reason only for those.
+        suspects = [
+            w
+            for w in self.workers.values()
+            if w.dead_reason
+            or w.last_seen_s < silent_before
+            or (
+                stalls
+                and w.progress_s < stalled_before
+                and w.heartbeat is not None
+                and w.heartbeat.loop_count >= 0
+            )
+        ]
         dead = []
-        for worker in list(self.workers.values()):
+        for worker in suspects:
             reason = self._death(worker, now)
             if reason:
                 log.warning("%s worker %r %s: removed", worker.role, worker.worker_id, reason)
