@@ -8,14 +8,16 @@ code (`common.runtime.worker`: `ControlConnection`, `register`, `Heartbeater`) a
 measured too so that they are seen not to be the bottleneck). Workers run in `--worker-procs`
 processes, clients in `--client-procs`.
 
-Phases: (1) routing: `--routing-requests` non-streamed completions of one token against the N
-registered workers, 64 at a time per client process: routing decisions (dispatched requests) per
-second and router CPU per request; (2) relay: `--streams` concurrent streamed completions of
-`--tokens` tokens each: relayed tokens/s, router CPU per token (/proc/<pid>/stat over the
-phase), added latency (a worker's send time of token i to the client's receipt of data event i,
-on the one monotonic clock this host shares), router RSS per open stream (peak over idle);
-(3) the prefix index's memory per million blocks (tracemalloc around a standalone
-`router.kv_index.PrefixIndex` fed `--index-blocks` keys).
+Phases: (0) idle: the router's CPU share while it holds the N workers (`--idle-s`); (1) routing:
+`--routing-requests` non-streamed completions of one token against the N registered workers, 64
+at a time per client process: routing decisions (dispatched requests) per second, router CPU per
+request, decisions per router CPU second (and per CPU second beyond the idle share); (2) relay:
+`--streams` concurrent streamed completions of `--tokens` tokens each: relayed tokens/s, router
+CPU per token (/proc/<pid>/stat over the phase) and its kernel share, added latency (a worker's
+send time of token i to the client's receipt of data event i, on the one monotonic clock this
+host shares), router RSS per open stream (peak over idle); (3) the prefix index's memory per
+million blocks (tracemalloc around a standalone `router.kv_index.PrefixIndex` fed
+`--index-blocks` keys).
 
 Workers send a step's tokens as one `TokenBatch` per router when `common.protocol` has it, else
 one `TokenOutput` per token (`--relay tokens` forces that: the pre-batch wire, for comparisons).
