@@ -31,14 +31,16 @@ the device prefix-cache hit rate (`prefix_cache_hits_total / prefix_cache_querie
 workers), the tier's (`external_prefix_cache_hits_total / _queries_total`, and its host-RAM
 blocks `kv_offload_cpu_block_hit_total / _lookup_total`); and the greedy agreement of each
 setting's output tokens with (a)'s (share of tokens equal, position by position, over all
-requests; token ids from the stream's logprobs with `return_tokens_as_token_ids`).
+requests; token ids from the stream's logprobs with `return_tokens_as_token_ids`), and of (c) with
+(b): the same KV dtype, so a baseline of how much greedy output moves from run to run when
+prompts are computed in other splits and batches.
 
     python benchmarks/kv_cluster.py [--model default] [--dtype bfloat16] [--tenants 16]
         [--prefix-tokens 1500] [--turns 3] [--turn-words 16] [--output-tokens 16]
         [--concurrency 3] [--cache-fraction 0.25] [--prefill 2] [--decode 1]
         [--settings a,b,c,d] [--num-threads N] [--seed 0] [--quick] [--json PATH]
 
-`--quick`: 8 tenants, 300-token prefixes, 2 turns, 8 output tokens (about 8 minutes on a loaded
+`--quick`: 8 tenants, 300-token prefixes, 2 turns, 8 output tokens (5-8 minutes on a loaded
 2-core machine, most of it starting the three clusters; to check that it runs). Result: a
 workload line, a Markdown table (one row per setting), the issue's targets with met / missed (or
 "n/a" where this benchmark cannot tell), progress on stderr, worker logs in a temporary directory
@@ -368,6 +370,10 @@ def summarize(
             "kv_offload_cpu_block_hit_total", "kv_offload_cpu_block_lookup_total"
         ),
         "tier_reloads_declined": total(delta, "kv_offload_reloads_declined_total", "prefill"),
+        # The decode worker's own hits (its blocks are not sent); in tokens, not as a rate: its
+        # query counters count a reservation again each time it is retried.
+        "decode_prefix_hit_tokens": total(delta, "prefix_cache_hits_total", "decode"),
+        "decode_tier_hit_tokens": total(delta, "external_prefix_cache_hits_total", "decode"),
         "preemptions": {
             role: total(delta, "num_preemptions_total", role) for role in ("prefill", "decode")
         },
@@ -451,6 +457,12 @@ def print_report(args, workload: Workload, sizes: dict, results: dict, notes: li
             extra.append(f"errors: {s['first_errors']}")
         if any(s["preemptions"].values()):
             extra.append(f"preemptions {s['preemptions']}")
+        extra.append(
+            f"decode worker's hits: {s['decode_prefix_hit_tokens']:.0f} tokens in its cache, "
+            f"{s['decode_tier_hit_tokens']:.0f} from its tier"
+        )
+        if s.get("agreement_with_previous") is not None:
+            extra.append(f"greedy = the setting before: {s['agreement_with_previous']:.1%}")
         if s["tier_reloads_declined"]:
             extra.append(f"tier reloads declined {s['tier_reloads_declined']:.0f} blocks")
         extra.append(f"prompts per prefill worker {s['dispatched']}")
@@ -595,6 +607,13 @@ def main(argv: list[str] | None = None) -> int:
             continue
         if "a" in results and setting != "a":
             results[setting]["agreement_with_a"] = agreement(results["a"], results[setting])
+        before = settings[: settings.index(setting)]
+        if before and before[-1] in results and before[-1] != "a":
+            # Same KV dtype: the run-to-run baseline (prompts computed in other splits, other
+            # batches, round differently).
+            results[setting]["agreement_with_previous"] = agreement(
+                results[before[-1]], results[setting]
+            )
     if not failed:
         for f in log_dir.glob("*.log"):
             f.unlink()
