@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -125,6 +126,7 @@ class Engine(KVHandoff):
         self.seqs: dict[str, SequenceState] = {}  # waiting or running
         self.held: dict[str, SequenceState] = {}  # finished, blocks kept until their KV is sent
         self.reserved: dict[str, SequenceState] = {}  # blocks held for KV that is on its way
+        self.reserve_refused: OrderedDict[str, None] = OrderedDict()  # see KVHandoff.reserve
         self.vocab_size = int(hf_config.vocab_size)
         # structured outputs: the model's tokenizer is loaded when the first such request comes
         self.grammars = GrammarCompiler.for_model(str(config.model), self.vocab_size)

@@ -10,6 +10,7 @@ uses; split out to keep the engine's step loop on its own.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import TYPE_CHECKING
 
 from common.engine import prompt_logprobs as scoring
@@ -24,12 +25,14 @@ if TYPE_CHECKING:
 # (or what it may still produce, if less): a typical reply runs without preemption, while a
 # request with a huge max_tokens does not hold back everyone else (SGLang clips its estimate too).
 OUTPUT_RESERVE_TOKENS = 256
+MAX_RETRIED_IDS = 4096  # refused reservations remembered, so a retry is not a second query
 
 
 class KVHandoff:
     """Reservations for KV that another worker sends (see the module docstring)."""
 
     reserved: dict[str, SequenceState]  # blocks held for KV that is on its way
+    reserve_refused: OrderedDict[str, None]  # the latest refused reservations' request ids
 
     def reserve(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
@@ -41,6 +44,9 @@ class KVHandoff:
         """
         seq = self._new_sequence(request_id, prompt_token_ids, params)
         manager = self.block_manager
+        # a request the router retries here (no room yet) counts as one prefix-cache query
+        queried = self.reserve_refused
+        seq.prefix_queried = request_id in queried
         cached = manager.match_prefix(seq)
         # The blocks every admitted sequence (running, waiting, reserved, and this one) still
         # needs to grow by its next token and up to OUTPUT_RESERVE_TOKENS more: a preempted one
@@ -50,7 +56,11 @@ class KVHandoff:
         admitted = [*sched.running, *sched.waiting, *self.reserved.values(), seq]
         if sum(self._blocks_to_grow(s) for s in admitted) > self.pool.num_free:
             manager.free(seq)
+            queried[request_id] = None
+            if len(queried) > MAX_RETRIED_IDS:  # ids of retries that went elsewhere age out
+                queried.popitem(last=False)
             return None
+        queried.pop(request_id, None)
         manager.ensure_slots(seq, seq.num_tokens + 1)
         seq.num_cached_tokens = cached
         self.reserved[request_id] = seq

@@ -149,3 +149,20 @@ def test_reserve_leaves_room_for_the_admitted_sequences_growth(tiny_llama):
     assert decode.reserve("one-token", list(range(2, 18)), short) is not None  # 3 + 3
     assert decode.abort("one-token") and decode.abort("run")
     assert_block_pool_full(decode)
+
+
+def test_a_retried_reservation_is_one_prefix_cache_query(tiny_llama):
+    hf_model, _ = tiny_llama
+    decode = make_engine(hf_model, kv_cache_memory=str(20 * 4096), max_model_len=128)
+    assert decode.reserve("big", list(range(2, 126)), GREEDY) is not None
+    queries = decode.stats()["prefix_cache_queries_total"]
+    prompt = list(range(3, 101))
+    for _ in range(5):  # the router retries while there is no room
+        assert decode.reserve("later", prompt, GREEDY) is None
+    assert decode.stats()["prefix_cache_queries_total"] == queries + len(prompt)
+    assert decode.abort("big")
+    assert decode.reserve("later", prompt, GREEDY) is not None  # room now: still the one query
+    assert decode.stats()["prefix_cache_queries_total"] == queries + len(prompt)
+    assert "later" not in decode.reserve_refused
+    assert decode.abort("later")
+    assert_block_pool_full(decode)
