@@ -164,6 +164,8 @@ class SSEResponse(Response):
         self.error: BaseException | None = None  # what ended the relay from `_on_put`
         self._wake: asyncio.Future[None] | None = None
         self._busy = False  # the task is sending, or `_on_put` is running: no direct writes
+        self._out: list[bytes] = []  # chunks applied, for `_flush` to write together
+        self._flush_due = False
 
     def event(self, choice: Choice, delta: Delta) -> bytes:
         """The SSE event of one delta, or b'' when it shows nothing."""
@@ -199,6 +201,7 @@ class SSEResponse(Response):
             self.writer = direct_writer(scope)
             job.events.on_put = self._on_put
             await self._relay(send, gone)
+            await _body(send, self._take_out())
             completion_tokens = sum(len(c.token_ids) for c in self.choices)
             reasons = [c.finish_reason or "" for c in self.choices]
             timer.finished(self.prompt_tokens, completion_tokens, reasons)
@@ -210,7 +213,7 @@ class SSEResponse(Response):
                 await _body(send, sse(usage))
         except RequestError as e:
             timer.failed(e.code)
-            await _body(send, error_event(e))
+            await _body(send, self._take_out() + error_event(e))
         except _ClientGone:
             return
         finally:
@@ -228,7 +231,7 @@ class SSEResponse(Response):
                 raise self.error
             if self.feed.done:
                 return
-            if self.job.events.empty():
+            if self.job.events.empty() and not self._out:
                 await self._wait(gone, deadline - clock())
             elif self._direct():
                 self._drain()
@@ -236,7 +239,7 @@ class SSEResponse(Response):
                 rendered, error = self.feed.apply(self.job.events.take_all(), self.event)
                 self._busy = True
                 try:
-                    await _body(send, b"".join(rendered))
+                    await _body(send, self._take_out() + b"".join(rendered))
                 finally:
                     self._busy = False
                 if error is not None:
@@ -269,7 +272,10 @@ class SSEResponse(Response):
             try:
                 data, error = self.feed.apply_one(event, self.event)
                 if data:
-                    self.writer.write(data)
+                    self._out.append(data)
+                    if not self._flush_due:  # once the messages read with this one are applied
+                        self._flush_due = True
+                        asyncio.get_running_loop().call_soon(self._flush)
                 if error is not None:
                     self.error = error
             except Exception as e:  # fails this stream, in its task; never the control plane
@@ -288,17 +294,35 @@ class SSEResponse(Response):
         assert self.writer is not None
         self._busy = True
         try:
+            data = self._take_out()
             while not self.job.events.empty() and not self.feed.done and self.error is None:
                 rendered, error = self.feed.apply(self.job.events.take_all(), self.event)
-                data = b"".join(rendered)
-                if data:
-                    self.writer.write(data)
+                data += b"".join(rendered)
                 if error is not None:
                     self.error = error
+            if data:
+                self.writer.write(data)
         except Exception as e:
             self.error = e
         finally:
             self._busy = False
+
+    def _flush(self) -> None:
+        """Write the chunks applied since the last flush, in one piece: every token the messages
+        read together brought this stream (one socket write per stream and wake-up, not per
+        token, when the router runs behind)."""
+        self._flush_due = False
+        if self._out:
+            if self._direct():
+                assert self.writer is not None
+                self.writer.write(self._take_out())
+            else:
+                self._wake_task()  # it writes them, waiting for the socket
+
+    def _take_out(self) -> bytes:
+        data = b"".join(self._out)
+        self._out.clear()
+        return data
 
     def _wake_task(self) -> None:
         wake = self._wake

@@ -156,8 +156,11 @@ class Reader(threading.Thread):
 
     def run(self) -> None:
         self.sock.settimeout(60)
-        while data := self.sock.recv(1 << 16):
-            self.chunks.append(data)
+        try:
+            while data := self.sock.recv(1 << 16):
+                self.chunks.append(data)
+        except ConnectionResetError:  # the client shut its socket while the router still wrote
+            pass
 
     def text(self) -> str:
         self.join(60)

@@ -423,7 +423,9 @@ def test_direct_chunks_are_written_as_events_are_put_and_wait_out_back_pressure(
                                               cycle.send))  # fmt: skip
         await asyncio.sleep(0.01)
         job.events.put_nowait((0, tokens(words[:1])))
-        assert cycle.body[-1].startswith(b"data: ")  # written by the put: no task woke for it
+        await asyncio.sleep(0)  # one turn of the loop: the flush after a burst of messages
+        assert cycle.body[-1].startswith(b"data: ")
+        assert response._wake is not None and not response._wake.done()  # the task slept on
         cycle.pause(True)  # the client stops reading: the task writes, waiting for the socket
         job.events.put_nowait((0, tokens(words[1:2])))
         job.events.put_nowait((0, tokens(words[2:3])))
@@ -441,6 +443,40 @@ def test_direct_chunks_are_written_as_events_are_put_and_wait_out_back_pressure(
     assert "".join(e["choices"][0]["text"] for e in events[:-1]) == tok.decode(words)
     assert events[-2]["choices"][0]["finish_reason"] == "length" and events[-1] == "[DONE]"
     assert job.closed and metrics.generation_tokens_total == 6
+
+
+def test_the_chunks_of_messages_read_together_are_one_write(tok: Tokenizer) -> None:
+    words = ids(tok, " one two three four")
+    request, choices, prompt_tokens = setup(
+        tok, "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 4, "stream": True}
+    )
+    job = ScriptedJob([])
+
+    async def run() -> list[bytes]:
+        cycle = PausingCycle()
+        timer = RouterMetrics(Clock()).start_request()
+        response = SSEResponse(
+            request, "resp-1", 1700, job, choices, tok, prompt_tokens, 60.0, timer
+        )
+
+        async def receive() -> dict:
+            await asyncio.Event().wait()
+            return {"type": "http.disconnect"}
+
+        task = asyncio.ensure_future(response({"type": "http", HTTP_CYCLE: cycle}, receive,
+                                              cycle.send))  # fmt: skip
+        await asyncio.sleep(0.01)
+        for word in words[:3]:  # three TokenBatches read in one wake-up of the control plane
+            job.events.put_nowait((0, tokens([word])))
+        await asyncio.sleep(0)
+        job.events.put_nowait((0, tokens(words[3:], "length")))
+        await asyncio.wait_for(task, 5)
+        return cycle.body
+
+    body = asyncio.run(run())
+    assert body[0].count(b"data: ") == 3 and body[0].startswith(b"data: ")
+    events = parse_sse(b"".join(body).decode())
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == tok.decode(words)
 
 
 def test_a_client_that_leaves_closes_the_job(tok: Tokenizer) -> None:
