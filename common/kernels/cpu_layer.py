@@ -2,7 +2,7 @@
 
 At batch 1 a quantized model's decode step spends as long in Python and torch dispatch between
 the per-layer ops (RMSNorm, projections, rotary, attention, SiLU, about 12 calls a layer) as in
-streaming its weights. `run_layers` hands all the layers to C instead: the same C functions the
+streaming its weights. `DecodeLayers.run` hands all the layers to C instead: the C functions the
 per-op path calls (`fused_ops.c`, `quant_matmul.c`, `quant_gemm.c`, `paged_decode.c`, linked into
 one library), in the same order with the same rounding, so a decode step's outputs equal the
 per-op path's.
@@ -117,7 +117,8 @@ class DecodeLayers:
 
     def __init__(self, layers: Sequence[LayerWeights]) -> None:
         self.layers = list(layers)
-        self._stacks: dict[tuple, ctypes.Array | None] = {}
+        # per key: the C structs and the repacked weights (a8 panels) they point into, or None
+        self._stacks: dict[tuple, tuple[ctypes.Array, list] | None] = {}
 
     def run(
         self, num_layers: int, x: torch.Tensor, meta: AttentionMetadata, positions: torch.Tensor,
@@ -148,10 +149,14 @@ class DecodeLayers:
         if key not in self._stacks:
             if len(self._stacks) >= MAX_STACKS:
                 self._stacks.clear()
-            plans = [_make_plan(layer, x) for layer in self.layers[:num_layers]]
+            # the a8 panels are the weight's derived copies, remade (and the old ones dropped)
+            # when the weight is written in place: the structs keep those they point into
+            panels: list = []
+            plans = [_make_plan(layer, x, panels) for layer in self.layers[:num_layers]]
             ok = len(plans) == num_layers and all(p is not None for p in plans)
-            self._stacks[key] = (_Layer * num_layers)(*plans) if ok else None
-        return self._stacks[key]
+            self._stacks[key] = ((_Layer * num_layers)(*plans), panels) if ok else None
+        entry = self._stacks[key]
+        return None if entry is None else entry[0]
 
     def num_stacks(self) -> int:
         """How many (layers run, batch size, dtype) the C code takes so far."""
@@ -174,8 +179,9 @@ def step_applies(x: torch.Tensor, meta: AttentionMetadata) -> bool:
     )
 
 
-def _make_plan(layer: LayerWeights, x: torch.Tensor) -> _Layer | None:
-    """The layer's weights and caches for the C call; None when the C code does not take it."""
+def _make_plan(layer: LayerWeights, x: torch.Tensor, panels: list) -> _Layer | None:
+    """The layer's weights and caches for the C call; None when the C code does not take it.
+    The a8 panels its structs point into are added to `panels`."""
     k_cache, k_scales, v_scales = layer.k_cache, layer.k_scales, layer.v_scales
     kv8 = k_scales is not None and v_scales is not None
     projections = layer.projections
@@ -201,7 +207,7 @@ def _make_plan(layer: LayerWeights, x: torch.Tensor) -> _Layer | None:
         and available()
     ):
         return None
-    qkv, o, gate_up, down = (_proj(w, b, x) for w, b in zip(projections, layer.biases))
+    qkv, o, gate_up, down = (_proj(w, b, x, panels) for w, b in zip(projections, layer.biases))
     q_norm, k_norm = [n.data_ptr() for n in layer.norms[2:]] or [None, None]
     return _Layer(
         qkv, o, gate_up, down, layer.norms[0].data_ptr(), layer.norms[1].data_ptr(), q_norm,
@@ -217,12 +223,13 @@ def _fits(t: torch.Tensor, x: torch.Tensor) -> bool:
     return t.dtype == x.dtype and t.is_contiguous()
 
 
-def _proj(w: QuantWeight, bias: torch.Tensor | None, x: torch.Tensor) -> _Proj:
-    """The projection through the path cpu_quant chose for x's rows (c or a8); the pointers are
-    into tensors the weight keeps (`c_weights`, the a8 panels) while it lives."""
+def _proj(w: QuantWeight, bias: torch.Tensor | None, x: torch.Tensor, panels: list) -> _Proj:
+    """The projection through the path cpu_quant chose for x's rows (c or a8): pointers into the
+    weight's own tensors (`c_weights`) or into its a8 panels, which go into `panels`."""
     bias_ptr = None if bias is None else bias.data_ptr()
     if cpu_quant.path_for(w, x) == "a8":
         packed = cpu_quant.a8_weights(w)
+        panels.append(packed)
         zero = None if packed.zero is None else packed.zero.data_ptr()
         return _Proj(packed.codes.data_ptr(), packed.scale.data_ptr(), zero, bias_ptr,
                      packed.bits, packed.group_size, 0, w.n, w.k, 1)  # fmt: skip

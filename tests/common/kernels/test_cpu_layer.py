@@ -14,7 +14,7 @@ import torch
 
 from common.config import EngineConfig
 from common.engine.engine import Engine
-from common.kernels import cpu_layer, cpu_ops
+from common.kernels import cpu_layer, cpu_ops, cpu_quant
 
 pytestmark = pytest.mark.skipif(not cpu_layer.available(), reason="no C compiler")
 
@@ -202,6 +202,31 @@ def test_a8_projections_run_inside_the_c_layers(tiny_llama, mode, dtype, monkeyp
     fused = _forward(runner, inputs, True, monkeypatch)
     assert _stack_in_use(runner)
     assert torch.equal(fused, per_op), (fused.float() - per_op.float()).abs().max()
+
+
+def test_the_c_layers_keep_the_a8_panels_they_point_into(tiny_llama, monkeypatch) -> None:
+    """A weight written in place gets new a8 panels (its derived copy is keyed by the tensors'
+    versions) and drops the old ones: the C structs made earlier point into those, so they keep
+    them alive (a freed panel's memory could be handed to another tensor)."""
+    import gc
+    import weakref
+
+    hf_model, _ = tiny_llama
+    runner = _runner(hf_model, "int4", "float32", kernel="a8", activations="int8")
+    inputs = _prefill_then_decode_inputs(runner)
+    _forward(runner, inputs, True, monkeypatch)
+    assert _stack_in_use(runner)
+    proj = runner.model.layers[0].self_attn.o_proj
+    w = proj.kernel_weight()
+    old = weakref.ref(cpu_quant.a8_weights(w).codes)
+    with torch.no_grad():
+        proj.scale.mul_(1.0)  # an in-place write: the version moves, the values stay
+    assert cpu_quant.a8_weights(w).codes is not old()  # new panels for the per-op path
+    gc.collect()
+    assert old() is not None  # still held by the C structs that point into it
+    runner.model.cpu_layers = None  # the model drops the structs: the old panels go with them
+    gc.collect()
+    assert old() is None
 
 
 @pytest.mark.parametrize("kernel,activations", [("c", "float"), ("a8", "int8")])
