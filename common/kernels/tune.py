@@ -331,8 +331,8 @@ def prepare(
     timer: TimeCall = time_call, force: bool = False,
 ) -> dict[int, Table]:  # fmt: skip
     """Set cpu_quant's kernel choice; for `auto`, tune for a model's quantized matmuls (`weights`,
-    from common.model.quant.kernel_weights; or read the cached tables) and log which path serves
-    which range. Returns the tables ({} otherwise)."""
+    as common.model.quant.kernel_weights lists them; or read the cached tables) and log which
+    path serves which range. Returns the tables ({} otherwise)."""
     cpu_quant.set_kernel_choice(kernel_choice)
     weights = list(weights)
     layers = representative_layers(weights)
