@@ -1,4 +1,4 @@
-"""KV as a cluster resource (issue 24): 8-bit KV, a tier below each cache, peer fetch, end to end.
+"""KV as a cluster resource: 8-bit KV, a tier below each cache, peer fetch, end to end.
 
 Real processes, through the code `pdserve up` runs (`common.runtime.up.cluster_from_args`, so
 `common.runtime.launcher.LocalCluster`): a router with 2 prefill + 1 decode workers
@@ -468,7 +468,7 @@ def print_report(args, workload: Workload, sizes: dict, results: dict, notes: li
         extra.append(f"prompts per prefill worker {s['dispatched']}")
         extra.append(f"kv_cache_bytes_per_token {s['kv_bytes_per_token']}")
         print(f"({s['setting']}): " + "; ".join(extra))
-    print("\ntargets (issue 24):")
+    print("\ntargets:")
     for line in targets(results, minimum):
         print(f"- {line}")
 
