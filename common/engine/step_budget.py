@@ -2,19 +2,23 @@
 
 A step costs about `fixed + per_prefill_token * p + per_decode_row * d` seconds for `p` prompt
 tokens (prefill chunks and verify rows) and `d` single-token decode rows: the fixed part is the
-weights read once, the kernels' launches and the Python around them. `StepCosts` fits those three
-numbers to the steps the engine times (least squares over an exponentially fading window, so
-they follow the machine when it gets busier or quieter), and `PrefillBudget` turns them into the
-chunk: the smallest `p` whose cost per token, fixed part included, is within `SLACK` of the
-per-token cost alone (p >= fixed / (SLACK * per_prefill_token)).
+weights read once, the kernels' launches and the Python around them, and it is larger for a step
+with prompt tokens than for a decode-only step where the CPU runs decode steps' layers in one C
+call (common.kernels.cpu_layer) and prompt steps op by op; so the fit has two fixed parts, one
+for each kind of step. `StepCosts` fits those four numbers to the steps the engine times (least
+squares over an exponentially fading window, so they follow the machine when it gets busier or
+quieter), and `PrefillBudget` turns them into the chunk: the smallest `p` whose cost per token,
+its step's fixed part included, is within `SLACK` of the per-token cost alone
+(p >= fixed / (SLACK * per_prefill_token)).
 
 Why a limit at all: a step that prefills many prompts at once finishes all of them together at
 its end, and every running sequence waits for it; chunks of about this size finish prompts one
 after another in arrival order (the mean time to first token drops, by up to half under a burst)
 and keep the decode steps between them short, for at most `SLACK` more compute per prompt token.
 Bigger chunks would not compute faster (that is what the fit says); smaller ones would spend more
-than `SLACK` on the fixed part. Before the fit has seen both kinds of variation there is no limit
-(the engine's `max_num_batched_tokens`). Owned by the engine, read by its scheduler each step.
+than `SLACK` on the fixed part. Until prompt steps of varied sizes tell the fixed part from the
+per-token part there is no limit (the engine's `max_num_batched_tokens`). Owned by the engine,
+read by its scheduler each step.
 """
 
 from __future__ import annotations
@@ -28,18 +32,19 @@ log = logging.getLogger(__name__)
 SLACK = 0.1  # a chunk's fixed-cost share of its per-token cost
 DECAY = 0.98  # weight of the past per timed step: about the last 50 steps count
 MIN_STEPS = 8  # steps with prompt tokens before the fit is used
-MIN_SPREAD = 0.05  # ... whose token counts vary by this share, unless decode steps were seen too
+MIN_SPREAD = 0.05  # ... whose token counts vary by this share of their mean
 MIN_CHUNK = 16  # never smaller: a block's worth
 REFIT_STEPS = 8  # the chunk is recomputed every this many timed steps (a 3x3 solve each time)
 
 
 class StepCosts:
-    """Least-squares fit of a step's seconds to (1, prompt tokens, decode rows), fading."""
+    """Least-squares fit of a step's seconds to (decode-only, has prompt tokens, prompt tokens,
+    decode rows), fading."""
 
     def __init__(self, decay: float = DECAY) -> None:
         self.decay = decay
-        self._xtx = np.zeros((3, 3))
-        self._xty = np.zeros(3)
+        self._xtx = np.zeros((4, 4))
+        self._xty = np.zeros(4)
         self._prompt = np.zeros(3)  # fading count, sum and sum of squares of prompt tokens
         self.prefill_steps = 0  # timed steps with prompt tokens
         self.decode_steps = 0  # timed steps without
@@ -48,37 +53,37 @@ class StepCosts:
         """One step's work and its wall time."""
         if seconds <= 0 or prompt_tokens + decode_rows <= 0:
             return
-        x = np.array([1.0, float(prompt_tokens), float(decode_rows)])
+        has_prompt = 1.0 if prompt_tokens else 0.0
+        x = np.array([1.0 - has_prompt, has_prompt, float(prompt_tokens), float(decode_rows)])
         self._xtx = self.decay * self._xtx + np.outer(x, x)
         self._xty = self.decay * self._xty + x * seconds
         if prompt_tokens:
             self.prefill_steps += 1
-            self._prompt = self.decay * self._prompt + np.array([1.0, x[1], x[1] * x[1]])
+            p = float(prompt_tokens)
+            self._prompt = self.decay * self._prompt + np.array([1.0, p, p * p])
         else:
             self.decode_steps += 1
 
     def _separable(self) -> bool:
-        """Whether the steps seen tell the fixed part from the per-token part: steps without
-        prompt tokens (a decode-only step is the fixed part plus its rows), or prompt steps of
-        varied sizes (a prefill-only worker's prompts end in chunks of all lengths)."""
+        """Whether the prompt steps seen tell their fixed part from the per-token part: enough
+        of them, of varied sizes (prompts end in chunks of all lengths)."""
         if self.prefill_steps < MIN_STEPS:
             return False
-        if self.decode_steps >= MIN_STEPS:
-            return True
         count, total, squares = self._prompt
         mean = total / count
         spread = max(squares / count - mean * mean, 0.0) ** 0.5
         return spread >= MIN_SPREAD * mean
 
     def fit(self) -> tuple[float, float, float] | None:
-        """(fixed s, s per prompt token, s per decode row), or None while under-determined."""
+        """(fixed s of a step with prompt tokens, s per prompt token, s per decode row), or None
+        while under-determined."""
         if not self._separable():
             return None
-        # a tiny ridge keeps a direction the steps never varied along (no decode rows on a
-        # prefill-only worker) at zero instead of blowing up
-        ridge = 1e-9 * max(float(np.trace(self._xtx)), 1.0) * np.eye(3)
+        # a tiny ridge keeps a direction the steps never varied along (no decode-only steps or
+        # no decode rows on a prefill-only worker) at zero instead of blowing up
+        ridge = 1e-9 * max(float(np.trace(self._xtx)), 1.0) * np.eye(4)
         try:
-            fixed, per_token, per_row = np.linalg.solve(self._xtx + ridge, self._xty)
+            _, fixed, per_token, per_row = np.linalg.solve(self._xtx + ridge, self._xty)
         except np.linalg.LinAlgError:
             return None
         if per_token <= 0:

@@ -36,14 +36,31 @@ def test_the_fit_recovers_the_step_costs():
     assert per_row == pytest.approx(0.0003, rel=1e-3)
 
 
-def test_no_fit_until_the_fixed_part_is_separable():
+def test_no_fit_until_prompt_steps_of_varied_sizes_were_seen():
     costs = StepCosts()
     for _ in range(50):
         costs.record(100, 0, 0.2)  # prompt steps of one size only: fixed and per-token mixed up
-    assert costs.fit() is None and costs.prefill_token_s() is None
     for _ in range(MIN_STEPS):
-        costs.record(0, 4, 0.011)
+        costs.record(0, 4, 0.011)  # decode-only steps have a fixed part of their own
+    assert costs.fit() is None and costs.prefill_token_s() is None
+    for p in range(1, MIN_STEPS + 1):
+        costs.record(20 * p, 0, 0.1 + 0.001 * 20 * p)
     assert costs.fit() is not None
+
+
+def test_prompt_steps_and_decode_steps_have_fixed_parts_of_their_own():
+    costs = StepCosts()
+    rng = random.Random(2)
+    for i in range(120):  # decode-only steps in one fused call: 5 ms; prompt steps op by op: 25
+        p = 0 if i % 2 else rng.randint(16, 300)
+        d = rng.randint(1 if p == 0 else 0, 16)
+        costs.record(p, d, (0.025 if p else 0.005) + 0.0015 * p + 0.0004 * d)
+    fixed, per_token, per_row = costs.fit()
+    assert fixed == pytest.approx(0.025, rel=1e-3)
+    assert per_token == pytest.approx(0.0015, rel=1e-3) and per_row == pytest.approx(
+        0.0004, rel=1e-3
+    )
+    assert PrefillBudget(2048, None, costs).tokens() == math.ceil(0.025 / (SLACK * 0.0015))
 
 
 def test_a_prefill_only_worker_fits_from_its_varied_chunks():
@@ -141,5 +158,5 @@ def test_the_chunk_is_logged_when_measured_and_refit_as_steps_come(caplog):
     )
     for i in range(200):  # the machine got busier: the fixed part doubled
         costs.record(0, 1 + i % 16, 0.020 + 0.0003 * (1 + i % 16))
-        costs.record(128, 0, 0.020 + 0.0018 * 128)
+        costs.record(64 + i % 128, 0, 0.020 + 0.0018 * (64 + i % 128))
     assert budget.tokens() == math.ceil(0.020 / (SLACK * 0.0018))
