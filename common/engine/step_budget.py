@@ -1,20 +1,19 @@
 """How many prefill tokens one step computes, from the step costs measured where the engine runs.
 
-A step costs about `fixed + per_prefill_token * p + per_decode_row * d` seconds for `p` prompt
-tokens (prefill chunks and verify rows) and `d` single-token decode rows: the fixed part is the
-weights read once, the kernels' launches and the Python around them, and it is larger for a step
-with prompt tokens than for a decode-only step where the CPU runs decode steps' layers in one C
-call (common.kernels.cpu_layer) and prompt steps op by op; so the fit has two fixed parts, one
-for each kind of step. `StepCosts` fits those four numbers to the steps the engine times (least
-squares over an exponentially fading window, so they follow the machine when it gets busier or
-quieter), and `PrefillBudget` turns them into the chunk: the smallest `p` whose cost per token,
-its step's fixed part included, is within `SLACK` of the per-token cost alone
+A step with `p` prompt tokens (prefill chunks and verify rows) costs about
+`fixed + per_prefill_token * p` seconds, where the fixed part is everything else in it: the
+weights read once, the kernels' launches, the Python around them, and the decode rows riding
+along (their count changes slowly, with the running batch). `StepCosts` fits those two numbers to
+the prompt steps the engine times (least squares over an exponentially fading window, so they
+follow the machine and the batch as they change); decode-only steps tell nothing about prompt
+tokens and are not fitted. `PrefillBudget` turns the fit into the chunk: the smallest `p` whose
+cost per token, the step's fixed part included, is within `SLACK` of the per-token cost alone
 (p >= fixed / (SLACK * per_prefill_token)).
 
 Why a limit at all: a step that prefills many prompts at once finishes all of them together at
 its end, and every running sequence waits for it; chunks of about this size finish prompts one
 after another in arrival order (the mean time to first token drops, by up to half under a burst)
-and keep the decode steps between them short, for at most `SLACK` more compute per prompt token.
+and keep the decode steps between them short, for at most `SLACK` more time per prompt token.
 Bigger chunks would not compute faster (that is what the fit says); smaller ones would spend more
 than `SLACK` on the fixed part. Until prompt steps of varied sizes tell the fixed part from the
 per-token part there is no limit (the engine's `max_num_batched_tokens`). Owned by the engine,
@@ -38,57 +37,48 @@ REFIT_STEPS = 8  # the chunk is recomputed every this many timed steps (a 3x3 so
 
 
 class StepCosts:
-    """Least-squares fit of a step's seconds to (decode-only, has prompt tokens, prompt tokens,
-    decode rows), fading."""
+    """Least-squares fit of a prompt step's seconds to (1, prompt tokens), fading."""
 
     def __init__(self, decay: float = DECAY) -> None:
         self.decay = decay
-        self._xtx = np.zeros((4, 4))
-        self._xty = np.zeros(4)
-        self._prompt = np.zeros(3)  # fading count, sum and sum of squares of prompt tokens
+        self._xtx = np.zeros((2, 2))  # fading sums of 1, p, p * p
+        self._xty = np.zeros(2)  # ... of t, p * t
         self.prefill_steps = 0  # timed steps with prompt tokens
-        self.decode_steps = 0  # timed steps without
+        self.decode_steps = 0  # timed steps without (not fitted)
 
     def record(self, prompt_tokens: int, decode_rows: int, seconds: float) -> None:
         """One step's work and its wall time."""
         if seconds <= 0 or prompt_tokens + decode_rows <= 0:
             return
-        has_prompt = 1.0 if prompt_tokens else 0.0
-        x = np.array([1.0 - has_prompt, has_prompt, float(prompt_tokens), float(decode_rows)])
+        if not prompt_tokens:
+            self.decode_steps += 1
+            return
+        x = np.array([1.0, float(prompt_tokens)])
         self._xtx = self.decay * self._xtx + np.outer(x, x)
         self._xty = self.decay * self._xty + x * seconds
-        if prompt_tokens:
-            self.prefill_steps += 1
-            p = float(prompt_tokens)
-            self._prompt = self.decay * self._prompt + np.array([1.0, p, p * p])
-        else:
-            self.decode_steps += 1
+        self.prefill_steps += 1
 
     def _separable(self) -> bool:
         """Whether the prompt steps seen tell their fixed part from the per-token part: enough
         of them, of varied sizes (prompts end in chunks of all lengths)."""
         if self.prefill_steps < MIN_STEPS:
             return False
-        count, total, squares = self._prompt
+        count, total, squares = self._xtx[0, 0], self._xtx[0, 1], self._xtx[1, 1]
         mean = total / count
         spread = max(squares / count - mean * mean, 0.0) ** 0.5
         return spread >= MIN_SPREAD * mean
 
-    def fit(self) -> tuple[float, float, float] | None:
-        """(fixed s of a step with prompt tokens, s per prompt token, s per decode row), or None
-        while under-determined."""
+    def fit(self) -> tuple[float, float] | None:
+        """(fixed s of a prompt step, s per prompt token), or None while under-determined."""
         if not self._separable():
             return None
-        # a tiny ridge keeps a direction the steps never varied along (no decode-only steps or
-        # no decode rows on a prefill-only worker) at zero instead of blowing up
-        ridge = 1e-9 * max(float(np.trace(self._xtx)), 1.0) * np.eye(4)
         try:
-            _, fixed, per_token, per_row = np.linalg.solve(self._xtx + ridge, self._xty)
+            fixed, per_token = np.linalg.solve(self._xtx, self._xty)
         except np.linalg.LinAlgError:
             return None
         if per_token <= 0:
             return None
-        return max(float(fixed), 0.0), float(per_token), max(float(per_row), 0.0)
+        return max(float(fixed), 0.0), float(per_token)
 
     def prefill_token_s(self) -> float | None:
         """Measured seconds one more prompt token adds to a step (None: not known yet)."""
@@ -131,7 +121,7 @@ class PrefillBudget:
         fitted = self.costs.fit()
         if fitted is None:
             return self.max_tokens
-        fixed, per_token, _ = fitted
+        fixed, per_token = fitted
         chunk = max(MIN_CHUNK, min(self.max_tokens, int(np.ceil(fixed / (SLACK * per_token)))))
         # say it when it is first measured and when it moves by half or more
         if not self._logged or not (self._logged / 1.5 < chunk < self._logged * 1.5):
@@ -145,9 +135,9 @@ class PrefillBudget:
         how = "fixed" if self.limit is not None else "measured" if fitted else "not measured yet"
         line = f"prefill chunk {self.tokens() if chunk is None else chunk} tokens ({how})"
         if fitted:
-            fixed, per_token, per_row = fitted
+            fixed, per_token = fitted
             line += (
-                f"; step = {1e3 * fixed:.2f} ms + {1e3 * per_token:.3f} ms per prompt token + "
-                f"{1e3 * per_row:.3f} ms per decode row"
+                f"; a prompt step = {1e3 * fixed:.2f} ms + {1e3 * per_token:.3f} ms per prompt "
+                "token"
             )
         return line
