@@ -95,10 +95,11 @@ def test_off_by_default() -> None:
 
 
 def test_worker_base_has_what_the_probes_read() -> None:
-    # WorkerBase touches only the engine's block pool and model counter: a stand-in will do.
+    # WorkerBase touches only the engine's block pool, KV tier and model counter: a stand-in
     model = SimpleNamespace(layers_run=0)
     runner = SimpleNamespace(model=model)
-    engine = SimpleNamespace(pool=SimpleNamespace(track_events=False), runner=runner, num_steps=0)
+    pool = SimpleNamespace(track_events=False)
+    engine = SimpleNamespace(pool=pool, tier=None, runner=runner, num_steps=0)
     worker = WorkerBase(engine, "tcp://127.0.0.1:1", "w", zmq.Context())  # connects lazily
     try:
         health = WorkerHealth(worker)
@@ -138,8 +139,11 @@ def test_a_loop_that_turns_while_work_waits_and_nothing_runs_makes_no_progress()
 
     model = SimpleNamespace(layers_run=0)
     engine = SimpleNamespace(
-        pool=SimpleNamespace(track_events=False, drain_events=lambda: ([], []), cached_keys=list),
+        pool=SimpleNamespace(
+            track_events=False, drain_events=lambda: ([], []), cached_keys=list, num_blocks=8
+        ),
         runner=SimpleNamespace(model=model),
+        tier=None,
         num_steps=0,
         has_unfinished=lambda: waiting.has_work,
         reserved={},
