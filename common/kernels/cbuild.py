@@ -11,8 +11,8 @@ into its library).
 Each library is built on first use for one instruction-set level only: the highest one that its
 sources have code for, the CPU runs, `PDSERVE_CPU_ISA` allows and the compiler accepts
 (common/kernels/isa.py); a log line names the level each library loaded. Callers pass the
-ISA-independent flags; the level's flags are added here, and -march=native is dropped with a
-warning (it would build code only its own kind of host runs). The file is
+ISA-independent flags; the level's flags are added here, and a host-tuned -march/-mtune/-mcpu
+is dropped with a warning (it would build code only its own kind of host runs). The file is
 `<source>-<level>-<key>.so`, the key a hash of the compiler's identity (its path and `--version`
 output), every flag of every compile and the contents of the sources and of the headers next to
 them. Never the host's name: hosts sharing a cache share the builds, and a host only loads
@@ -32,6 +32,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -49,7 +50,7 @@ REDUCTION_FLAGS = (
     "-fassociative-math",
     "-freciprocal-math",
 )
-_NATIVE = ("-march=native", "-mtune=native", "-mcpu=native")
+_NATIVE = re.compile(r"-m(arch|tune|cpu)=native")  # flags a caller must not pass (see above)
 
 Unit = tuple[Path, list[str]]  # a source and its ISA-independent flags
 
@@ -105,9 +106,9 @@ def build_key(compiler: str, commands: Sequence[Sequence[str]], sources: Sequenc
 
 
 def _without_native(flags: Sequence[str], what: str) -> list[str]:
-    if any(f in _NATIVE for f in flags):
+    if any(_NATIVE.fullmatch(f) for f in flags):
         log.warning("%s: dropping -march/-mtune=native (cbuild adds the ISA level's flags)", what)
-    return [f for f in flags if f not in _NATIVE]
+    return [f for f in flags if not _NATIVE.fullmatch(f)]
 
 
 def build(units: Sequence[Unit], what: str) -> tuple[ctypes.CDLL | None, str]:

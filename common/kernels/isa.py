@@ -4,8 +4,8 @@ A level is a set of compiler flags and the CPU flags (as /proc/cpuinfo names the
 needs. Levels are ordered; `candidates` gives, highest first, the levels a source has code for
 that the running CPU supports, up to the cap `PDSERVE_CPU_ISA` sets. Machines here change between
 AVX2-only and AVX-512 (with VNNI and BF16) from one day to the next and share cache directories,
-so nothing is ever compiled with -march=native: the level is chosen here, at load, and is part of
-the library's file name and build key (common/kernels/cbuild.py, the only caller).
+so nothing is ever compiled for "whatever this host has": the level is chosen here, at load, and
+is part of the library's file name and build key (common/kernels/cbuild.py, the only caller).
 
 Which levels a source has code for: any C code gains from portable, avx2 and avx512 (the
 compiler vectorises loops with them); avxvnni, avx512vnni and avx512bf16 only add instructions
@@ -49,8 +49,8 @@ class Level:
 BASELINE_X86 = ("-march=x86-64",)
 _AVX2 = ("-mavx2", "-mfma", "-mf16c")
 _AVX2_CPU = frozenset({"avx2", "fma", "f16c"})
-# 256-bit vectors for the loops the compiler vectorises, as -march=native chose on the hosts the
-# kernels were measured on (quant_matmul at batch 1 and 8: as fast as that build); hand-written
+# 256-bit vectors for the loops the compiler vectorises, as a host-tuned build chose on the hosts
+# the kernels were measured on (quant_matmul at batch 1 and 8: as fast as that build); hand-written
 # 512-bit intrinsics are not affected.
 _AVX512 = (*_AVX2, "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl",
            "-mprefer-vector-width=256")  # fmt: skip
