@@ -26,7 +26,9 @@ step time. `--clock cpu` times with the process's CPU time instead of the wall c
 machine shared with other jobs, use it with `--threads 1` (time spent waiting for a core is then
 not counted). Run: `python benchmarks/step_profile.py [--model default] [--dtype bfloat16]
 [--quantization auto] [--batches 1,8] [--context 256] [--iters 20] [--repeats 3] [--threads N]
-[--clock wall|cpu]`.
+[--clock wall|cpu] [--verify-tokens 3,5,8]`. `--verify-tokens`: after each batch's table, the
+step with k + 1 query tokens per sequence (a speculative verify step) against the decode step,
+both with the C decode layers on, timed in turns.
 Result: the limits' table, then per batch size a line with its floors and a Markdown table (ms
 per step by part, eager, fused and layer, and the step's % of its limit).
 """
@@ -109,10 +111,12 @@ def _set(owner, name: str, value) -> None:
         setattr(owner, name, value)
 
 
-def decode_inputs(runner: ModelRunner, batch: int, context: int):
-    """One decode token per sequence at position `context`, each sequence in its own blocks."""
-    blocks = context // runner.block_size + 1
-    rows = [([7], context, list(range(i * blocks, (i + 1) * blocks))) for i in range(batch)]
+def decode_inputs(runner: ModelRunner, batch: int, context: int, tokens: int = 1):
+    """`tokens` query tokens per sequence from position `context` (1: a decode step; k + 1: a
+    speculative verify step of k drafts), each sequence in its own blocks."""
+    blocks = (context + tokens - 1) // runner.block_size + 1
+    rows = [([7] * tokens, context, list(range(i * blocks, (i + 1) * blocks)))
+            for i in range(batch)]  # fmt: skip
     return runner.prepare_rows(rows)
 
 
@@ -171,12 +175,16 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall")
+    parser.add_argument(
+        "--verify-tokens", default="", help="comma list of k + 1: also time verify steps"
+    )
     args = parser.parse_args()
     global clock
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     batches = [int(b) for b in args.batches.split(",")]
     source = resolve_model(args.model)
-    blocks_needed = max(batches) * (args.context // 16 + 1)
+    verify = [int(t) for t in args.verify_tokens.split(",") if t]
+    blocks_needed = max(batches) * ((args.context + max(verify, default=1)) // 16 + 1)
     dtype = EngineConfig(dtype=args.dtype).resolved_dtype()
     kv_bytes = blocks_needed * kv_bytes_per_block(source.hf_config, 16, dtype)
     config = EngineConfig(
@@ -184,7 +192,7 @@ def main() -> None:
         dtype=args.dtype,
         quantization=args.quantization,
         block_size=16,
-        max_model_len=args.context + 16,
+        max_model_len=args.context + 16 + max(verify, default=1),
         kv_cache_memory=f"{kv_bytes // (1 << 20) + 16}MiB",
         num_threads=args.threads,
     )
@@ -227,6 +235,23 @@ def main() -> None:
             print(f"| {part} | {' | '.join(cells)} |")
         pcts = [f"{100 * floor.limit_s * 1e3 / results[m]['step']:.0f}%" for m in modes]
         print(f"| % of limit | {' | '.join(pcts)} |")
+        if verify:
+            verify_table(runner, batch, args, results["layer"]["step"], verify)
+
+
+def verify_table(runner: ModelRunner, batch: int, args, decode_ms: float, verify: list) -> None:
+    """A verify step of k + 1 tokens per sequence against the decode step (both as served: the C
+    decode layers on), timed alternately so that a busy moment hits both alike."""
+    one = decode_inputs(runner, batch, args.context)
+    print(f"\nbatch {batch}: verify steps (k + 1 tokens per sequence) vs the decode step\n")
+    print("| tokens | verify ms | decode ms | ratio |\n|---:|---:|---:|---:|")
+    for tokens in verify:
+        many = decode_inputs(runner, batch, args.context, tokens)
+        t_many, t_one = float("inf"), decode_ms
+        for _ in range(args.repeats):
+            t_many = min(t_many, step_ms(runner, many, args.iters))
+            t_one = min(t_one, step_ms(runner, one, args.iters))
+        print(f"| {tokens} | {t_many:.2f} | {t_one:.2f} | {t_many / t_one:.2f}x |")
 
 
 if __name__ == "__main__":

@@ -229,19 +229,23 @@ def test_the_c_layers_keep_the_a8_panels_they_point_into(tiny_llama, monkeypatch
     assert old() is None
 
 
+@pytest.mark.parametrize("new_tokens", [3, cpu_layer.VERIFY_QUERY_LEN])
 @pytest.mark.parametrize("kernel,activations", [("c", "float"), ("a8", "int8")])
 def test_a_few_rows_per_sequence_attend_causally_in_the_c_layers(
-    tiny_llama, kernel, activations, monkeypatch
+    tiny_llama, kernel, activations, new_tokens, monkeypatch
 ) -> None:
-    """A step with 3 new tokens for each of 3 sequences (a verify step's shape, 9 rows): each
-    row attends to the positions up to its own through the decode kernel; the per-op path uses
-    its prefill attention and rotary (another summation order), so float32 agreement within 1e-4
-    of the activations' scale and the K/V written within 1e-5 (float32 rounding: ~1e-7 relative
-    per op, a few hundred ops deep)."""
+    """A step with 3 (9 rows in all) or VERIFY_QUERY_LEN (24 rows: more than MAX_MULTI_ROWS,
+    taken as a verify step) new tokens for each of 3 sequences: each row attends to the
+    positions up to its own through the decode kernel; the per-op path uses its prefill
+    attention and rotary (another summation order), so float32 agreement within 1e-4 of the
+    activations' scale and the K/V written within 1e-5 (float32 rounding: ~1e-7 relative per
+    op, a few hundred ops deep)."""
     hf_model, _ = tiny_llama
     runner = _runner(hf_model, "int4", "float32", kernel=kernel, activations=activations)
-    inputs = _prefill_then_decode_inputs(runner, new_tokens=3)
-    assert inputs[0].shape[0] == 3 * len(CONTEXTS) <= cpu_layer.MAX_MULTI_ROWS
+    inputs = _prefill_then_decode_inputs(runner, new_tokens=new_tokens)
+    rows = inputs[0].shape[0]
+    assert rows == new_tokens * len(CONTEXTS) <= cpu_layer.MAX_VERIFY_ROWS
+    assert (rows <= cpu_layer.MAX_MULTI_ROWS) == (new_tokens == 3)
     per_op = _forward(runner, inputs, False, monkeypatch)
     caches = [(a.k_cache.clone(), a.v_cache.clone()) for a in _attns(runner)]
     fused = _forward(runner, inputs, True, monkeypatch)

@@ -113,7 +113,7 @@ def test_each_isa_section(level, bits, group, zero, monkeypatch):
         pytest.skip(f"no {level} build on this host")
     qt = weight(bits, group, zero)
     packed = pack(qt)
-    for m in (1, 5, 9, 130):  # every row tail of the 8- and 4-row tiles
+    for m in (1, 5, 9, 35, 130):  # every row tail of the 8-, 6- (two-panel) and 4-row tiles
         for dtype in (torch.float32, torch.bfloat16):
             x = activations(m, dtype)
             check(cpu_qgemm.matmul_a8(x, packed, lib), x, qt)
