@@ -250,10 +250,11 @@ class Engine(KVHandoff):
         batch = self.scheduler.schedule()
         if not batch:
             return []
-        decode_rows = sum(1 for i in batch if i.num_new_tokens == 1 and not i.num_lookahead_tokens)
-        prompt_tokens = sum(i.num_new_tokens + i.num_lookahead_tokens for i in batch) - decode_rows
         self.num_steps += 1
         num_prefill = kv_tier.prefill_tokens(batch)  # before the step advances the sequences
+        # the fit of prompt steps sees prompt tokens only: a verify step's drafts ride along like
+        # decode rows (counted as prompt tokens, verify steps made the chunk 16 tokens)
+        prompt_tokens, decode_rows = num_prefill, len(batch)
         outputs = self._step(batch)
         self.num_prefill_tokens += num_prefill
         if self.tier is not None:  # the prefill rate the tier weighs reloads against

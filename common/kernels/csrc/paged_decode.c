@@ -299,14 +299,17 @@ static inline int thread_num(void) {
 #endif
 }
 
-#define MIN_PART 32 /* fewest tokens worth a part of their own */
+#define SPLIT_TOKENS 64 /* a part's tokens: cut at fixed positions, whatever the batch */
 
 /* Returns 0 on success, -1 for a shape this kernel does not take, -2 when out of memory.
  *
- * Work is split into parts of (sequence, kv head, token range): one part per pair when there
- * are enough pairs for the threads; otherwise (a single long sequence, the latency case) each
- * sequence's tokens are split too, flash-decoding style, and the parts' softmax statistics are
- * merged at the end, so both cores work on batch 1. */
+ * Work is split into parts of (sequence, kv head, token range): each sequence's tokens are cut
+ * at multiples of SPLIT_TOKENS, flash-decoding style, and the parts' softmax statistics merged
+ * at the end in order, so that both cores work on batch 1 and a row's result, to the last bit,
+ * does not depend on the other rows of its step (where the cut depended on the batch, a verify
+ * step's rows differed from the decode steps they stand for in the last bits, and int8
+ * activations turn such a bit into another code: speculative decoding changed greedy output).
+ * A step whose rows all fit one part skips the merge, which gives the same bits (exp(0) is 1). */
 int paged_decode_kv(const void *q, long q_stride, const void *k_cache, const void *v_cache,
                     const float *k_scales, const float *v_scales, const int32_t *block_tables,
                     const int32_t *seq_lens, void *out, int B, int H, int Hkv, int D, int bs,
@@ -325,13 +328,8 @@ int paged_decode_kv(const void *q, long q_stride, const void *k_cache, const voi
     /* Waking threads costs more than a small batch's whole attention. This OpenMP runtime is the
      * one torch loaded (same soname), so the threads are torch's own pool, not a competing one. */
     if (work < 256 || num_threads < 1) num_threads = 1;
-    int splits = 1;
-    if (num_threads > 1 && pairs < 2 * num_threads) {
-        splits = (2 * num_threads + pairs - 1) / pairs;
-        const int most = (max_len + MIN_PART - 1) / MIN_PART;
-        if (splits > most) splits = most;
-    }
-    const int chunk = (max_len + splits - 1) / splits, parts = pairs * splits;
+    const int chunk = SPLIT_TOKENS, splits = (max_len + chunk - 1) / chunk;
+    const int parts = pairs * splits;
     const size_t stride = (size_t)G * (D + 2); /* one part's acc, m, l */
     float *partial = splits > 1 ? malloc(sizeof(float) * stride * parts) : NULL;
     if (splits > 1 && partial == NULL) return -2;

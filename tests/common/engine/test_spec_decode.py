@@ -514,3 +514,15 @@ def test_logit_bias_matches_transformers(tiny_llama, mode) -> None:
     outside = SamplingParams(max_tokens=4, logit_bias={engine.vocab_size: 1.0})
     with pytest.raises(ValueError, match="logit_bias token ids must be in"):
         engine.add_request("outside", prompt, outside)  # a worker refuses what no router sends
+
+
+def test_verify_steps_are_not_prompt_steps_of_the_prefill_chunk_fit(tiny_llama):
+    """A verify step's drafts ride along like decode rows: only the prompt's own steps reach the
+    prefill-chunk fit (counted as prompt tokens, a run of verify steps of k + 1 tokens fitted a
+    16-token chunk that then cut the next prompt into pieces)."""
+    engine = make_engine(tiny_llama, "ngram")
+    engine.generate([repetitive(seed) for seed in range(3)], GREEDY)
+    costs = engine.prefill_budget.costs
+    assert engine.proposer is not None and engine.num_steps > 3
+    assert costs.prefill_steps == 1  # the three prompts in one step; every later step verified
+    assert costs.decode_steps == engine.num_steps - 1
