@@ -18,8 +18,9 @@ bytes per token (layers x 2 x KV heads x head dim x 2 bytes; the workers' own
 - (a) 16-bit KV (`--kv-cache-dtype bfloat16`), no tier, no peer fetch;
 - (b) `--kv-cache-dtype int8` (the same bytes hold about twice the tokens);
 - (c) (b) + `--kv-offload-memory` sized to hold every tenant's prompt (int8, 25% over);
-- (d) (c) + `--kv-peer-fetch on`, where `pdserve up` has that flag (else "(d) not available: no
-  peer fetch"; where it exists, (a)-(c) run with `--kv-peer-fetch off`).
+- (d) (c) + `--kv-peer-fetch on` (a prefill worker lacking a prefix the other worker or the
+  decode worker holds pulls its blocks; (a)-(c) run with `--kv-peer-fetch off`); where `pdserve
+  up` has no such flag, "(d) not available: no peer fetch".
 
 Per setting, from the streams: TTFT p50/p99 and inter-token latency p50 (gaps between chunks that
 carry tokens, as `common.bench.client` defines ITL); from the router's /metrics (worker counters,
@@ -28,9 +29,10 @@ counted from after a short warm-up request): prefill tokens computed
 stay 0, beside it) against the unique-prefix minimum (tenants x prefix tokens + every turn's
 tokens: each prefix computed once), KV bytes sent prefill -> decode (`kv_transfer_bytes_total`),
 the device prefix-cache hit rate (`prefix_cache_hits_total / prefix_cache_queries_total`, prefill
-workers), the tier's (`external_prefix_cache_hits_total / _queries_total`, and its host-RAM
-blocks `kv_offload_cpu_block_hit_total / _lookup_total`); and the greedy agreement of each
-setting's output tokens with (a)'s (share of tokens equal, position by position, over all
+workers), the tokens fetched from peers (`kv_peer_fetched_tokens_total`, (d)), the tier's
+(`external_prefix_cache_hits_total / _queries_total`, and its host-RAM blocks
+`kv_offload_cpu_block_hit_total / _lookup_total`); and the greedy agreement of each setting's
+output tokens with (a)'s (share of tokens equal, position by position, over all
 requests; token ids from the stream's logprobs with `return_tokens_as_token_ids`), and of (c) with
 (b): the same KV dtype, so a baseline of how much greedy output moves from run to run when
 prompts are computed in other splits and batches.
@@ -370,6 +372,11 @@ def summarize(
             "kv_offload_cpu_block_hit_total", "kv_offload_cpu_block_lookup_total"
         ),
         "tier_reloads_declined": total(delta, "kv_offload_reloads_declined_total", "prefill"),
+        # peer fetch (d): prompt tokens prefill workers pulled from a peer instead of computing
+        "peer_fetched_tokens": total(delta, "kv_peer_fetched_tokens_total", "prefill"),
+        "peer_fetched_bytes": total(delta, "kv_peer_fetched_bytes_total", "prefill"),
+        "peer_fetch_failures": total(delta, "kv_peer_fetch_failures_total", "prefill"),
+        "peer_fetch_declined": total(delta, "kv_peer_fetch_declined_total", "prefill"),
         # The decode worker's own hits (its blocks are not sent); in tokens, not as a rate: its
         # query counters count a reservation again each time it is retried.
         "decode_prefix_hit_tokens": total(delta, "prefix_cache_hits_total", "decode"),
@@ -465,6 +472,13 @@ def print_report(args, workload: Workload, sizes: dict, results: dict, notes: li
             extra.append(f"greedy = the setting before: {s['agreement_with_previous']:.1%}")
         if s["tier_reloads_declined"]:
             extra.append(f"tier reloads declined {s['tier_reloads_declined']:.0f} blocks")
+        if s["setting"] == "d":
+            extra.append(
+                f"peer fetch: {s['peer_fetched_tokens']:.0f} tokens "
+                f"({s['peer_fetched_bytes'] / 1e6:.1f} MB) fetched, "
+                f"{s['peer_fetch_failures']:.0f} fetches without blocks, "
+                f"{s['peer_fetch_declined']:.0f} hints declined"
+            )
         extra.append(f"prompts per prefill worker {s['dispatched']}")
         extra.append(f"kv_cache_bytes_per_token {s['kv_bytes_per_token']}")
         print(f"({s['setting']}): " + "; ".join(extra))

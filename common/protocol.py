@@ -14,8 +14,12 @@ Sockets (all ZeroMQ):
   is still accepted), `RequestFailed`, `KVEvents` (prefix-cache changes; the router may answer
   `KVResync`). For leak checks the router may send `BlockBooksQuery`; the worker answers
   `BlockBooksReply` (where each of its KV blocks is).
-- kv: each decode worker binds a ROUTER socket at its `kv_address`; prefill workers connect DEALERs
+- kv: each worker binds a ROUTER socket at its `kv_address`; prefill workers connect DEALERs
   and send `KVHeader` (+ one raw payload frame for tcp); the decode worker answers `KVAck`.
+  Peer fetch: a worker the router's `PeerHint` names a peer to sends that peer `KVFetch` (block
+  keys and their tokens) on the peer's kv socket; the peer pushes the run of them it holds back
+  to the asker's `kv_address` as a `KVHeader` (request id = the fetch id; 0 blocks when it holds
+  none), answered by `KVAck` as any transfer.
 
 Path of one disaggregated request: router -> decode `Reserve` -> `ReserveReply` -> router -> prefill
 `Prefill` -> prefill computes, sends `KVHeader` + KV to decode -> decode `KVAck` -> decode streams
@@ -37,8 +41,10 @@ from common.sampling_params import MAX_PROMPT_LOGPROB_TOKENS, MAX_TOP_LOGPROBS, 
 # float8_e4m3fn in Register and KVHeader, the payload carries the scales after the blocks);
 # 10: KVHeader.block_checksums (a CRC-32 per block, so a damaged block is found as that block)
 # replace its whole-payload checksum (a v9 peer would refuse the field, or send none);
-# 11: KVEvents.tier (which tier of a worker holds the keys: a v10 router would refuse the field)
-PROTOCOL_VERSION = 11
+# 11: KVEvents.tier (which tier of a worker holds the keys: a v10 router would refuse the field);
+# 12: peer fetch: Prefill.peer (a `PeerHint`), `KVFetch` on the kv socket, and prefill workers
+# bind a kv socket too (a v11 worker would refuse the field and never answer a fetch)
+PROTOCOL_VERSION = 12
 MAX_CONTROL_MESSAGE_BYTES = 64 * 2**20  # a 128k-token prompt of int ids fits with room to spare
 # Messages that are small by nature have a smaller limit, checked from the tag before decoding: a
 # 40 MiB heartbeat would otherwise stall the router's event loop while it is decoded.
@@ -71,6 +77,11 @@ MAX_KV_BLOCKS = 2**18
 # logprobs when the request asked for them.
 MAX_KV_HEADER_BYTES = 2**20 + 5 * MAX_KV_BLOCKS + PROMPT_LOGPROB_BYTES * MAX_PROMPT_LOGPROB_TOKENS
 Crc32 = Annotated[int, Meta(ge=0, le=0xFFFFFFFF)]
+KVAddress = Annotated[str, Meta(max_length=1024)]
+# Blocks one peer fetch may ask for, and their tokens (blocks of up to 256 tokens): the KVFetch
+# then stays under the kv socket's header limit (16-byte keys, at most 5 bytes a token id).
+MAX_FETCH_BLOCKS = 4096
+MAX_FETCH_TOKENS = 2**17
 PromptLogprobs = Annotated[
     list[tuple[float, int, Annotated[list[tuple[int, float]], Meta(max_length=MAX_TOP_LOGPROBS)]]],
     Meta(max_length=MAX_PROMPT_LOGPROB_TOKENS),
@@ -192,6 +203,19 @@ class ReserveReply(msgspec.Struct, tag="reserve_reply", forbid_unknown_fields=Tr
     reason: str = ""
 
 
+class PeerHint(msgspec.Struct, forbid_unknown_fields=True):
+    """Inside a `Prefill`: a live peer holds the prompt's leading `num_blocks` blocks (in its
+    cache or its KV tier, by the router's index) that the chosen worker lacks. The worker may
+    pull them from the peer's `kv_address` (`KVFetch`) instead of computing them, when its
+    measured rates say that is cheaper; no answer within `timeout_s` means it computes them."""
+
+    worker_id: Name
+    kv_address: KVAddress
+    num_blocks: Annotated[int, Meta(ge=1, le=MAX_FETCH_BLOCKS)]
+    transport: Literal["tcp", "shm"]  # shm: the two workers run on one host
+    timeout_s: Annotated[float, Meta(gt=0, le=600)]
+
+
 class Prefill(msgspec.Struct, tag="prefill", forbid_unknown_fields=True):
     """Router -> prefill: compute this prompt and push its KV to the named decode worker."""
 
@@ -203,6 +227,7 @@ class Prefill(msgspec.Struct, tag="prefill", forbid_unknown_fields=True):
     num_decode_cached_tokens: int
     transport: str  # tcp | shm | cuda_ipc
     deadline_s: float  # seconds from receipt to finish the transfer
+    peer: PeerHint | None = None  # where a prefix this worker lacks may be fetched from
 
 
 class Generate(msgspec.Struct, tag="generate", forbid_unknown_fields=True):
@@ -329,6 +354,25 @@ class KVAck(msgspec.Struct, tag="kv_ack", forbid_unknown_fields=True):
     recompute: bool = False
 
 
+class KVFetch(msgspec.Struct, tag="kv_fetch", forbid_unknown_fields=True):
+    """Worker -> peer worker's kv socket: push me the leading run of these blocks you hold.
+
+    `keys[i]` is the prefix key (common.prefix_hash) of block `start_block + i` of a prompt and
+    `token_ids` those blocks' tokens (compared before a block is sent, as the block pool does).
+    The peer answers with a `KVHeader` (request_id = `fetch_id`, `start_block`, the number of
+    leading blocks it found, 0 if none) pushed to `reply_address` over `transport`, or not at
+    all when it is gone: the asker stops waiting after its own timeout.
+    """
+
+    fetch_id: Name
+    start_block: Count
+    keys: Annotated[list[Annotated[bytes, Meta(max_length=64)]], Meta(max_length=MAX_FETCH_BLOCKS)]
+    token_ids: Annotated[list[int], Meta(max_length=MAX_FETCH_TOKENS)]
+    reply_address: KVAddress
+    transport: Literal["tcp", "shm"]
+    deadline_s: Annotated[float, Meta(gt=0, le=600)]  # seconds from receipt: later is no use
+
+
 ControlMessage = (
     Register
     | RegisterAck
@@ -346,7 +390,7 @@ ControlMessage = (
     | BlockBooksQuery
     | BlockBooksReply
 )
-KVMessage = KVHeader | KVAck
+KVMessage = KVHeader | KVAck | KVFetch
 
 _encoder = msgspec.msgpack.Encoder()
 _control_decoder = msgspec.msgpack.Decoder(ControlMessage)

@@ -1,8 +1,8 @@
 """`pdserve decode`: the decode worker's flags and the command that runs one until stopped.
 
-Owns the KV receiver's flags (`--kv-host`, `--kv-port`, `--kv-advertise-host`; the worker flags
-shared with prefill come from `common.runtime.worker_cli`). Called by `common.cli` (the `pdserve`
-dispatcher); heavy imports happen inside `cmd_decode`.
+The worker flags, the KV receiver's (`--kv-host`, `--kv-port`, `--kv-advertise-host`) included,
+come from `common.runtime.worker_cli`. Called by `common.cli` (the `pdserve` dispatcher); heavy
+imports happen inside `cmd_decode`.
 """
 
 from __future__ import annotations
@@ -10,28 +10,11 @@ from __future__ import annotations
 import argparse
 import logging
 
-from common.runtime.worker_cli import add_worker_args, env
+from common.runtime.worker_cli import add_worker_args
 
 
 def add_decode_args(parser: argparse.ArgumentParser) -> None:
     add_worker_args(parser)
-    parser.add_argument(
-        "--kv-host",
-        default=env("KV_HOST", "127.0.0.1"),
-        help="interface the KV receiver binds (env PDSERVE_KV_HOST)",
-    )
-    parser.add_argument(
-        "--kv-port",
-        type=int,
-        default=int(env("KV_PORT", "0")),
-        help="KV receiver port, 0 = any free port (env PDSERVE_KV_PORT)",
-    )
-    parser.add_argument(
-        "--kv-advertise-host",
-        default=env("KV_ADVERTISE_HOST", ""),
-        help="host prefill workers use to reach this worker's KV port "
-        "(default: the bound address; env PDSERVE_KV_ADVERTISE_HOST)",
-    )
 
 
 def cmd_decode(args: argparse.Namespace) -> int:

@@ -5,7 +5,8 @@ full), the KV receiver writes arriving blocks into them, and the sequence then j
 batch and streams `TokenOutput`s to the router. `Generate` prefills locally (colocated mode and
 short prompts). A reservation whose KV does not arrive in time (the deadline its `Reserve`
 carries: the router's prefill deadline) is dropped and reported failed.
-Started by `pdserve decode` (and `pdserve up`).
+Its KV sender answers peers' fetches of what it holds, and its receiver takes the answers of its
+own (`common.runtime.worker`). Started by `pdserve decode` (and `pdserve up`).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from common.protocol import (
 )
 from common.runtime.auth import ClusterKeys
 from common.runtime.worker import WorkerBase
-from kvtransfer import KVReceiver
+from kvtransfer import KVReceiver, KVSender
 
 log = logging.getLogger(__name__)
 
@@ -64,19 +65,14 @@ class DecodeWorker(WorkerBase):
         keys: ClusterKeys | None = None,
     ) -> None:
         super().__init__(engine, router_address, worker_id, context, keys)
-        self.receiver = KVReceiver(
-            engine.runner.kv_cache,
-            bind=kv_bind,
-            context=self.context,
-            keys=keys,
-            kv_scales=engine.runner.kv_scales,
+        cache, scales = engine.runner.kv_cache, engine.runner.kv_scales
+        self.attach_kv(
+            KVSender(cache, context=self.context, keys=keys, kv_scales=scales),
+            KVReceiver(cache, bind=kv_bind, context=self.context, keys=keys, kv_scales=scales),
+            kv_advertise_host,
         )
+        self.receiver: KVReceiver
         self.receiver.recompute_damaged = True  # damaged KV: prefill here, never fail or use it
-        address = self.receiver.address
-        if kv_advertise_host:
-            port = address.rsplit(":", 1)[1]
-            address = f"tcp://{kv_advertise_host}:{port}"
-        self.kv_address = address
         self.reserved_until: dict[str, float] = {}  # request id -> when its KV is overdue
         self.kv_bytes = 0
         self.kv_recomputed = 0  # transfers that arrived damaged and were prefilled here
@@ -89,11 +85,12 @@ class DecodeWorker(WorkerBase):
         }
 
     def is_idle(self) -> bool:
-        return not self.engine.has_unfinished() and not self.engine.reserved
+        return not self.engine.has_unfinished() and not self.engine.reserved and not self.deferred
 
     def step(self) -> None:
         """Write arrived KV, drop overdue reservations, run one engine step."""
-        for received in self.receiver.poll(self._resolve):
+        received_kv, _ = self.poll_kv()
+        for received in received_kv:
             self._on_kv(received.header, received.ok, received.reason, received.damaged)
         self._expire_reservations()
         if self.engine.has_unfinished():
@@ -136,7 +133,7 @@ class DecodeWorker(WorkerBase):
         else:
             log.warning("unexpected %s from the router", type(message).__name__)
 
-    def _resolve(self, header: KVHeader) -> list[int] | None:
+    def resolve_kv(self, header: KVHeader) -> list[int] | None:
         blocks = self.engine.reserved_block_ids(header.request_id)
         if blocks is None:
             return None
@@ -186,7 +183,3 @@ class DecodeWorker(WorkerBase):
                 if self.engine.abort(rid):
                     self.kv_failures += 1
                     self.reply(rid, RequestFailed(rid, "transfer", "KV did not arrive in time"))
-
-    def close(self) -> None:
-        super().close()
-        self.receiver.close()

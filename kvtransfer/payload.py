@@ -178,6 +178,59 @@ def _views(
     return kv, scales
 
 
+def assemble_payload(
+    kv_cache: torch.Tensor,
+    kv_scales: torch.Tensor | None,
+    sources: list[int | torch.Tensor],
+    out: memoryview | None = None,
+) -> torch.Tensor:
+    """The payload of blocks from two kinds of source, in order: a block id of the cache, or one
+    block's bytes as a KV tier keeps them (`common.engine.kv_tier_store.BlockIO`: its KV rows of
+    every layer, K then V, then its scales: a one-block payload). A peer fetch sends blocks of
+    its cache and of its tier in one payload. Returns the bytes (a uint8 CPU tensor, over `out`
+    when given)."""
+    n = len(sources)
+    if out is None:
+        out = memoryview(bytearray(payload_nbytes(kv_cache, n, kv_scales)))
+    if not len(out):
+        return torch.empty(0, dtype=torch.uint8)
+    data = torch.frombuffer(out, dtype=torch.uint8)
+    if not n:
+        return data
+    storage = kv_quant.storage(kv_cache)
+    rows = 2 * storage.shape[0]  # (layer, K|V) rows: the payload holds each row's blocks in turn
+    cache_rows = storage.view(rows, storage.shape[2], -1)
+    kv_piece = cache_rows.shape[2] * storage.element_size()
+    kv_bytes = kv_piece * rows * n
+    dst_kv = data[:kv_bytes].view(rows, n, kv_piece)
+    scale_rows = dst_scales = None
+    scale_piece = 0
+    if kv_scales is not None:
+        scale_rows = kv_scales.view(rows, kv_scales.shape[2], -1)
+        scale_piece = scale_rows.shape[2] * kv_scales.element_size()
+        dst_scales = data[kv_bytes:].view(rows, n, scale_piece)
+    ids = [(i, s) for i, s in enumerate(sources) if isinstance(s, int)]
+    if ids:  # the cache's blocks in one gather (as `gather`: along dim 1 of the row view)
+        at = torch.tensor([i for i, _ in ids])
+        index = torch.tensor([s for _, s in ids], device=storage.device)
+        dst_kv[:, at] = (
+            cache_rows.index_select(1, index).cpu().view(torch.uint8).view(rows, -1, kv_piece)
+        )
+        if dst_scales is not None:
+            picked = scale_rows.index_select(1, index).cpu().view(torch.uint8)
+            dst_scales[:, at] = picked.view(rows, -1, scale_piece)
+    for i, block in enumerate(sources):
+        if isinstance(block, int):
+            continue
+        if block.numel() != rows * (kv_piece + scale_piece):
+            raise ValueError(f"a block is {rows * (kv_piece + scale_piece)} bytes, got "
+                             f"{block.numel()}")  # fmt: skip
+        dst_kv[:, i] = block[: rows * kv_piece].view(rows, kv_piece)
+        if dst_scales is not None:
+            dst_scales[:, i] = block[rows * kv_piece :].view(rows, scale_piece)
+    return data
+
+
 def as_bytes(tensor: torch.Tensor) -> memoryview:
     """A flat byte view of a contiguous CPU tensor (no copy)."""
     assert tensor.is_contiguous() and tensor.device.type == "cpu"

@@ -5,7 +5,9 @@
 None: unknown or aborted request). A transfer is written into the cache only when everything
 checks out: layout and dtype, sizes, destination blocks, every block's checksum. Whatever happens
 the sender gets a `KVAck` and the worker a `ReceivedKV`; a frame too broken to name its request
-is dropped. Nothing a peer sends can raise out of `poll`.
+is dropped. Nothing a peer sends can raise out of `poll`. A peer's `KVFetch` (it asks for blocks
+this worker holds) is not answered here: `poll` keeps it, bounded, for the worker to serve
+(`take_fetches`, `kvtransfer.peer_fetch.serve`), which answers by pushing through its sender.
 
 Socket: a ROUTER bound at `bind`; senders (`kvtransfer.sender`) connect DEALERs. shm segments
 stay mapped between transfers (`shm.SegmentCache`, at most `shm_cache_segments`): a sender reuses
@@ -24,7 +26,15 @@ from typing import TYPE_CHECKING
 import torch
 import zmq
 
-from common.protocol import MAX_KV_HEADER_BYTES, KVAck, KVHeader, ProtocolError, decode_kv, encode
+from common.protocol import (
+    MAX_KV_HEADER_BYTES,
+    KVAck,
+    KVFetch,
+    KVHeader,
+    ProtocolError,
+    decode_kv,
+    encode,
+)
 from common.sockets import keepalive
 from kvtransfer import cuda_ipc, payload, shm
 from kvtransfer.sender import SOCKET_BUFFER_BYTES
@@ -36,6 +46,7 @@ log = logging.getLogger(__name__)
 
 MAX_HEADER_BYTES = MAX_KV_HEADER_BYTES  # a few hundred bytes, or a prompt's logprobs with them
 MAX_MESSAGES_PER_POLL = 64  # keep one poll short even under a flood
+MAX_WAITING_FETCHES = 256  # peers' fetches kept until served; more are dropped (they time out)
 SHM_SWEEP_EVERY_S = 1.0  # how often to drop the mappings of segments their senders unlinked
 
 
@@ -95,6 +106,13 @@ class KVReceiver:
         self._ipc = cuda_ipc.CudaIpcImporter()
         self.segments = shm.SegmentCache(shm_cache_segments)
         self._last_sweep = 0.0
+        self._fetches: list[KVFetch] = []
+        self.fetches_dropped = 0
+
+    def take_fetches(self) -> list[KVFetch]:
+        """Peers' `KVFetch`es received by `poll` since the last call, oldest first."""
+        fetches, self._fetches = self._fetches, []
+        return fetches
 
     def poll(
         self, resolve: Callable[[KVHeader], list[int] | None], timeout_ms: int = 0
@@ -126,6 +144,12 @@ class KVReceiver:
             header = decode_kv(body[0].bytes)
         except ProtocolError as exc:
             log.warning("dropped a malformed kv message: %s", exc)
+            return None
+        if isinstance(header, KVFetch):
+            if len(self._fetches) < MAX_WAITING_FETCHES:
+                self._fetches.append(header)
+            else:
+                self.fetches_dropped += 1
             return None
         if not isinstance(header, KVHeader):
             log.warning("dropped an unexpected %s on the kv socket", type(header).__name__)

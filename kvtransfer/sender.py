@@ -96,23 +96,50 @@ class KVSender:
         request id already in flight, an unknown transport or bad block ids; every other failure
         arrives as a TransferResult from `poll`.
         """
-        rid = header.request_id
-        if rid in self._pending:
-            raise ValueError(f"a transfer of {rid} is already in flight")
+        self._check(header, len(block_ids))
+        index = payload.block_index(block_ids, self.kv_cache.shape[2], self.kv_cache.device)
+
+        def fill(out: memoryview | None) -> torch.Tensor:
+            return payload.gather_payload(self.kv_cache, self.kv_scales, index, out=out)
+
+        self._start(address, header, deadline_s, fill, block_ids)
+
+    def send_blocks(
+        self, address: str, header: KVHeader, sources: list[int | torch.Tensor], deadline_s: float
+    ) -> None:
+        """As `send`, for blocks some of which are bytes out of a KV tier rather than blocks of
+        the cache (`payload.assemble_payload`): a peer fetch's answer. tcp or shm only."""
+        self._check(header, len(sources))
+        if header.transport == "cuda_ipc":
+            raise ValueError("a peer fetch travels over tcp or shm")
+        ids = [s for s in sources if isinstance(s, int)]
+        payload.block_index(ids, self.kv_cache.shape[2], self.kv_cache.device)  # checks them
+
+        def fill(out: memoryview | None) -> torch.Tensor:
+            return payload.assemble_payload(self.kv_cache, self.kv_scales, sources, out=out)
+
+        self._start(address, header, deadline_s, fill, [])
+
+    def _check(self, header: KVHeader, num_blocks: int) -> None:
+        if header.request_id in self._pending:
+            raise ValueError(f"a transfer of {header.request_id} is already in flight")
         if header.transport not in TRANSPORTS:
             raise ValueError(f"unknown kv transport {header.transport!r}")
         mismatch = payload.layout_mismatch(header, self.kv_cache)
         if mismatch:  # raised, not asserted: part of the header comes from the router's Prefill
             raise ValueError(f"header does not describe this kv_cache: {mismatch}")
-        if header.num_blocks != len(block_ids):
-            raise ValueError(f"header says {header.num_blocks} blocks, {len(block_ids)} given")
-        index = payload.block_index(block_ids, self.kv_cache.shape[2], self.kv_cache.device)
+        if header.num_blocks != num_blocks:
+            raise ValueError(f"header says {header.num_blocks} blocks, {num_blocks} given")
+
+    def _start(self, address: str, header: KVHeader, deadline_s: float, fill, block_ids) -> None:
+        """Register the transfer, fill its payload and send it; every failure is a result."""
+        rid = header.request_id
         now = time.monotonic()
         transfer = _Transfer(address, header, started=now, deadline=now + deadline_s)
         self._pending[rid] = transfer
         try:
             socket = self._peer(address)
-            frames = self._prepare(transfer, index, block_ids)
+            frames = self._prepare(transfer, fill, block_ids)
             socket.send_multipart([encode(header), *frames], flags=zmq.NOBLOCK, copy=False)
         except zmq.Again:
             self._finish(rid, False, "peer send queue full")
@@ -123,14 +150,23 @@ class KVSender:
             log.error("kv send of %s failed:\n%s", rid, traceback.format_exc())
             self._finish(rid, False, f"send failed: {exc}")
 
-    def _prepare(self, transfer: _Transfer, index: torch.Tensor, block_ids: list[int]) -> list:
+    def request(self, address: str, message: bytes) -> bool:
+        """Send one small message (a `KVFetch`) to a peer's kv socket; False if it could not be
+        queued (the asker then computes instead of waiting)."""
+        try:
+            self._peer(address).send(message, flags=zmq.NOBLOCK)
+            return True
+        except (zmq.ZMQError, OSError):
+            return False
+
+    def _prepare(self, transfer: _Transfer, fill, block_ids: list[int]) -> list:
         """Fill the header's size, checksums and transport fields; return the payload frames."""
         header = transfer.header
-        n = len(block_ids)
+        n = header.num_blocks
         header.nbytes = payload.payload_nbytes(self.kv_cache, n, self.kv_scales)
         header.block_checksums = []
         if header.transport == "tcp":
-            data = payload.gather_payload(self.kv_cache, self.kv_scales, index)
+            data = fill(None)
             transfer.payload = data
             view = payload.as_bytes(data)
             header.block_checksums = self._checksums(view, n)
@@ -140,7 +176,7 @@ class KVSender:
             if header.nbytes:
                 transfer.segment = self.segments.acquire(header.nbytes)
                 data = memoryview(transfer.segment.mapping)[: header.nbytes]
-                payload.gather_payload(self.kv_cache, self.kv_scales, index, out=data)
+                fill(data)
                 header.block_checksums = self._checksums(data, n)
                 header.shm_name = transfer.segment.name
             return []

@@ -4,7 +4,9 @@ Owns the prefill side of a request: the engine runs the prompt (batched, chunked
 with `max_tokens=1` and holds its blocks afterwards; the KV sender pushes the blocks the decode
 worker lacks, with the first token (and the prompt's logprobs when asked for: they are computed
 where the prompt is), and the blocks stay pinned until the decode side acks, refuses,
-or the deadline passes. They then remain in the prefix cache. Started by `pdserve prefill`.
+or the deadline passes. They then remain in the prefix cache. Its KV receiver takes the answers
+of its peer fetches (a `Prefill` whose `PeerHint` names a worker holding the prompt's prefix:
+`common.runtime.worker`), and peers' fetches of what it holds. Started by `pdserve prefill`.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from common.protocol import KVHeader, Prefill, RequestFailed
 from common.runtime.auth import ClusterKeys
 from common.runtime.histogram import KV_TRANSFER_BUCKETS, Histogram
 from common.runtime.worker import WorkerBase
-from kvtransfer import KVSender
+from kvtransfer import KVReceiver, KVSender
 
 log = logging.getLogger(__name__)
 
@@ -47,15 +49,19 @@ class PrefillWorker(WorkerBase):
         context: zmq.Context | None = None,
         kv_transport: str = "auto",
         keys: ClusterKeys | None = None,
+        kv_bind: str = "tcp://127.0.0.1:*",
+        kv_advertise_host: str | None = None,
     ) -> None:
+        """`kv_bind`: where its KV receiver listens (peer fetches' answers, peers' fetches)."""
         super().__init__(engine, router_address, worker_id, context, keys)
         self.kv_transport = kv_transport  # anything but auto overrides the router's choice
-        self.sender = KVSender(
-            engine.runner.kv_cache,
-            context=self.context,
-            keys=keys,
-            kv_scales=engine.runner.kv_scales,
+        cache, scales = engine.runner.kv_cache, engine.runner.kv_scales
+        self.attach_kv(
+            KVSender(cache, context=self.context, keys=keys, kv_scales=scales),
+            KVReceiver(cache, bind=kv_bind, context=self.context, keys=keys, kv_scales=scales),
+            kv_advertise_host,
         )
+        self.sender: KVSender
         self.jobs: dict[str, _Job] = {}
         self.kv_bytes = 0
         self.kv_seconds = Histogram(KV_TRANSFER_BUCKETS)  # send to ack, successful transfers
@@ -70,7 +76,7 @@ class PrefillWorker(WorkerBase):
         return {"kv_transfer_seconds": self.kv_seconds.snapshot()}
 
     def is_idle(self) -> bool:
-        return not self.jobs and not self.engine.has_unfinished()
+        return not self.jobs and not self.engine.has_unfinished() and not self.deferred
 
     def step(self) -> None:
         """One engine step; push the KV of finished prompts; settle finished transfers."""
@@ -78,7 +84,8 @@ class PrefillWorker(WorkerBase):
             for out in self.engine.step():
                 if out.finished:
                     self._send_kv(out.request_id)
-        for result in self.sender.poll():
+        _, results = self.poll_kv()
+        for result in results:
             self.engine.release(result.request_id)
             job = self.jobs.pop(result.request_id, None)
             if result.ok:
@@ -154,7 +161,3 @@ class PrefillWorker(WorkerBase):
             self.engine.release(request_id)
             self.kv_failures += 1
             self.reply(request_id, RequestFailed(request_id, "transfer", str(exc)))
-
-    def close(self) -> None:
-        super().close()
-        self.sender.close()

@@ -30,6 +30,7 @@ class RouterConfig:
     balance_abs_tokens: int = 4096
     balance_rel: float = 2.0
     decode_prefix_slack: int = 4
+    kv_peer_fetch: str = "on"
     local_prefill_max_tokens: int = 256
     colocated: bool = False
     request_timeout_s: float = 600.0
@@ -72,6 +73,9 @@ HELP = {
     "decode_prefix_slack": "prefix routing of prompts prefilled on a decode worker (short or "
     "colocated): the holder of the longest prefix wins while it runs at most this many more "
     "sequences than the least loaded",
+    "kv_peer_fetch": "on | off: when a prefill worker lacks a prefix another live worker holds "
+    "(in its cache or its KV tier), tell it where, so that it pulls the blocks over kvtransfer "
+    "when its measured rates say that beats computing them",
     "local_prefill_max_tokens": "prompts up to this many tokens are prefilled on the decode "
     "worker (0 = always on a prefill worker)",
     "colocated": "serve with decode workers only (/health needs no prefill worker)",

@@ -73,8 +73,11 @@ class Dispatcher:
         prefill_deadline_s: float = 120.0,
         prefix_index: PrefixIndex | None = None,
         prefix_params: PrefixParams | None = None,
+        peer_fetch: bool = True,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """`peer_fetch`: hint a prefill worker at a peer holding the prefix it lacks
+        (`router.prefill_leg.peer_hint`)."""
         self.registry = registry
         self.send = send  # False when the message could not be queued for the worker
         self.prefill_policy = PrefillPolicy(routing, prefix_index, prefix_params)
@@ -84,6 +87,7 @@ class Dispatcher:
         self.max_queue_wait_s = max_queue_wait_s
         self.reserve_timeout_s = reserve_timeout_s
         self.prefill_deadline_s = prefill_deadline_s
+        self.peer_fetch = peer_fetch
         self.clock = clock
         self.flights: dict[str, Flight] = {}  # by request_id
         self.num_migrations = 0  # flights moved off a dead decode worker (a counter)

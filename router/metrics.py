@@ -100,6 +100,17 @@ WORKER_FAMILIES: dict[str, tuple[str, str, tuple[str, ...]]] = {
                                  "8-bit scales).", ("prefill", "decode")),
     "prefill_kv_computed_tokens_total": ("counter", "Tokens computed in prefill: not taken from "
                                          "the prefix cache or its tier.", ("prefill", "decode")),
+    "kv_peer_fetched_tokens_total": ("counter", "Prompt tokens whose KV was fetched from a peer "
+                                     "worker instead of computed.", ("prefill", "decode")),
+    "kv_peer_fetched_bytes_total": ("counter", "KV bytes fetched from peer workers.",
+                                    ("prefill", "decode")),
+    "kv_peer_fetch_failures_total": ("counter", "Peer fetches that brought no blocks (the peer "
+                                     "died, did not answer in time, held none): computed "
+                                     "instead.", ("prefill", "decode")),
+    "kv_peer_fetch_declined_total": ("counter", "Peer fetch hints not followed: computing "
+                                     "measured cheaper.", ("prefill", "decode")),
+    "kv_peer_served_tokens_total": ("counter", "Tokens of KV blocks sent to peer workers that "
+                                    "fetched them.", ("prefill", "decode")),
     **{name: (kind, help_, ("prefill", "decode"))
        for name, (kind, help_) in KV_TIER_FAMILIES.items()},
 }  # fmt: skip

@@ -8,6 +8,12 @@ prompt with this prefix should follow, even before the worker reports the blocks
 prefill worker that cannot be reached is skipped for the next; with none left, the reservation
 is dropped and the decode worker prefills the prompt itself.
 
+Peer fetch (`--kv-peer-fetch on`, the default): when another live worker (either role) has
+reported more of the prompt's leading blocks (in its cache or its KV tier, `router.kv_index`) than
+the chosen worker holds, the `Prefill` carries a `PeerHint` naming it, its KV address and how
+many blocks it holds; the worker decides with its measured rates whether to pull them
+(`kvtransfer.peer_fetch`). Only reported blocks count: a pending prompt's may not exist yet.
+
 Functions over the `router.dispatch.Dispatcher`'s books, called by it once a decode worker
 reserved room for the flight, and by `router.migration` when a prefill worker died.
 Single-threaded, on the router's event loop.
@@ -18,12 +24,21 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from common.protocol import Abort, Prefill
+from common.prefix_hash import block_keys
+from common.protocol import MAX_FETCH_BLOCKS, Abort, PeerHint, Prefill
 from kvtransfer import choose_transport
 from router.flight import Flight
 
 if TYPE_CHECKING:
     from router.dispatch import Dispatcher
+    from router.kv_index import PrefixIndex
+    from router.registry import Registry
+    from router.worker import Worker
+
+# How long a worker waits for a peer's blocks before computing them itself: a fetch of thousands
+# of tokens' KV takes milliseconds to a few hundred on any link we use; more means the peer is
+# gone or stuck.
+PEER_FETCH_TIMEOUT_S = 3.0
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +75,9 @@ def send_prefill(d: Dispatcher, flight: Flight, exclude: frozenset[str] = frozen
             decode.info.transports,
         ),
         deadline_s=d.prefill_deadline_s,
-    )
+        peer=peer_hint(d.registry, d.prefix_index, prefill, flight.prompt_token_ids,
+                       choice.matched_tokens, choice.keys) if d.peer_fetch else None,
+    )  # fmt: skip
     if not d.send(prefill, message):
         flight.release_prefill()
         send_prefill(d, flight, exclude | {prefill.worker_id})
@@ -75,3 +92,49 @@ def prefill_locally(d: Dispatcher, flight: Flight) -> None:
     d.rekey(flight)
     if not d.send(decode, d.generate(flight)):
         d.fail(flight, f"decode worker {decode.worker_id} is unreachable")
+
+
+def peer_hint(
+    registry: Registry,
+    index: PrefixIndex,
+    worker: Worker,
+    prompt: list[int],
+    matched_tokens: int,
+    keys: list[bytes],
+    timeout_s: float = PEER_FETCH_TIMEOUT_S,
+) -> PeerHint | None:
+    """The live peer holding the most of the prompt's leading blocks beyond the `matched_tokens`
+    the chosen worker holds (by their reported KV events), as a hint for `worker`; None when no
+    peer holds more. `keys`: the prompt's block keys under the worker's salt ([]: computed here).
+    Only workers holding the first block are looked at (`PrefixIndex.holders`)."""
+    info = worker.info
+    if not info.kv_salt or not info.kv_address:
+        return None  # reports no KV events, or cannot receive a peer's push
+    if not keys:
+        keys = block_keys(prompt, info.block_size, info.kv_salt)
+    keys = keys[: min((len(prompt) - 1) // info.block_size, MAX_FETCH_BLOCKS)]
+    if not keys:
+        return None
+    best, best_blocks = None, matched_tokens // info.block_size
+    for peer_id in sorted(index.holders(keys[0])):
+        peer = registry.get(peer_id)
+        if peer is None or peer is worker or peer.dead_reason or not peer.info.kv_address:
+            continue
+        if peer.info.kv_salt != info.kv_salt or peer.info.block_size != info.block_size:
+            continue  # another model, dtype or layout: its blocks are not ours
+        if peer.info.host != info.host and _loopback(peer.info.kv_address):
+            continue  # bound to its own host only (a prefill worker's default): unreachable
+        held = len(index.tiers_of(peer_id, keys))
+        if held > best_blocks:
+            best, best_blocks = peer, held
+    if best is None:
+        return None
+    both = set(info.transports) & set(best.info.transports)
+    transport = "shm" if info.host == best.info.host and "shm" in both else "tcp"
+    return PeerHint(best.worker_id, best.info.kv_address, best_blocks, transport, timeout_s)
+
+
+def _loopback(address: str) -> bool:
+    """Whether a tcp://HOST:PORT address can only be reached from its own host."""
+    host = address.removeprefix("tcp://").rsplit(":", 1)[0].strip("[]")
+    return host == "localhost" or host.startswith("127.") or host == "::1"

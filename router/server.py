@@ -46,6 +46,8 @@ def _validate(config: RouterConfig) -> None:
         raise ValueError(f"--routing must be one of {', '.join(ROUTING_POLICIES)}")
     if config.worker_stall_timeout_s < 0:
         raise ValueError("--worker-stall-timeout-s must be >= 0")
+    if config.kv_peer_fetch not in ("on", "off"):
+        raise ValueError("--kv-peer-fetch must be on or off")
     if config.local_prefill_max_tokens < 0:
         raise ValueError("--local-prefill-max-tokens must be >= 0")
     from common.api.tools import TOOL_CALL_PARSERS
@@ -112,6 +114,7 @@ class RouterServer:
                 config.balance_rel,
                 config.decode_prefix_slack,
             ),
+            peer_fetch=config.kv_peer_fetch == "on",
         )
         self.control.dispatcher = self.dispatcher
         self.state: RouterState = RouterState(

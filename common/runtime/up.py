@@ -50,6 +50,8 @@ def cluster_from_args(
         router_flags += ["--routing", args.routing]
     if args.local_prefill_max_tokens is not None:
         router_flags += ["--local-prefill-max-tokens", str(args.local_prefill_max_tokens)]
+    if args.kv_peer_fetch:
+        router_flags += ["--kv-peer-fetch", args.kv_peer_fetch]
     if args.api_key:
         router_flags += ["--api-key", args.api_key]
     if args.served_model_name:
@@ -239,6 +241,13 @@ def add_up_args(up: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="prompts up to this many tokens prefill on the decode worker (router default 256)",
+    )
+    up.add_argument(
+        "--kv-peer-fetch",
+        choices=("on", "off"),
+        default=None,
+        help="a prefill worker lacking a prefix another worker holds pulls its KV blocks from "
+        "there when that measures cheaper than computing them (router default on)",
     )
     up.add_argument(
         "--speculative",

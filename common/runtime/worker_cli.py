@@ -1,6 +1,8 @@
 """What `pdserve prefill` and `pdserve decode` share: worker flags, building and seeding the engine.
 
-Owns `--router`, `--worker-id`, `--cluster-secret-file` and the health endpoint's flags
+Owns `--router`, `--worker-id`, `--cluster-secret-file`, the KV receiver's flags (`--kv-host`,
+`--kv-port`, `--kv-advertise-host`: every worker receives KV, a decode worker its prompts', any
+worker the blocks it fetches from peers) and the health endpoint's flags
 (`--health-port`, `--health-host`, `--health-stall-timeout-s`; each also read from a PDSERVE_*
 variable; the engine flags come from `common.config.add_engine_args`), turning the parsed flags
 into a loaded `Engine`, seeding the process's random generators from `--seed`, and running the
@@ -48,6 +50,23 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
         help="file holding the cluster secret the router was given: the control connection then "
         "uses CURVE (env PDSERVE_CLUSTER_SECRET_FILE, or the secret itself in "
         "PDSERVE_CLUSTER_SECRET; `pdserve up` sets that for its workers)",
+    )
+    parser.add_argument(
+        "--kv-host",
+        default=env("KV_HOST", "127.0.0.1"),
+        help="interface the KV receiver binds (env PDSERVE_KV_HOST)",
+    )
+    parser.add_argument(
+        "--kv-port",
+        type=int,
+        default=int(env("KV_PORT", "0")),
+        help="KV receiver port, 0 = any free port (env PDSERVE_KV_PORT)",
+    )
+    parser.add_argument(
+        "--kv-advertise-host",
+        default=env("KV_ADVERTISE_HOST", ""),
+        help="host other workers use to reach this worker's KV port "
+        "(default: the bound address; env PDSERVE_KV_ADVERTISE_HOST)",
     )
     parser.add_argument(
         "--health-port",
