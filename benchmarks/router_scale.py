@@ -373,6 +373,69 @@ def decision_us(num_workers: int, routing: str, repeats: int = 300) -> float:
     return best * 1e6
 
 
+def prefill_decision_us(num_workers: int, routing: str, repeats: int = 300) -> float:
+    """Microseconds the prefill choice takes (`PrefillPolicy.choose` over the registry's live
+    prefill workers, no HTTP) with `num_workers` prefill workers registered, loads spread, and a
+    1,024-token prefix held in full by one worker in a hundred and in part by the others of
+    them; best of 3 rounds. The prefix policy's figure includes hashing the prompt's block keys
+    (`prompt_hash_us`), the rest is the choice."""
+    from common import protocol
+    from common.prefix_hash import block_keys
+    from common.protocol import Heartbeat, KVEvents, Register
+    from router.kv_index import PrefixIndex
+    from router.policy import PrefillPolicy
+    from router.registry import Registry
+
+    salt = b"salt"
+    registry = Registry({"default"})
+    index = PrefixIndex()
+    prefix = list(range(1024))
+    keys = block_keys(prefix, 16, salt)
+    for i in range(num_workers):
+        wid = f"p{i}"
+        registry.register(wid.encode(), Register(
+            protocol.PROTOCOL_VERSION, "prefill", wid, "default", 16, 100_000, 8192,
+            "float32", "bench", kv_salt=salt,
+        ))  # fmt: skip
+        registry.on_heartbeat(Heartbeat(wid, 0, 0, 100_000, 100_000, 64 * (i % 50)))
+        if i % 100 == 1:
+            index.apply(KVEvents(wid, 0, keys[: 64 if i % 200 == 1 else 8], [], reset=True))
+    policy = PrefillPolicy(routing, index)
+    live = registry.live_index("prefill")
+    prompts = [prefix + [r] for r in range(repeats)]
+    return _best_us(lambda: [policy.choose(live, prompt) for prompt in prompts], repeats)
+
+
+def prompt_hash_us(repeats: int = 300) -> float:
+    """Microseconds to hash a 1,025-token prompt's block keys (what the prefix policy does once
+    per request and salt, whatever the number of workers)."""
+    from common.prefix_hash import block_keys
+
+    prompts = [list(range(1024)) + [r] for r in range(repeats)]
+    return _best_us(lambda: [block_keys(prompt, 16, b"salt") for prompt in prompts], repeats)
+
+
+def _best_us(run, repeats: int) -> float:
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        run()
+        best = min(best, (time.perf_counter() - t0) / repeats)
+    return best * 1e6
+
+
+def decision_figures(num_workers: int) -> dict[str, float]:
+    """Microseconds per choice at `num_workers` workers: the decode choice (colocated; round
+    robin chooses decode workers as least_loaded does) and the prefill choice, per policy."""
+    figures = {}
+    for routing in ("least_loaded", "prefix"):
+        figures[f"decision_us_{routing}"] = decision_us(num_workers, routing)
+    for routing in ("least_loaded", "round_robin", "prefix"):
+        figures[f"prefill_decision_us_{routing}"] = prefill_decision_us(num_workers, routing)
+    figures["prompt_hash_us"] = prompt_hash_us()
+    return figures
+
+
 # ---- the run ------------------------------------------------------------------------------------
 
 
@@ -404,7 +467,14 @@ def main() -> None:
                     "measured with the workers registered and no requests")  # fmt: skip
     ap.add_argument("--json", default="", help="also write the figures here")
     ap.add_argument("--profile", default="", help="run the router under cProfile, stats here")
+    ap.add_argument("--decisions-only", action="store_true", help="only the routing choices "
+                    "themselves (no router process, no HTTP): microseconds per decode and per "
+                    "prefill choice with --workers workers, for each policy")  # fmt: skip
     args = ap.parse_args()
+    if args.decisions_only:
+        for name, value in decision_figures(args.workers).items():
+            print(f"{name:<34}  {value:.4g}")
+        return
 
     from common import protocol
 
@@ -522,8 +592,7 @@ def main() -> None:
         "router_rss_kib_per_stream": (relayed["rss_peak"] - relayed["rss0"]) / 1024 / args.streams,
     }
     figures["index_mib_per_million_blocks"] = index_bytes_per_million(args.index_blocks) / 2**20
-    for routing in ("least_loaded", "prefix"):
-        figures[f"decision_us_{routing}"] = decision_us(args.workers, routing)
+    figures.update(decision_figures(args.workers))
     width = max(len(k) for k in figures)
     for k, v in figures.items():
         print(f"{k:<{width}}  {v:.4g}" if isinstance(v, float) else f"{k:<{width}}  {v}")

@@ -22,7 +22,14 @@ one worker before its heartbeats catch up):
   When load is badly imbalanced (the most loaded worker has more than `balance_abs_tokens` over
   the least loaded AND more than `balance_rel` times its load), only the workers at or below the
   midpoint of the two are candidates, still chosen by score. Ties go to the lower load, then in
-  turn, so cold prefixes spread over the workers.
+  turn (from a position that moves one worker on, in id order, with each request), so cold
+  prefixes spread over the workers.
+
+No choice looks at every worker: round robin indexes the live workers' sorted ids; the prefix
+policy scores only the workers holding the prompt's first block (the rest score -`load_weight`
+x load, so among them the least loaded wins, found in `LiveWorkers`' books, as are the lowest
+and highest load for the balance test), and stops scoring holders once even a full match could
+not beat the best so far.
 """
 
 from __future__ import annotations
@@ -99,6 +106,10 @@ class PrefixParams:
     balance_rel: float = 2.0  # ... and max load above this times min load
     decode_slack: int = 4  # decode workers: a prefix holder may run this many more sequences
 
+    def __post_init__(self) -> None:
+        if self.load_weight < 0:  # the least loaded non-holder would no longer score best
+            raise ValueError("load_weight must be >= 0")
+
 
 @dataclass
 class PrefillChoice:
@@ -144,37 +155,93 @@ class PrefillPolicy:
                 math.inf, (lambda w: w.worker_id not in exclude) if exclude else None
             )
             return PrefillChoice(best, 0, []) if best is not None else None
-        candidates = sorted(
-            (w for w in workers if w.worker_id not in exclude), key=lambda w: w.worker_id
-        )
-        if not candidates:
-            return None
-        turn = next(self._turn)
+        live = as_live(workers, prefill_order)
         if self.routing == "round_robin":
-            return PrefillChoice(candidates[turn % len(candidates)], 0, [])
-        return self._by_prefix(candidates, prompt_token_ids, turn)
+            ids = live.ids_in_order()
+            if exclude:  # a retry after a failed send: rare
+                ids = [worker_id for worker_id in ids if worker_id not in exclude]
+            if not ids:
+                return None
+            worker = live.get(ids[next(self._turn) % len(ids)])
+            assert worker is not None
+            return PrefillChoice(worker, 0, [])
+        bounds = live.load_range(exclude)
+        if bounds is None:
+            return None
+        return self._by_prefix(live, prompt_token_ids, exclude, bounds, next(self._turn))
 
     def _by_prefix(
-        self, candidates: list[Worker], prompt: Sequence[int], turn: int
-    ) -> PrefillChoice:
+        self,
+        live: LiveWorkers,
+        prompt: Sequence[int],
+        exclude: Collection[str],
+        bounds: tuple[float, float],
+        turn: int,
+    ) -> PrefillChoice | None:
         p = self.params
-        loads = {w.worker_id: w.prefill_load for w in candidates}
-        low, high = min(loads.values()), max(loads.values())
+        low, high = bounds
+        limit = math.inf
         if high - low > p.balance_abs_tokens and high > p.balance_rel * low:
-            midpoint = (low + high) / 2
-            candidates = [w for w in candidates if loads[w.worker_id] <= midpoint]
+            limit = (low + high) / 2
+        n = len(live.ids_in_order())
+        # Highest score, then lowest load, then in turn: the smallest (-score, load, rotation).
+        best_key: tuple[float, float, int] | None = None
+        best: Worker | None = None
+        best_matched = 0
+        held: set[str] = set()  # holders in range, scored or not (a pruned one cannot win)
         keys_by_salt: dict[bytes, list[bytes]] = {}
-        scored = []
-        n = len(candidates)
-        for i, w in enumerate(candidates):
-            salt = w.info.kv_salt  # empty: a worker that reports no KV events
-            keys = keys_by_salt.get(salt)
-            if keys is None:
-                keys = block_keys(prompt, w.info.block_size, salt) if salt else []
-                keys_by_salt[salt] = keys
-            matched = self.index.match(w.worker_id, keys) * w.info.block_size
-            score = matched - p.load_weight * loads[w.worker_id]
-            # Highest score, then lowest load, then in turn (rotating with each request).
-            scored.append(((-score, loads[w.worker_id], (i - turn) % n), w, matched, keys))
-        _, worker, matched, keys = min(scored, key=lambda t: t[0])
-        return PrefillChoice(worker, matched, keys)
+        for salt, block_size in list(live.salts):
+            keys = keys_by_salt[salt] = block_keys(prompt, block_size, salt) if salt else []
+            if not keys:
+                continue  # a worker that reports no KV events, or a prompt under one block
+            holders = []
+            for worker_id in self.index.holders(keys[0]):
+                w = live.get(worker_id)
+                if w is None or worker_id in exclude or w.info.kv_salt != salt:
+                    continue
+                load = w.prefill_load
+                if load <= limit:
+                    held.add(worker_id)
+                    holders.append((load, (live.position(worker_id) - turn) % n, w))
+            holders.sort(key=lambda h: h[:2])
+            full_tokens = len(keys) * block_size
+            for load, rotation, w in holders:
+                if best_key is not None and p.load_weight * load - full_tokens > best_key[0]:
+                    break  # even the whole prompt held could not beat the best: nor can the rest
+                matched = self.index.match(w.worker_id, keys) * block_size
+                key = (p.load_weight * load - matched, load, rotation)
+                if best_key is None or key < best_key:
+                    best_key, best, best_matched = key, w, matched
+        # The rest score -load_weight x load: the least loaded of them, then the next in turn.
+        rest = live.least(
+            math.inf, lambda w: w.worker_id not in held and w.worker_id not in exclude
+        )
+        if rest is not None and rest.prefill_load <= limit:
+            load = rest.prefill_load
+            rotation, worker_id = _next_in_turn(live, live.at_load(load), held, exclude, turn)
+            key = (p.load_weight * load, load, rotation)
+            if best_key is None or key < best_key:
+                best = live.get(worker_id)
+                best_key, best_matched = key, 0
+        if best is None:
+            return None
+        return PrefillChoice(best, best_matched, keys_by_salt.get(best.info.kv_salt, []))
+
+
+def _next_in_turn(
+    live: LiveWorkers, peers: set[str], held: set[str], exclude: Collection[str], turn: int
+) -> tuple[int, str]:
+    """The first of `peers` (not held, not excluded; one at least) at or after position `turn`
+    in the live workers' id order, and how many places after it."""
+    ids = live.ids_in_order()
+    n = len(ids)
+    if len(peers) <= 64:
+        return min(
+            ((live.position(i) - turn) % n, i) for i in peers if i not in held and i not in exclude
+        )
+    # Many equals (a cold start): the next of them in turn is a few steps away.
+    for step in range(n):
+        worker_id = ids[(turn + step) % n]
+        if worker_id in peers and worker_id not in held and worker_id not in exclude:
+            return step, worker_id
+    raise ValueError("no peer to choose")

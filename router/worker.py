@@ -6,8 +6,11 @@ when it was last heard from, its latest `Heartbeat`, and its load as the router 
 workers of one role that take new work, by id, with the least loaded found without looking at
 every worker (a heap of (load, id) entries: a worker whose load changes is pushed again, entries
 that no longer match their worker's load are dropped when they reach the top, and the heap is
-rebuilt when stale entries outnumber the live ones). A routing decision at 1,000 workers then
-costs what it costs at 10.
+rebuilt when stale entries outnumber the live ones). Beside the heap: the workers at each load
+(the order's first field) and the lowest and highest load (two heaps of loads, kept the same
+lazy way), and the ids in sorted order with each one's position (rebuilt only when a worker
+joins or leaves), for policies that rotate among equals. A routing decision at 1,000 workers
+then costs what it costs at 10.
 
 A `Worker` tells its owner when a field its load or liveness is read from changes (`watch`):
 the registry keeps each role's `LiveWorkers` up to date that way, whoever changed the field (the
@@ -20,7 +23,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass
 
 from common.protocol import Heartbeat, Register, Role
@@ -129,6 +132,11 @@ class LiveWorkers:
         self._filed: dict[str, tuple] = {}  # each worker's order in its newest heap entry
         self._heap: list[tuple[tuple, int, Worker]] = []
         self._seq = itertools.count()  # heap tie-break: entries never compare workers
+        self._at_load: dict[float, set[str]] = {}  # order's first field -> worker ids
+        self._low_loads: list[float] = []  # heaps of the loads in `_at_load` (lazy, as above)
+        self._high_loads: list[float] = []  # negated
+        self._ids: list[str] | None = None  # sorted; None after a worker joined or left
+        self._position: dict[str, int] = {}
         for w in workers:
             self.add(w)
 
@@ -154,9 +162,15 @@ class LiveWorkers:
             self.by_id[worker.worker_id] = worker
             self._salt_of[worker.worker_id] = salt
             self.salts[salt] += 1
+            self._ids = None
         order = self.order(worker)
-        if self._filed.get(worker.worker_id) == order:
+        filed = self._filed.get(worker.worker_id)
+        if filed == order:
             return  # filed under this load already (a heartbeat that changed nothing)
+        if filed is None or filed[0] != order[0]:
+            if filed is not None:
+                self._leave_load(worker.worker_id, filed[0])
+            self._join_load(worker.worker_id, order[0])
         self._filed[worker.worker_id] = order
         heapq.heappush(self._heap, (order, next(self._seq), worker))
         self._compact()
@@ -165,7 +179,10 @@ class LiveWorkers:
         if self.by_id.get(worker.worker_id) is worker:
             del self.by_id[worker.worker_id]
             salt = self._salt_of.pop(worker.worker_id)
-            self._filed.pop(worker.worker_id, None)
+            filed = self._filed.pop(worker.worker_id, None)
+            if filed is not None:
+                self._leave_load(worker.worker_id, filed[0])
+            self._ids = None
             self.salts[salt] -= 1
             if self.salts[salt] <= 0:
                 del self.salts[salt]
@@ -176,6 +193,62 @@ class LiveWorkers:
             self._filed = {w.worker_id: self.order(w) for w in self.by_id.values()}
             self._heap = [(o, next(self._seq), self.by_id[i]) for i, o in self._filed.items()]
             heapq.heapify(self._heap)
+            self._at_load = {}
+            for worker_id, order in self._filed.items():
+                self._at_load.setdefault(order[0], set()).add(worker_id)
+            self._rebuild_load_heaps()
+
+    def _join_load(self, worker_id: str, load: float) -> None:
+        group = self._at_load.get(load)
+        if group is None:
+            group = self._at_load[load] = set()
+            heapq.heappush(self._low_loads, load)
+            heapq.heappush(self._high_loads, -load)
+            if len(self._low_loads) > 2 * len(self._at_load) + 64:
+                self._rebuild_load_heaps()
+        group.add(worker_id)
+
+    def _leave_load(self, worker_id: str, load: float) -> None:
+        group = self._at_load.get(load)
+        if group is not None:
+            group.discard(worker_id)
+            if not group:
+                del self._at_load[load]  # its heap entries go stale
+
+    def _rebuild_load_heaps(self) -> None:
+        self._low_loads = list(self._at_load)
+        self._high_loads = [-load for load in self._at_load]
+        heapq.heapify(self._low_loads)
+        heapq.heapify(self._high_loads)
+
+    def at_load(self, load: float) -> set[str]:
+        """Ids of the workers whose order starts with `load` (do not modify)."""
+        return self._at_load.get(load, set())
+
+    def load_range(self, exclude: Collection[str] = ()) -> tuple[float, float] | None:
+        """The lowest and highest load (the order's first field) of the workers not in
+        `exclude`; None if there are none. Without `exclude` it looks at no worker."""
+        if exclude:  # a retry after a failed send: rare, so a look at every load will do
+            loads = [k for k, ids in self._at_load.items() if any(i not in exclude for i in ids)]
+            return (min(loads), max(loads)) if loads else None
+        low, high, at_load = self._low_loads, self._high_loads, self._at_load
+        while low and low[0] not in at_load:
+            heapq.heappop(low)
+        while high and -high[0] not in at_load:
+            heapq.heappop(high)
+        return (low[0], -high[0]) if low else None
+
+    def ids_in_order(self) -> list[str]:
+        """The workers' ids, sorted (do not modify); `position` gives each one's index."""
+        if self._ids is None:
+            self._ids = sorted(self.by_id)
+            self._position = {worker_id: i for i, worker_id in enumerate(self._ids)}
+        return self._ids
+
+    def position(self, worker_id: str) -> int:
+        """The worker's index in `ids_in_order()`."""
+        self.ids_in_order()
+        return self._position[worker_id]
 
     def least(self, now_s: float, accept: Callable[[Worker], bool] | None = None) -> Worker | None:
         """The least loaded worker that has not refused work since `now_s` (and that `accept`

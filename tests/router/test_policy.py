@@ -2,22 +2,30 @@
 
 from __future__ import annotations
 
+import itertools
+import random
+
+import pytest
+
 from common.prefix_hash import block_keys, model_salt
 from common.protocol import PROTOCOL_VERSION, KVEvents, Register
 from router.kv_index import PrefixIndex
 from router.policy import PrefillPolicy, PrefixParams, pick_decode_by_prefix
-from router.registry import Worker
+from router.registry import Registry, Worker
 
 BS = 16
 SALT = model_salt("default", "auto", BS)
 
 
-def worker(worker_id: str, load: int = 0, salt: bytes = SALT) -> Worker:
-    info = Register(
+def prefill_reg(worker_id: str, salt: bytes = SALT) -> Register:
+    return Register(
         PROTOCOL_VERSION, "prefill", worker_id, "default", BS, 1000, 4096, "auto", "h", "",
         ["tcp"], salt,
     )  # fmt: skip
-    w = Worker(info=info, identity=worker_id.encode(), last_seen_s=0.0)
+
+
+def worker(worker_id: str, load: int = 0, salt: bytes = SALT) -> Worker:
+    w = Worker(info=prefill_reg(worker_id, salt), identity=worker_id.encode(), last_seen_s=0.0)
     w.queued_prefill_tokens = load
     return w
 
@@ -145,3 +153,110 @@ def test_decode_choice_by_prefix_within_the_slack() -> None:
     unsalted = decode_worker("d1", 0, salt=b"")
     assert pick_decode_by_prefix([unsalted], 0.0, prompt, index, slack=4) == (unsalted, [])
     assert pick_decode_by_prefix([], 0.0, prompt, index, slack=4) is None
+
+
+def brute_prefix_choice(policy: PrefillPolicy, workers: list[Worker], prompt, turn: int):
+    """The prefix policy as it was, scoring every worker: (worker, matched tokens, key)."""
+    p = policy.params
+    candidates = sorted(workers, key=lambda w: w.worker_id)
+    loads = {w.worker_id: w.prefill_load for w in candidates}
+    low, high = min(loads.values()), max(loads.values())
+    if high - low > p.balance_abs_tokens and high > p.balance_rel * low:
+        candidates = [w for w in candidates if loads[w.worker_id] <= (low + high) / 2]
+    scored = []
+    for i, w in enumerate(candidates):
+        keys = block_keys(prompt, BS, w.info.kv_salt) if w.info.kv_salt else []
+        matched = policy.index.match(w.worker_id, keys) * BS
+        load = loads[w.worker_id]
+        scored.append(((-(matched - p.load_weight * load), load, (i - turn) % len(candidates)), w))
+    key, w = min(scored, key=lambda t: t[0])
+    return w, key
+
+
+def test_prefix_choice_equals_scoring_every_worker_through_random_changes() -> None:
+    rng = random.Random(11)
+    registry = Registry({"default"})
+    index = PrefixIndex()
+    prompts = [tenant(t, 6) for t in range(5)]
+    for i in range(40):
+        wid = f"p{i:02d}"
+        registry.register(wid.encode(), prefill_reg(wid, salt=b"" if i % 13 == 12 else SALT))
+    workers = list(registry.workers.values())
+    live = registry.live_index("prefill")
+    for weight, balance in ((0.5, 4096), (0.0, 4096), (2.0, 4096), (0.5, 300)):
+        params = PrefixParams(load_weight=weight, balance_abs_tokens=balance)
+        policy = PrefillPolicy("prefix", index, params)
+        for round_ in range(300):
+            w = rng.choice(workers)
+            kind = rng.random()
+            if kind < 0.4:
+                w.queued_prefill_tokens = rng.choice((0, 0, 16, 50, 200, 1000))
+            elif kind < 0.7:
+                keys = block_keys(rng.choice(prompts), BS, SALT)[: rng.randrange(7)]
+                index.apply(KVEvents(w.worker_id, round_ + 1, keys, [], reset=True))
+            elif kind < 0.8:
+                index.add_pending(w.worker_id, block_keys(rng.choice(prompts), BS, SALT))
+            prompt = rng.choice(prompts) + [7]
+            turn = policy._turn
+            n_turn = next(turn)
+            policy._turn = itertools.count(n_turn)  # the same turn for both
+            want, want_key = brute_prefix_choice(policy, workers, prompt, n_turn)
+            got = policy.choose(live, prompt)
+            got_key = (
+                params.load_weight * got.worker.prefill_load - got.matched_tokens,
+                got.worker.prefill_load,
+            )
+            assert got_key == want_key[:2], round_  # the same score and load, always
+            loads = [x.prefill_load for x in workers]
+            if max(loads) - min(loads) <= balance or max(loads) <= 2 * min(loads):
+                assert got.worker is want, round_  # no balance cut: the same rotation too
+            keys = block_keys(prompt, BS, SALT) if got.worker.info.kv_salt else []
+            assert got.keys == keys
+
+
+def test_a_thousand_workers_score_only_the_holders_and_the_least_loaded() -> None:
+    registry = Registry({"default"})
+    index = PrefixIndex()
+    for i in range(1000):
+        wid = f"p{i:04d}"
+        registry.register(wid.encode(), prefill_reg(wid))
+        registry.get(wid).queued_prefill_tokens = 100 + i % 97
+    hold(index, "p0500", tenant(0))
+    hold(index, "p0007", tenant(0)[: 10 * BS])
+    registry.get("p0500").queued_prefill_tokens = 1000  # busier, but holds 1,024 tokens
+    calls = []
+    match = index.match
+    index.match = lambda worker_id, keys: calls.append(worker_id) or match(worker_id, keys)
+    policy = PrefillPolicy("prefix", index)
+    live = registry.live_index("prefill")
+    choice = policy.choose(live, tenant(0) + [1])
+    assert choice.worker.worker_id == "p0500" and choice.matched_tokens == 64 * BS
+    assert sorted(calls) == ["p0007", "p0500"]  # not 1,000 look-ups
+    # Cold prompts: the least loaded (load 100: p0000, p0097, ... p0970), each counted busier
+    # once chosen (as the dispatcher does), so the next goes to the next of them.
+    picked = []
+    for t in range(1, 12):
+        w = policy.pick(live, tenant(t))
+        assert w.prefill_load == 100
+        w.queued_prefill_tokens += 1000
+        picked.append(w.worker_id)
+    assert sorted(picked) == [f"p{i:04d}" for i in range(0, 1000, 97)]
+    calls.clear()
+    assert policy.pick(live, tenant(99)).prefill_load == 101 and not calls
+    # Round robin: every worker once in 1,000 turns, in id order.
+    rr = PrefillPolicy("round_robin")
+    assert [rr.pick(live, [1]).worker_id for _ in range(1000)] == sorted(registry.workers)
+    assert rr.pick(live, [1], exclude={"p0000"}).worker_id == "p0002"  # turn 1000 of 999
+
+
+def test_round_robin_in_id_order_with_exclusions() -> None:
+    policy = PrefillPolicy("round_robin")
+    workers = [worker("p2"), worker("p0"), worker("p1")]
+    assert [policy.pick(workers, [1]).worker_id for _ in range(4)] == ["p0", "p1", "p2", "p0"]
+    assert policy.pick(workers, [1], exclude={"p1"}).worker_id == "p0"  # turn 4 of [p0, p2]
+    assert policy.pick(workers, [1], exclude={"p0", "p1", "p2"}) is None
+
+
+def test_negative_load_weight_is_refused() -> None:
+    with pytest.raises(ValueError):
+        PrefixParams(load_weight=-1.0)

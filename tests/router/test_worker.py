@@ -91,6 +91,21 @@ def test_least_equals_a_look_at_every_worker_through_random_changes() -> None:
         )
         assert pick_decode(live, clock.now) is brute_pick(everyone, clock.now), step
         assert len(live._heap) <= 2 * len(live) + 65  # stale entries do not pile up
+        loads = [x.decode_load for x in everyone]
+        assert live.load_range() == ((min(loads), max(loads)) if loads else None)
+        if loads:
+            assert live.at_load(min(loads)) == {
+                x.worker_id for x in everyone if x.decode_load == min(loads)
+            }
+            some = everyone[0].worker_id
+            assert live.load_range(exclude={some}) == (
+                (min(x.decode_load for x in everyone[1:]), max(x.decode_load for x in everyone[1:]))
+                if everyone[1:]
+                else None
+            )
+        assert live.ids_in_order() == sorted(x.worker_id for x in everyone)
+        assert all(live.ids_in_order()[live.position(x.worker_id)] == x.worker_id for x in everyone)
+        assert len(live._low_loads) <= 2 * len(live._at_load) + 65
 
 
 def test_a_worker_leaves_the_index_when_it_drains_dies_or_expires() -> None:
