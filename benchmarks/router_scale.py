@@ -65,13 +65,23 @@ def proc_rss_bytes(pid: int) -> int:
         return int(f.read().split()[1]) * PAGE_BYTES
 
 
+# The router under cProfile timing CPU seconds, not wall seconds: on a shared host the wall clock
+# charges a function for the time other processes held the core.
+CPU_PROFILE = (
+    "import cProfile, sys, time; from common.cli import main; sys.argv[0] = 'pdserve'; "
+    "p = cProfile.Profile(time.process_time); p.enable(); "
+    "rc = main(sys.argv[2:]); p.disable(); p.dump_stats(sys.argv[1]); sys.exit(rc)"
+)
+
+
 def start_router(
-    python: str, ready_file: str, profile: str = "", heartbeat_timeout_s: float = 0.0
-) -> subprocess.Popen:
-    wrap = ["-m", "cProfile", "-o", profile] if profile else []
-    cmd = [python, *wrap, "-m", "common.cli", "router", "--port", "0", "--control-port", "0",
+    python: str, ready_file: str, profile: str = "", heartbeat_timeout_s: float = 0.0,
+    max_loop_lag_s: float = 0.0,
+) -> subprocess.Popen:  # fmt: skip
+    run = ["-c", CPU_PROFILE, profile] if profile else ["-m", "common.cli"]
+    cmd = [python, *run, "router", "--port", "0", "--control-port", "0",
            "--colocated", "--routing", "least_loaded", "--log-level", "warning",
-           "--ready-file", ready_file]  # fmt: skip
+           "--ready-file", ready_file, "--max-loop-lag-s", str(max_loop_lag_s)]  # fmt: skip
     if heartbeat_timeout_s:
         cmd += ["--heartbeat-timeout-s", str(heartbeat_timeout_s)]
     proc = subprocess.Popen(cmd, cwd=ROOT)
@@ -466,7 +476,12 @@ def main() -> None:
     ap.add_argument("--idle-s", type=float, default=5.0, help="seconds the router's CPU is "
                     "measured with the workers registered and no requests")  # fmt: skip
     ap.add_argument("--json", default="", help="also write the figures here")
-    ap.add_argument("--profile", default="", help="run the router under cProfile, stats here")
+    ap.add_argument("--profile", default="", help="run the router under cProfile (CPU time), "
+                    "stats here")  # fmt: skip
+    ap.add_argument("--max-loop-lag-s", type=float, default=0.0, help="the router's (0: off, "
+                    "the default here: this measures what a router can do, and the synthetic "
+                    "workers and clients share its host; on a loaded host its loop runs late and "
+                    "it would refuse work with 429s, as it should)")  # fmt: skip
     ap.add_argument("--decisions-only", action="store_true", help="only the routing choices "
                     "themselves (no router process, no HTTP): microseconds per decode and per "
                     "prefill choice with --workers workers, for each policy")  # fmt: skip
@@ -493,7 +508,13 @@ def main() -> None:
             ready_file = os.path.join(tmp, f"ready{r}.json")
             profile = f"{args.profile}.{r}" if args.profile and r else args.profile
             routers.append(
-                start_router(sys.executable, ready_file, profile, args.heartbeat_timeout_s)
+                start_router(
+                    sys.executable,
+                    ready_file,
+                    profile,
+                    args.heartbeat_timeout_s,
+                    args.max_loop_lag_s,
+                )  # fmt: skip
             )
             with open(ready_file) as f:
                 ready_info = json.load(f)
@@ -567,6 +588,7 @@ def main() -> None:
         "router_idle_core_use": idle_core_use,  # heartbeats and liveness of --workers
         "routing_decisions_per_s": ok_routes / route["wall_s"],
         "routing_ok": ok_routes,
+        "routing_refused": sum(1 for s in route["results"] if s == 429),
         "router_cpu_us_per_route": 1e6 * route["router_cpu_s"] / max(ok_routes, 1),
         # What one router core would do if it had nothing else to run (this host's clients and
         # workers share its cores): requests routed per second of router CPU.

@@ -9,6 +9,12 @@ readers that cannot keep up than `--max-buffered-tokens`), until it drains. Also
 first-come-first-served order in which `router.dispatch` lets waiting flights pick a decode worker.
 The counts are shown by `router.metrics`. `Admission` is called by `router.app` around each
 generation request.
+
+And `LoopLag`, the router's own CPU shortage as the event loop sees it: a timer due every
+`interval_s` notes how late it runs. Every stream's tokens, every heartbeat and every new request
+wait that long too (a loop short of CPU queues its work in the sockets, where no buffer of ours
+counts it), so while the smoothed lag is over `--max-loop-lag-s` the same 429 answers new work:
+a router that cannot keep up sheds load instead of taking more. Started by `router.server`.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -29,11 +36,17 @@ RETRY_AFTER_S = 1  # what a refused client is told to wait: the queue moves in w
 class Admission:
     """Counts waiting requests; `admit` refuses beyond `max_waiting` (0 = no limit)."""
 
-    def __init__(self, max_waiting: int = 0, relay: RelayBudget | None = None) -> None:
+    def __init__(
+        self,
+        max_waiting: int = 0,
+        relay: RelayBudget | None = None,
+        loop_lag: LoopLag | None = None,
+    ) -> None:
         if max_waiting < 0:
             raise ValueError("--max-waiting-requests must be >= 0 (0 = no limit)")
         self.max_waiting = max_waiting
         self.relay = relay if relay is not None else RelayBudget()
+        self.loop_lag = loop_lag if loop_lag is not None else LoopLag(0.0)
         self.num_waiting = 0  # admitted requests not yet dispatched to a worker
         self.num_rejected = 0  # requests refused with a 429, since start
 
@@ -51,6 +64,11 @@ class Admission:
                 f"the server holds {self.relay.num_tokens} tokens its clients have not read yet "
                 f"(--max-buffered-tokens {self.relay.max_tokens})"
             )
+        if self.loop_lag.overloaded:
+            raise self._refuse(
+                f"the router is short of CPU: its event loop runs {1e3 * self.loop_lag.lag_s:.0f} "
+                f"ms late (--max-loop-lag-s {self.loop_lag.max_lag_s:g})"
+            )
         self.num_waiting += 1
         try:
             yield
@@ -65,6 +83,46 @@ class Admission:
             type="rate_limit_exceeded",
             headers={"Retry-After": str(RETRY_AFTER_S)},
         )
+
+
+class LoopLag:
+    """How late the event loop runs its timers, smoothed; `overloaded` from `max_lag_s` (0:
+    never) until the lag falls to half of it. `run` is the timer's task; `note` takes one
+    measurement (tests call it directly)."""
+
+    TAU_S = 1.0  # smoothing time constant: one stall of the loop counts for about this long
+
+    def __init__(self, max_lag_s: float = 0.5, interval_s: float = 0.05) -> None:
+        if max_lag_s < 0 or interval_s <= 0:
+            raise ValueError("--max-loop-lag-s must be >= 0 (0 = never refuse)")
+        self.max_lag_s = max_lag_s
+        self.interval_s = interval_s
+        self.lag_s = 0.0  # smoothed over about TAU_S
+        self.max_seen_s = 0.0  # the largest single lag, since start
+        self.overloaded = False
+
+    async def run(self) -> None:
+        """Measure until cancelled."""
+        loop = asyncio.get_running_loop()
+        while True:
+            due = loop.time() + self.interval_s
+            await asyncio.sleep(self.interval_s)
+            now = loop.time()
+            self.note(now - due, now - due + self.interval_s)
+
+    def note(self, late_s: float, elapsed_s: float) -> None:
+        """One timer `late_s` late, `elapsed_s` after the previous one was set: averaged in by
+        time, so a loop one second late counts as much in one late tick as in twenty."""
+        late_s = max(late_s, 0.0)
+        self.max_seen_s = max(self.max_seen_s, late_s)
+        weight = 1.0 - math.exp(-max(elapsed_s, 0.0) / self.TAU_S)
+        self.lag_s += weight * (late_s - self.lag_s)
+        if not self.max_lag_s:
+            return
+        if self.lag_s > self.max_lag_s:
+            self.overloaded = True
+        elif self.lag_s <= self.max_lag_s / 2:
+            self.overloaded = False
 
 
 class WaitingLine:

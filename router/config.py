@@ -39,6 +39,7 @@ class RouterConfig:
     max_waiting_requests: int = 0
     max_buffered_tokens: int = MAX_BUFFERED_TOKENS
     max_request_buffered_tokens: int = MAX_REQUEST_BUFFERED_TOKENS
+    max_loop_lag_s: float = 0.5
     max_body_bytes: int = 32 * 2**20
     reserve_timeout_s: float = 5.0
     prefill_deadline_s: float = 120.0
@@ -89,6 +90,8 @@ HELP = {
     "(slow readers); beyond it new requests get a 429 until half of it has drained",
     "max_request_buffered_tokens": "tokens one request may have waiting for its client; beyond it "
     "the request is aborted with an error (a stream whose client stopped reading)",
+    "max_loop_lag_s": "when the router's event loop runs this late (smoothed over about a "
+    "second: the router is short of CPU), new requests get a 429 until the lag halves (0 = never)",
     "max_body_bytes": "largest request body; a larger one gets a 413",
     "reserve_timeout_s": "longest to wait for a decode worker's reservation reply",
     "prefill_deadline_s": "time a prefill worker has to deliver a prompt's KV",

@@ -200,8 +200,12 @@ class RouterMetrics:
                 "decode worker); --max-waiting-requests bounds it.",
                 admission.num_waiting)  # fmt: skip
             add("num_requests_rejected_total", "counter",
-                "Requests refused with a 429 because --max-waiting-requests were waiting.",
+                "Requests refused with a 429: --max-waiting-requests were waiting, the relay "
+                "held --max-buffered-tokens, or the event loop ran --max-loop-lag-s late.",
                 admission.num_rejected)  # fmt: skip
+            add("router_event_loop_lag_seconds", "gauge",
+                "How late the router's event loop runs its timers, smoothed over about a second "
+                "(the router's CPU shortage).", admission.loop_lag.lag_s)  # fmt: skip
         add_histogram("time_to_first_token_seconds", "Request arrival to first token.", self.ttft)
         add_histogram("inter_token_latency_seconds", "Time between output tokens.", self.itl)
         add_histogram("e2e_request_latency_seconds", "Request arrival to last token.", self.e2e)

@@ -75,7 +75,7 @@ class RouterServer:
 
     def __init__(self, config: RouterConfig, tokenizer: Tokenizer, model_max_len: int) -> None:
         from common.runtime.auth import check_bind, load_keys
-        from router.admission import Admission
+        from router.admission import Admission, LoopLag
         from router.app import RouterState
         from router.control import ControlPlane
         from router.dispatch import Dispatcher
@@ -134,6 +134,7 @@ class RouterServer:
             admission=Admission(
                 config.max_waiting_requests,
                 RelayBudget(config.max_buffered_tokens, config.max_request_buffered_tokens),
+                LoopLag(config.max_loop_lag_s),
             ),
             tool_call_parser=config.tool_call_parser,
         )
@@ -172,6 +173,7 @@ class RouterServer:
             asyncio.ensure_future(self.control.receive_loop()),
             asyncio.ensure_future(self.control.liveness_loop(cfg.heartbeat_timeout_s)),
             asyncio.ensure_future(self._announce(on_ready)),
+            asyncio.ensure_future(self.state.admission.loop_lag.run()),
         ]
         try:
             await self.http.serve()

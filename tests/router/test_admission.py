@@ -13,7 +13,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from common.protocol import Generate
-from router.admission import Admission, WaitingLine
+from router.admission import Admission, LoopLag, WaitingLine
 from tests.router.fake_worker import RouterThread
 
 
@@ -165,3 +165,51 @@ def test_with_nothing_running_the_queue_timeout_still_applies() -> None:
         body = {"prompt": list(range(1000, 1040)), "max_tokens": 2}
         resp = httpx.post(r.url + "/v1/completions", json=body, timeout=30)
         assert resp.status_code == 503 and time.monotonic() - start < 5
+
+
+def test_loop_lag_smooths_by_time_and_clears_at_half() -> None:
+    lag = LoopLag(max_lag_s=0.5, interval_s=0.05)
+    for _ in range(40):
+        lag.note(0.0, 0.05)
+    assert lag.lag_s == 0.0 and not lag.overloaded
+    lag.note(0.2, 0.25)  # one short stall: under the limit even before smoothing
+    assert not lag.overloaded
+    lag.note(1.5, 1.55)  # the loop ran a second and a half late: most of that counts at once
+    assert lag.overloaded and 0.5 < lag.lag_s < 1.5 and lag.max_seen_s == 1.5
+    ticks = 0
+    while lag.overloaded:
+        lag.note(0.0, 0.05)
+        ticks += 1
+    assert lag.lag_s <= 0.25 and 10 <= ticks <= 40  # about a second of a punctual loop
+    never = LoopLag(max_lag_s=0.0)
+    never.note(10.0, 10.0)
+    assert not never.overloaded and never.lag_s > 9
+
+
+def test_a_router_short_of_cpu_answers_new_work_with_429_until_it_catches_up() -> None:
+    body = {"prompt": [1000, 7], "max_tokens": 2}
+    with RouterThread(colocated=True, max_loop_lag_s=0.1) as router:
+        router.worker("decode", "d0")
+        assert httpx.post(router.url + "/v1/completions", json=body).status_code == 200
+        lag = router.server.state.admission.loop_lag
+        loop = router.server.control._loop
+        stop = threading.Event()
+
+        def hog() -> None:  # the loop's own work takes nearly all of its time
+            if not stop.is_set():
+                end = time.monotonic() + 0.3
+                while time.monotonic() < end:
+                    pass
+                loop.call_later(0.01, hog)
+
+        loop.call_soon_threadsafe(hog)
+        try:
+            _wait(lambda: lag.overloaded)
+            r = httpx.post(router.url + "/v1/completions", json=body, timeout=30)
+            assert r.status_code == 429 and r.headers["retry-after"] == "1"
+            assert "short of CPU" in r.json()["error"]["message"]
+            assert _metric(router, "pdserve:router_event_loop_lag_seconds") > 0.05
+        finally:
+            stop.set()
+        _wait(lambda: not lag.overloaded)
+        assert httpx.post(router.url + "/v1/completions", json=body).status_code == 200
