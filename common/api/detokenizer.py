@@ -83,7 +83,10 @@ class Detokenizer:
 
     def _decode_new(self, final: bool) -> str:
         ids, skip = self._ids, self.skip_special_tokens
-        prefix_text = self.tokenizer.decode(ids[self._prefix_offset : self._read_offset], skip)
+        if self._read_offset - self._prefix_offset == 1:  # the usual window: one token, known
+            prefix_text = self.tokenizer.decode_token(ids[self._prefix_offset], skip)
+        else:
+            prefix_text = self.tokenizer.decode(ids[self._prefix_offset : self._read_offset], skip)
         new_text = self.tokenizer.decode(ids[self._prefix_offset :], skip)
         # A trailing U+FFFD is a character whose remaining bytes are in tokens not seen yet.
         if len(new_text) <= len(prefix_text) or (new_text.endswith(REPLACEMENT_CHAR) and not final):

@@ -25,6 +25,7 @@ class Tokenizer:
         backend = getattr(hf, "_tokenizer", None) if getattr(hf, "is_fast", False) else None
         cleans_up = bool(getattr(hf, "clean_up_tokenization_spaces", False))
         self._backend = backend if hasattr(backend, "decode") and not cleans_up else None
+        self._token_texts: dict[tuple[int, bool], str] = {}  # decode_token's, at most 2 x vocab
 
     @classmethod
     def from_source(cls, source: ModelSource) -> Tokenizer:
@@ -49,6 +50,15 @@ class Tokenizer:
         if self._backend is not None and type(ids) is list:
             return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def decode_token(self, token_id: int, skip_special_tokens: bool = True) -> str:
+        """`decode([token_id])`, remembered: the detokenizer's window before its newest token is
+        usually that one token, so a streamed token costs one decode, not two."""
+        key = (token_id, skip_special_tokens)
+        text = self._token_texts.get(key)
+        if text is None:
+            text = self._token_texts[key] = self.decode([token_id], skip_special_tokens)
+        return text
 
     def apply_chat_template(
         self,

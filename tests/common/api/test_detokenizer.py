@@ -65,6 +65,25 @@ def test_decode_window_stays_small(tok: Tokenizer) -> None:
     assert len(out) > 400 and max(widths) <= 8
 
 
+def test_one_decode_per_token_once_a_token_text_is_known(tok: Tokenizer) -> None:
+    """The window before the newest token is usually one token, whose text is remembered."""
+    calls = []
+
+    class Recording(Tokenizer):
+        def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+            calls.append(list(token_ids))
+            return super().decode(token_ids, skip_special_tokens)
+
+    recording = Recording(tok.hf, tok.eos_token_ids)
+    text = "the cat sat on the mat and the cat sat on the hat " * 8
+    out = ids(tok, text)
+    assert "".join(stream(Detokenizer(recording, ids(tok, "Hi")), out)) == text
+    distinct = len(set(out))
+    assert len(calls) <= len(out) + distinct + 2  # not 2 x len(out)
+    assert len(out) > 3 * distinct  # (the text repeats: remembered texts are reused)
+    assert recording.decode_token(out[0]) == tok.decode([out[0]])
+
+
 def test_special_tokens_skipped_or_kept(tok: Tokenizer) -> None:
     out = ids(tok, "Hello there") + [IM_END]
     assert "".join(stream(Detokenizer(tok), out)) == "Hello there"
