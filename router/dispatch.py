@@ -19,6 +19,7 @@ deaths). Single-threaded: everything runs on the router's event loop.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -42,6 +43,7 @@ from router.admission import WaitingLine
 from router.flight import Event, Flight, FlightFailed
 from router.kv_index import PrefixIndex
 from router.policy import (
+    PEER_FETCH_WEIGHT,
     PrefillPolicy,
     PrefixParams,
     pick_decode,
@@ -80,6 +82,10 @@ class Dispatcher:
         (`router.prefill_leg.peer_hint`)."""
         self.registry = registry
         self.send = send  # False when the message could not be queued for the worker
+        # blocks peers hold count (less than local ones) only where workers may fetch them
+        prefix_params = dataclasses.replace(
+            prefix_params or PrefixParams(), fetch_weight=PEER_FETCH_WEIGHT if peer_fetch else 0.0
+        )
         self.prefill_policy = PrefillPolicy(routing, prefix_index, prefix_params)
         self.prefix_index = self.prefill_policy.index
         self.local_prefill_max_tokens = local_prefill_max_tokens

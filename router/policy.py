@@ -24,6 +24,12 @@ one worker before its heartbeats catch up):
   midpoint of the two are candidates, still chosen by score. Ties go to the lower load, then in
   turn (from a position that moves one worker on, in id order, with each request), so cold
   prefixes spread over the workers.
+  With peer fetch on (`--kv-peer-fetch`, `router.prefill_leg.peer_hint`), blocks a worker lacks
+  that a peer (any live worker, prefill or decode) has reported holding, in its cache or its
+  tier, count too, at `fetch_weight` (`PEER_FETCH_WEIGHT`, 0.8) of a local block each: the
+  worker will pull them rather than compute them. The score weighs load, local hits and
+  fetchable hits; a lightly loaded worker then wins a prefix held elsewhere sooner, and the load
+  spreads.
 
 No choice looks at every worker: round robin indexes the live workers' sorted ids; the prefix
 policy scores only the workers holding the prompt's first block (the rest score -`load_weight`
@@ -44,6 +50,7 @@ from router.kv_index import PrefixIndex
 from router.worker import LiveWorkers, Worker, as_live, decode_order, prefill_order
 
 ROUTING_POLICIES = ("round_robin", "least_loaded", "prefix")
+PEER_FETCH_WEIGHT = 0.8  # PrefixParams.fetch_weight with peer fetch on
 
 
 def pick_decode(workers: Iterable[Worker] | LiveWorkers, now_s: float) -> Worker | None:
@@ -105,10 +112,16 @@ class PrefixParams:
     balance_abs_tokens: int = 4096  # imbalance: max load - min load above this ...
     balance_rel: float = 2.0  # ... and max load above this times min load
     decode_slack: int = 4  # decode workers: a prefix holder may run this many more sequences
+    # A block a peer holds (a worker may fetch it) is worth this share of one held locally: the
+    # fetch costs a transfer and may fail (then the worker computes it). 0: no peer fetch (the
+    # dispatcher sets PEER_FETCH_WEIGHT with --kv-peer-fetch on).
+    fetch_weight: float = 0.0
 
     def __post_init__(self) -> None:
         if self.load_weight < 0:  # the least loaded non-holder would no longer score best
             raise ValueError("load_weight must be >= 0")
+        if not 0 <= self.fetch_weight <= 1:  # above 1 a full local match could lose to a fetch
+            raise ValueError("fetch_weight must be in [0, 1]")
 
 
 @dataclass
@@ -190,10 +203,13 @@ class PrefillPolicy:
         best_matched = 0
         held: set[str] = set()  # holders in range, scored or not (a pruned one cannot win)
         keys_by_salt: dict[bytes, list[bytes]] = {}
+        fetchable_by_salt: dict[bytes, int] = {}  # tokens the best-stocked peer reported holding
         for salt, block_size in list(live.salts):
             keys = keys_by_salt[salt] = block_keys(prompt, block_size, salt) if salt else []
             if not keys:
                 continue  # a worker that reports no KV events, or a prompt under one block
+            fetchable = self._fetchable(keys, exclude) * block_size if p.fetch_weight else 0
+            fetchable_by_salt[salt] = fetchable
             holders = []
             for worker_id in self.index.holders(keys[0]):
                 w = live.get(worker_id)
@@ -209,7 +225,8 @@ class PrefillPolicy:
                 if best_key is not None and p.load_weight * load - full_tokens > best_key[0]:
                     break  # even the whole prompt held could not beat the best: nor can the rest
                 matched = self.index.match(w.worker_id, keys) * block_size
-                key = (p.load_weight * load - matched, load, rotation)
+                worth = matched + p.fetch_weight * max(fetchable - matched, 0)
+                key = (p.load_weight * load - worth, load, rotation)
                 if best_key is None or key < best_key:
                     best_key, best, best_matched = key, w, matched
         # The rest score -load_weight x load: the least loaded of them, then the next in turn.
@@ -219,13 +236,25 @@ class PrefillPolicy:
         if rest is not None and rest.prefill_load <= limit:
             load = rest.prefill_load
             rotation, worker_id = _next_in_turn(live, live.at_load(load), held, exclude, turn)
-            key = (p.load_weight * load, load, rotation)
+            worth = p.fetch_weight * fetchable_by_salt.get(rest.info.kv_salt, 0)
+            key = (p.load_weight * load - worth, load, rotation)
             if best_key is None or key < best_key:
                 best = live.get(worker_id)
                 best_key, best_matched = key, 0
         if best is None:
             return None
         return PrefillChoice(best, best_matched, keys_by_salt.get(best.info.kv_salt, []))
+
+    def _fetchable(self, keys: list[bytes], exclude: Collection[str]) -> int:
+        """The most leading blocks of `keys` any worker (not excluded) has reported holding, in
+        its cache or its tier (pending prompts' blocks may not exist yet: not counted)."""
+        best = 0
+        for worker_id in self.index.holders(keys[0]):
+            if worker_id not in exclude:
+                best = max(best, len(self.index.tiers_of(worker_id, keys)))
+                if best == len(keys):
+                    break
+        return best
 
 
 def _next_in_turn(

@@ -260,3 +260,28 @@ def test_round_robin_in_id_order_with_exclusions() -> None:
 def test_negative_load_weight_is_refused() -> None:
     with pytest.raises(ValueError):
         PrefixParams(load_weight=-1.0)
+
+
+def test_fetchable_blocks_count_at_their_weight_beside_local_hits_and_load() -> None:
+    # d0 (a decode worker, say) reported all 64 blocks of the tenant's prefix; p0 holds 16 of
+    # them locally, p1 none. With peer fetch every worker may pull the rest from d0.
+    index = PrefixIndex()
+    hold(index, "d0", tenant(0))
+    hold(index, "p0", tenant(0)[: 16 * BS])
+    prompt = tenant(0) + [1, 2]
+    workers = [worker("p0", 400), worker("p1", 0)]
+    without = PrefillPolicy("prefix", index)  # fetch_weight 0: p0's 256 local tokens win ...
+    assert without.pick(workers, prompt).worker_id == "p0"  # ... 256 - 200 > 0 - 0
+    fetch = PrefillPolicy("prefix", index, PrefixParams(fetch_weight=0.8))
+    # p0: 256 + 0.8 x 768 - 0.5 x 400 = 670; p1: 0.8 x 1024 - 0 = 819: the idle one wins
+    choice = fetch.choose(workers, prompt)
+    assert (choice.worker.worker_id, choice.matched_tokens) == ("p1", 0)  # what it holds itself
+    # At equal load the local hits still decide.
+    assert fetch.pick([worker("p0", 0), worker("p1", 0)], prompt).worker_id == "p0"
+    # Blocks only dispatched (pending), not reported, cannot be fetched: they do not count (p1
+    # would have 819 with them; it has 0.8 x 256 of p0's blocks, below p0's own 256).
+    pending = PrefixIndex()
+    pending.add_pending("d0", block_keys(tenant(0), BS, SALT))
+    hold(pending, "p0", tenant(0)[: 16 * BS])
+    policy = PrefillPolicy("prefix", pending, PrefixParams(fetch_weight=0.8))
+    assert policy.pick([worker("p0", 0), worker("p1", 0)], prompt).worker_id == "p0"
