@@ -299,17 +299,20 @@ static inline int thread_num(void) {
 #endif
 }
 
-#define SPLIT_TOKENS 64 /* a part's tokens: cut at fixed positions, whatever the batch */
+#define SPLIT_TOKENS 512 /* a part's tokens: cut at fixed positions, whatever the batch */
 
 /* Returns 0 on success, -1 for a shape this kernel does not take, -2 when out of memory.
  *
  * Work is split into parts of (sequence, kv head, token range): each sequence's tokens are cut
  * at multiples of SPLIT_TOKENS, flash-decoding style, and the parts' softmax statistics merged
- * at the end in order, so that both cores work on batch 1 and a row's result, to the last bit,
- * does not depend on the other rows of its step (where the cut depended on the batch, a verify
- * step's rows differed from the decode steps they stand for in the last bits, and int8
- * activations turn such a bit into another code: speculative decoding changed greedy output).
- * A step whose rows all fit one part skips the merge, which gives the same bits (exp(0) is 1). */
+ * in order, in parallel over the pairs. The cut depends on the sequence alone, never on the
+ * batch, so a row's result, to the last bit, does not depend on the rows beside it: where the
+ * cut followed the batch, a verify step's rows differed from the decode steps they stand for in
+ * the last bits, int8 activations turned such a bit into another code, and speculative decoding
+ * changed greedy output. 512 tokens (measured, 2 threads: batch 1 at 256 and 2,000 tokens,
+ * batch 16 at 256, batch 32 at 1,024, within noise of the batch-dependent cut; 64-token parts
+ * cost 5-15% at batch 16-32). A step whose rows all fit one part skips the merge, which gives
+ * the same bits (exp(0) is 1). */
 int paged_decode_kv(const void *q, long q_stride, const void *k_cache, const void *v_cache,
                     const float *k_scales, const float *v_scales, const int32_t *block_tables,
                     const int32_t *seq_lens, void *out, int B, int H, int Hkv, int D, int bs,
@@ -354,51 +357,40 @@ int paged_decode_kv(const void *q, long q_stride, const void *k_cache, const voi
             const int len = seq_lens[b], t0 = s * chunk, t1 = t0 + chunk < len ? t0 + chunk : len;
             float *pa = splits > 1 ? partial + stride * part : acc;
             float *pm = splits > 1 ? pa + (size_t)G * D : ml, *pl = pm + G;
-            if (t0 >= t1) { /* nothing here: a part that adds nothing to the merge */
-                for (int g = 0; g < G; g++) {
-                    pm[g] = -INFINITY;
-                    pl[g] = 0.f;
-                }
-                memset(pa, 0, sizeof(float) * G * D);
-            } else {
-                attend_dispatch(&job, b, h, t0, t1, scores, qf, pa, pm, pl, row);
-            }
+            if (t0 >= t1) continue; /* past this row's tokens: the merge reads its parts only */
+            attend_dispatch(&job, b, h, t0, t1, scores, qf, pa, pm, pl, row);
             if (splits == 1) write_out(&job, b, h, pa, pl);
+        }
+        /* the merge, in part order (the loop above ends with a barrier); in this thread's acc */
+        if (splits > 1) {
+#pragma omp for schedule(static)
+            for (int pair = 0; pair < pairs; pair++) {
+                const float *first = partial + stride * (size_t)pair * splits;
+                const int real = (seq_lens[pair / Hkv] + chunk - 1) / chunk; /* its parts */
+                for (int g = 0; g < G; g++) {
+                    float mx = -INFINITY;
+                    for (int s = 0; s < real; s++) {
+                        const float ms = first[stride * s + (size_t)G * D + g];
+                        mx = ms > mx ? ms : mx;
+                    }
+                    float sum = 0.f, *ag = acc + g * D;
+                    memset(ag, 0, sizeof(float) * D);
+                    for (int s = 0; s < real; s++) {
+                        const float *ps = first + stride * s;
+                        const float ms = ps[(size_t)G * D + g];
+                        if (ms == -INFINITY) continue;
+                        const float w = exp_approx(ms - mx);
+                        sum += w * ps[(size_t)G * D + G + g];
+                        for (int d = 0; d < D; d++) ag[d] += w * ps[g * D + d];
+                    }
+                    ml[g] = sum;
+                }
+                write_out(&job, pair / Hkv, pair % Hkv, acc, ml);
+            }
         }
     }
     free(scratch);
-    if (splits > 1) {
-        float *acc = malloc(sizeof(float) * (G * D + G));
-        if (acc == NULL) {
-            free(partial);
-            return -2;
-        }
-        float *l = acc + G * D;
-        for (int pair = 0; pair < pairs; pair++) {
-            const float *first = partial + stride * (size_t)pair * splits;
-            for (int g = 0; g < G; g++) {
-                float mx = -INFINITY;
-                for (int s = 0; s < splits; s++) {
-                    const float ms = first[stride * s + (size_t)G * D + g];
-                    mx = ms > mx ? ms : mx;
-                }
-                float sum = 0.f, *ag = acc + g * D;
-                memset(ag, 0, sizeof(float) * D);
-                for (int s = 0; s < splits; s++) {
-                    const float *ps = first + stride * s;
-                    const float ms = ps[(size_t)G * D + g];
-                    if (ms == -INFINITY) continue;
-                    const float w = exp_approx(ms - mx);
-                    sum += w * ps[(size_t)G * D + G + g];
-                    for (int d = 0; d < D; d++) ag[d] += w * ps[g * D + d];
-                }
-                l[g] = sum;
-            }
-            write_out(&job, pair / Hkv, pair % Hkv, acc, l);
-        }
-        free(acc);
-        free(partial);
-    }
+    free(partial);
     return 0;
 }
 

@@ -83,12 +83,12 @@ def test_loading_the_kernels_leaves_float_mode_alone(tmp_path):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("seq_lens", [[700], [33, 700], [1, 65]])
+@pytest.mark.parametrize("seq_lens", [[700], [33, 700], [1, 65], [1100, 512, 513]])
 @pytest.mark.parametrize("heads", [3, 6])  # 3: the AVX2 path (up to 4 per kv head), 6: generic
 def test_token_split_for_few_sequences_matches_torch(dtype, seq_lens, heads):
-    """Few (sequence, kv head) pairs for the threads: each sequence's tokens are split into parts
-    whose softmax statistics are merged (also parts past a short sequence's end, which are empty);
-    the result must not depend on it."""
+    """Sequences longer than SPLIT_TOKENS: their tokens are split into parts whose softmax
+    statistics are merged (a shorter sequence of the same step has fewer parts); the result must
+    not depend on it."""
     kv_heads, head_dim, block_size = 1, 64, 16
     g = torch.Generator().manual_seed(len(seq_lens) + seq_lens[-1])
     max_blocks = max(-(-n // block_size) for n in seq_lens)
@@ -112,6 +112,34 @@ def test_token_split_for_few_sequences_matches_torch(dtype, seq_lens, heads):
         got = cpu_attention.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125)
     finally:
         torch.set_num_threads(threads)
-    ref = torch_reference(q, k_cache, v_cache, meta, 0.125)
+    # against float32 (a bfloat16 reference adds its own rounding over 1,100 tokens)
+    ref = torch_reference(q.float(), k_cache.float(), v_cache.float(), meta, 0.125)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    assert (got.float() - ref.float()).abs().max() <= tol
+    assert (got.float() - ref).abs().max() <= tol
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(dtype):
+    """Bit for bit, whatever the batch: a verify step's rows must equal the decode steps they
+    stand for (int8 activations turn a last-bit difference into another code downstream)."""
+    kv_heads, heads, head_dim, block_size = 3, 9, 64, 16
+    seq_lens = [1, 200, 511, 512, 513, 1100]
+    g = torch.Generator().manual_seed(5)
+    max_blocks = max(-(-n // block_size) for n in seq_lens)
+    num_blocks = len(seq_lens) * max_blocks
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
+    tables = torch.randperm(num_blocks, generator=g).view(len(seq_lens), max_blocks).int()
+    q = torch.randn(len(seq_lens), heads, head_dim, generator=g).to(dtype)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        together = cpu_attention.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125)
+        for i in range(len(seq_lens)):
+            alone = cpu_attention.paged_decode_attention(
+                q[i : i + 1], k_cache, v_cache, tables[i : i + 1], lens[i : i + 1], 0.125
+            )
+            assert torch.equal(alone[0], together[i]), seq_lens[i]
+    finally:
+        torch.set_num_threads(threads)
