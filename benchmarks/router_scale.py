@@ -60,6 +60,29 @@ def proc_cpu_s(pid: int, system_only: bool = False) -> float:
     return (int(fields[12]) + (0 if system_only else int(fields[11]))) / CLOCK_TICKS
 
 
+def proc_runqueue_wait_s(pid: int) -> float:
+    """Seconds the process's main thread (the router's event loop) has been runnable but not
+    running, waiting for a core (/proc/<pid>/schedstat): the host's share of its lateness."""
+    try:
+        with open(f"/proc/{pid}/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return float("nan")
+
+
+def loop_lag_s(port: int) -> float:
+    """The router's smoothed event-loop lag, from its /metrics (nan if it has none)."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+            text = r.read().decode()
+    except OSError:
+        return float("nan")
+    match = re.search(r"^pdserve:router_event_loop_lag_seconds ([0-9.e+-]+)$", text, re.M)
+    return float(match.group(1)) if match else float("nan")
+
+
 def proc_rss_bytes(pid: int) -> int:
     with open(f"/proc/{pid}/statm") as f:
         return int(f.read().split()[1]) * PAGE_BYTES
@@ -291,7 +314,8 @@ def client_proc(
 
 
 def run_clients(ctx, ports: list[int], kind: str, total: int, procs: int, tokens: int,
-                router_pids: list[int], sample_rss: bool, duration_s: float) -> dict:  # fmt: skip
+                router_pids: list[int], sample_rss: bool, duration_s: float,
+                lag_every_s: float = 0.0) -> dict:  # fmt: skip
     go, results = ctx.Event(), ctx.Queue()
     shares = [total // procs + (i < total % procs) for i in range(procs)]
     clients = [ctx.Process(target=client_proc, args=(ports, kind, n, tokens, duration_s, go,
@@ -303,9 +327,11 @@ def run_clients(ctx, ports: list[int], kind: str, total: int, procs: int, tokens
     rss0 = sum(proc_rss_bytes(pid) for pid in router_pids)
     cpu0 = [proc_cpu_s(pid) for pid in router_pids]
     sys0 = [proc_cpu_s(pid, system_only=True) for pid in router_pids]
+    waits0 = [proc_runqueue_wait_s(pid) for pid in router_pids]
+    load0 = os.getloadavg()[0]
     wall0 = time.monotonic()
     go.set()
-    got, rss_peak = [], rss0
+    got, rss_peak, lags, next_lag = [], rss0, [], wall0 + lag_every_s
     while len(got) < len(clients):
         try:
             got.append(results.get(timeout=0.2))
@@ -313,9 +339,13 @@ def run_clients(ctx, ports: list[int], kind: str, total: int, procs: int, tokens
             pass
         if sample_rss:
             rss_peak = max(rss_peak, sum(proc_rss_bytes(pid) for pid in router_pids))
+            if lag_every_s and time.monotonic() >= next_lag:
+                lags.append(loop_lag_s(ports[0]))
+                next_lag += lag_every_s
     wall = time.monotonic() - wall0
     cpus = [proc_cpu_s(pid) - c for pid, c in zip(router_pids, cpu0)]
     system = sum(proc_cpu_s(pid, system_only=True) - c for pid, c in zip(router_pids, sys0))
+    waits = [proc_runqueue_wait_s(pid) - w for pid, w in zip(router_pids, waits0)]
     for c in clients:
         c.join()
     return {
@@ -324,6 +354,10 @@ def run_clients(ctx, ports: list[int], kind: str, total: int, procs: int, tokens
         "router_cpu_s": sum(cpus),
         "router_system_cpu_s": system,  # in the kernel: socket reads and writes
         "router_core_use_max": max(cpus) / wall,
+        # Of the wall time, the share the busiest router's loop waited for a core it wanted.
+        "router_runqueue_wait_share": max(waits) / wall,
+        "router_loop_lag_s": lags,  # the first router's smoothed loop lag, every lag_every_s
+        "host_load_avg": (load0, os.getloadavg()[0]),
         "wall_s": wall,
         "rss0": rss0,
         "rss_peak": rss_peak,
@@ -475,6 +509,10 @@ def main() -> None:
                     "keeps them from being declared dead mid-measurement")  # fmt: skip
     ap.add_argument("--idle-s", type=float, default=5.0, help="seconds the router's CPU is "
                     "measured with the workers registered and no requests")  # fmt: skip
+    ap.add_argument("--lag-every-s", type=float, default=0.0, help="during the relay, read the "
+                    "router's smoothed event-loop lag from its /metrics this often (0: never; a "
+                    "scrape renders every worker's series in the loop, which itself delays "
+                    "tokens: tens of ms at 100 workers)")  # fmt: skip
     ap.add_argument("--json", default="", help="also write the figures here")
     ap.add_argument("--profile", default="", help="run the router under cProfile (CPU time), "
                     "stats here")  # fmt: skip
@@ -550,7 +588,7 @@ def main() -> None:
         time.sleep(1.0)
         relayed = run_clients(ctx, ports, "stream", args.streams, args.client_procs,
                               args.tokens, pids, sample_rss=True,
-                              duration_s=args.duration)  # fmt: skip
+                              duration_s=args.duration, lag_every_s=args.lag_every_s)  # fmt: skip
         stop.set()
         sent: dict[str, list[float]] = {}
         for _ in workers:
@@ -607,6 +645,12 @@ def main() -> None:
         "router_kernel_share": relayed["router_system_cpu_s"] / max(relayed["router_cpu_s"], 1e-9),
         "relay_wall_s": relayed["wall_s"],
         "router_core_use": relayed["router_core_use_max"],  # the busiest router's
+        # Latency the host adds: the router runnable but not running (other processes' load).
+        "router_runqueue_wait_share": relayed["router_runqueue_wait_share"],
+        "router_loop_lag_p50_ms": 1e3 * pct(relayed["router_loop_lag_s"], 0.5),
+        "router_loop_lag_max_ms": 1e3 * max(relayed["router_loop_lag_s"], default=float("nan")),
+        "host_load_avg_start": relayed["host_load_avg"][0],
+        "host_load_avg_end": relayed["host_load_avg"][1],
         "client_cpu_s": relayed["client_cpu_s"],
         "latency_p50_ms": 1e3 * pct(latencies, 0.5),
         "latency_p99_ms": 1e3 * pct(latencies, 0.99),
