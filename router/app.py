@@ -3,15 +3,15 @@
 Owns the endpoints: `POST /v1/completions` and `POST /v1/chat/completions` (served by
 `router.generate`, which the guard calls past FastAPI's routing; the routes document them),
 `GET /v1/models` and `GET /v1/models/{id}`, `GET /health`, `GET /metrics`, `GET /debug/block_books`
-(each worker's KV block audit, for leak checks), `POST /tokenize`, `POST /detokenize`, and FastAPI's
-`/openapi.json` and `/docs` (request schemas from `common.api.schemas`); optional Bearer auth on
-every endpoint but `/health` (and `/metrics` with `--metrics-without-key`); the body size limit
-(413); admission control (`router.admission`, 429: too many requests waiting, or too many tokens
-buffered for slow readers); and the rule that every error is an OpenAI error body (bad input is a
-4xx, never a 500). Request validation comes from `common.api.body`, `common.api.requests` and
-`common.api.prompts`, the choices are `common.api.choice.Choice`s, bodies come from
-`common.api.responses`, streaming from `router.streaming`; workers are reached only through
-`router.dispatch`.
+(each worker's KV block audit, for leak checks), `POST /tokenize` and `POST /detokenize` (served by
+`router.tokenize`), and FastAPI's `/openapi.json` and `/docs` (request schemas from
+`common.api.schemas`); optional Bearer auth on every endpoint but `/health` (and `/metrics` with
+`--metrics-without-key`); the body size limit (413); admission control (`router.admission`, 429:
+too many requests waiting, too many tokens buffered for slow readers, or the router short of
+CPU); and the rule that every error is an OpenAI error body (bad input is a 4xx, never a 500).
+Request validation comes from `common.api.body`, `common.api.requests` and `common.api.prompts`,
+the choices are `common.api.choice.Choice`s, bodies come from `common.api.responses`, streaming
+from `router.streaming`; workers are reached only through `router.dispatch`.
 
 The event loop never tokenizes, detokenizes or parses a large body itself: that work runs on a
 small thread pool (`RouterState.offload`; the tokenizer releases the GIL), so one 10 MB request
@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import logging
 import secrets
 from collections.abc import Callable
@@ -47,16 +46,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from common.api import schemas
-from common.api.body import check_prompt_chars
 from common.api.prompts import (
-    chat_prompt_ids,
     tool_call_format,
 )
 from common.api.requests import (
     CHAT_URL,
     COMPLETIONS_URL,
     RequestError,
-    parse_request,
 )
 from common.api.tokenizer import Tokenizer
 from router.admission import Admission
@@ -64,14 +60,13 @@ from router.dispatch import Dispatcher
 from router.generate import (
     error_response,
     generate,
-    json_body,
-    prompt_texts,
     serve_generate,
     too_large,
 )
 from router.memory import Trimmer
 from router.metrics import RouterMetrics
 from router.registry import Registry
+from router.tokenize import check_model, detokenize_body, tokenize_body
 
 log = logging.getLogger(__name__)
 
@@ -218,7 +213,7 @@ def create_app(state: RouterState) -> FastAPI:
 
     @app.get("/v1/models/{model_id:path}")  # ids may hold slashes (org/name)
     async def model(model_id: str) -> dict[str, Any]:
-        _check_model(state, {"model": model_id})
+        check_model(state, {"model": model_id})
         return _model_card(state, model_id)
 
     @app.get("/health")
@@ -254,30 +249,11 @@ def create_app(state: RouterState) -> FastAPI:
 
     @app.post("/tokenize", openapi_extra=schemas.openapi_body(schemas.TOKENIZE_REQUEST))
     async def tokenize(request: Request) -> Response:
-        body = await json_body(state, request)
-        _check_model(state, body)
-        if "messages" in body:
-            chat = {**body, "max_tokens": 1}
-            gen = parse_request(CHAT_URL, chat, state.served_model_names, state.tool_format())
-            check_prompt_chars(prompt_texts(gen), state.context_len(), "messages")
-            ids = await state.offload(chat_prompt_ids, gen, state.tokenizer)
-        else:
-            prompt = body.get("prompt")
-            if not isinstance(prompt, str):
-                raise RequestError("prompt must be a string (or send messages)", "prompt")
-            add_special = body.get("add_special_tokens", True)
-            if not isinstance(add_special, bool):
-                raise RequestError("add_special_tokens must be a boolean", "add_special_tokens")
-            check_prompt_chars([prompt], state.context_len(), "prompt")
-            ids = await state.offload(state.tokenizer.encode, prompt, add_special)
-        result = {"count": len(ids), "max_model_len": state.context_len(), "tokens": ids}
-        return Response(await state.offload(_json_bytes, result), media_type="application/json")
+        return await tokenize_body(state, request)
 
     @app.post("/detokenize", openapi_extra=schemas.openapi_body(schemas.DETOKENIZE_REQUEST))
     async def detokenize(request: Request) -> dict[str, Any]:
-        body = await json_body(state, request)
-        _check_model(state, body)
-        return {"prompt": await state.offload(_detokenize, state.tokenizer, body.get("tokens"))}
+        return await detokenize_body(state, request)
 
     return app
 
@@ -292,24 +268,3 @@ def _model_card(state: RouterState, name: str) -> dict[str, Any]:
         "root": state.served_model_names[0],
         "max_model_len": state.context_len(),
     }
-
-
-def _check_model(state: RouterState, body: dict) -> None:
-    model = body.get("model")
-    if model is not None and model not in state.served_model_names:
-        raise RequestError(
-            f"The model `{model}` does not exist.", "model", code=404, type="model_not_found"
-        )
-
-
-def _detokenize(tokenizer: Tokenizer, ids: Any) -> str:
-    vocab = tokenizer.vocab_size
-    if not isinstance(ids, list) or not all(
-        isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids
-    ):
-        raise RequestError(f"tokens must be a list of token ids in [0, {vocab})", "tokens")
-    return tokenizer.decode(ids, skip_special_tokens=False)
-
-
-def _json_bytes(value: Any) -> bytes:
-    return json.dumps(value, separators=(",", ":")).encode()

@@ -35,8 +35,9 @@ from common.api.requests import CHAT_URL, GenerationRequest, RequestError, parse
 from common.api.responses import chat_body, completion_body
 from common.api.structured import check_structured_output
 from common.api.tools import message_texts
+from router.feed import choice_deltas
 from router.job import Job
-from router.streaming import SSEResponse, choice_deltas
+from router.streaming import SSEResponse
 
 if TYPE_CHECKING:
     from router.app import RouterState

@@ -24,10 +24,11 @@ from common.api.tokenizer import Tokenizer
 from common.model.model_files import resolve_model
 from common.protocol import TokenOutput
 from router.dispatch import FlightFailed
+from router.feed import choice_deltas
 from router.metrics import RouterMetrics
 from router.relay import EventBuffer
 from router.sse import HTTP_CYCLE
-from router.streaming import SSEResponse, choice_deltas
+from router.streaming import SSEResponse
 
 IM_END = 2
 
