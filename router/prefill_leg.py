@@ -125,7 +125,10 @@ def peer_hint(
         if peer.info.host != info.host and _loopback(peer.info.kv_address):
             continue  # bound to its own host only (a prefill worker's default): unreachable
         held = len(index.tiers_of(peer_id, keys))
-        if held > best_blocks:
+        # On a tie a prefill worker serves rather than a decode worker, whose loop paces its
+        # streams' tokens (a decode worker holds every prompt whose KV it received).
+        prefer = best is not None and best.role == "decode" and peer.role == "prefill"
+        if held > best_blocks or (held == best_blocks and prefer):
             best, best_blocks = peer, held
     if best is None:
         return None

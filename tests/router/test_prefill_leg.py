@@ -42,6 +42,10 @@ def test_the_peer_holding_most_beyond_the_chosen_worker_is_named() -> None:
     assert (hint.worker_id, hint.num_blocks, hint.transport) == ("d0", 20, "shm")
     assert hint.kv_address == workers["d0"].info.kv_address
     assert hint.timeout_s == PEER_FETCH_TIMEOUT_S
+    # As many blocks on a prefill worker as on the decode worker: the prefill worker serves.
+    hold(index, "p1", 20)
+    hint = hint_for(workers, index, "p0")
+    assert hint is not None and (hint.worker_id, hint.num_blocks) == ("p1", 20)
     # The chosen worker already holding as much as any peer: no hint.
     hold(index, "p0", 20)
     assert hint_for(workers, index, "p0", matched_blocks=20) is None
