@@ -25,7 +25,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from common.prefix_hash import block_keys
-from common.protocol import MAX_FETCH_BLOCKS, Abort, PeerHint, Prefill
+from common.protocol import HEARTBEAT_INTERVAL_S, MAX_FETCH_BLOCKS, Abort, PeerHint, Prefill
 from kvtransfer import choose_transport
 from router.flight import Flight
 
@@ -39,6 +39,8 @@ if TYPE_CHECKING:
 # of tokens' KV takes milliseconds to a few hundred on any link we use; more means the peer is
 # gone or stuck.
 PEER_FETCH_TIMEOUT_S = 3.0
+# A peer whose last heartbeat is older than this (two intervals) is not named: it may be stuck.
+PEER_SILENT_S = 2 * HEARTBEAT_INTERVAL_S
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +108,8 @@ def peer_hint(
     """The live peer holding the most of the prompt's leading blocks beyond the `matched_tokens`
     the chosen worker holds (by their reported KV events), as a hint for `worker`; None when no
     peer holds more. `keys`: the prompt's block keys under the worker's salt ([]: computed here).
-    Only workers holding the first block are looked at (`PrefixIndex.holders`)."""
+    Only workers holding the first block are looked at (`PrefixIndex.holders`), and only those
+    whose heartbeats are on time."""
     info = worker.info
     if not info.kv_salt or not info.kv_address:
         return None  # reports no KV events, or cannot receive a peer's push
@@ -115,11 +118,14 @@ def peer_hint(
     keys = keys[: min((len(prompt) - 1) // info.block_size, MAX_FETCH_BLOCKS)]
     if not keys:
         return None
+    silent_before = registry.clock() - PEER_SILENT_S
     best, best_blocks = None, matched_tokens // info.block_size
     for peer_id in sorted(index.holders(keys[0])):
         peer = registry.get(peer_id)
         if peer is None or peer is worker or peer.dead_reason or not peer.info.kv_address:
             continue
+        if peer.last_seen_s < silent_before:
+            continue  # heartbeats late: stuck or dead, not yet declared so; it would not answer
         if peer.info.kv_salt != info.kv_salt or peer.info.block_size != info.block_size:
             continue  # another model, dtype or layout: its blocks are not ours
         if peer.info.host != info.host and _loopback(peer.info.kv_address):

@@ -77,7 +77,8 @@ def test_a_fetched_prefix_completes_as_computed_with_fewer_prefill_tokens(
         tokens = cluster.wait_counter("kv_peer_fetched_tokens_total", 18 * 16, timeout_s=10,
                                       worker=asker)  # fmt: skip
         assert tokens == 18 * 16, cluster.metrics()
-        assert counter(cluster, "kv_peer_served_tokens_total", holder) == 18 * 16
+        assert cluster.wait_counter("kv_peer_served_tokens_total", 18 * 16, timeout_s=10,
+                                    worker=holder) == 18 * 16  # fmt: skip
         # the asker computed the 12-token tail only
         assert cluster.wait_counter("prefill_kv_computed_tokens_total", len(PROMPT) - 18 * 16,
                                     timeout_s=10, worker=asker) == len(PROMPT) - 18 * 16

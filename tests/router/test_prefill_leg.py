@@ -19,7 +19,7 @@ def worker(worker_id: str, role: str = "prefill", host: str = "h", salt: bytes =
         PROTOCOL_VERSION, role, worker_id, "default", BS, 1000, 4096, "auto", host, kv_address,
         ["tcp", "shm"], salt,
     )  # fmt: skip
-    return Worker(info=info, identity=worker_id.encode(), last_seen_s=0.0)
+    return Worker(info=info, identity=worker_id.encode(), last_seen_s=Registry.now_s)
 
 
 def hold(index: PrefixIndex, worker_id: str, n_blocks: int, tier: str = "device") -> None:
@@ -28,7 +28,17 @@ def hold(index: PrefixIndex, worker_id: str, n_blocks: int, tier: str = "device"
 
 
 def hint_for(workers: dict[str, Worker], index: PrefixIndex, chosen: str, matched_blocks: int = 0):
-    return peer_hint(workers, index, workers[chosen], PROMPT, matched_blocks * BS, [])  # type: ignore[arg-type]
+    registry = Registry(workers)
+    return peer_hint(registry, index, workers[chosen], PROMPT, matched_blocks * BS, [])  # type: ignore[arg-type]
+
+
+class Registry(dict):
+    """What peer_hint reads of `router.registry.Registry`: workers by id and the clock."""
+
+    now_s = 100.0
+
+    def clock(self) -> float:
+        return self.now_s
 
 
 def test_the_peer_holding_most_beyond_the_chosen_worker_is_named() -> None:
@@ -46,6 +56,9 @@ def test_the_peer_holding_most_beyond_the_chosen_worker_is_named() -> None:
     hold(index, "p1", 20)
     hint = hint_for(workers, index, "p0")
     assert hint is not None and (hint.worker_id, hint.num_blocks) == ("p1", 20)
+    # A peer whose heartbeats are late (stuck, not yet declared dead) is not named.
+    workers["p1"].last_seen_s = Registry.now_s - 2.5
+    assert hint_for(workers, index, "p0").worker_id == "d0"
     # The chosen worker already holding as much as any peer: no hint.
     hold(index, "p0", 20)
     assert hint_for(workers, index, "p0", matched_blocks=20) is None
