@@ -128,8 +128,10 @@ def peer_hint(
             continue  # heartbeats late: stuck or dead, not yet declared so; it would not answer
         if peer.info.kv_salt != info.kv_salt or peer.info.block_size != info.block_size:
             continue  # another model, dtype or layout: its blocks are not ours
-        if peer.info.host != info.host and _loopback(peer.info.kv_address):
-            continue  # bound to its own host only (a prefill worker's default): unreachable
+        if peer.info.host != info.host and (
+            _loopback(peer.info.kv_address) or _loopback(info.kv_address)
+        ):
+            continue  # either end bound to its own host only (a prefill worker's default)
         held = len(index.tiers_of(peer_id, keys))
         # On a tie a prefill worker serves rather than a decode worker, whose loop paces its
         # streams' tokens (a decode worker holds every prompt whose KV it received).

@@ -67,7 +67,8 @@ def test_the_peer_holding_most_beyond_the_chosen_worker_is_named() -> None:
 def test_a_peer_on_another_host_is_fetched_from_over_tcp_and_tier_blocks_count() -> None:
     index = PrefixIndex()
     workers = {w.worker_id: w for w in (
-        worker("p0"), worker("p2", host="other", kv_address="tcp://10.0.0.2:8100"),
+        worker("p0", kv_address="tcp://10.0.0.1:8100"),
+        worker("p2", host="other", kv_address="tcp://10.0.0.2:8100"),
         worker("p3", host="other"),  # its KV receiver is bound to its loopback: out of reach
     )}  # fmt: skip
     hold(index, "p2", 8, tier="cpu")  # in its host-RAM tier only
@@ -76,6 +77,9 @@ def test_a_peer_on_another_host_is_fetched_from_over_tcp_and_tier_blocks_count()
     assert hint is not None and (hint.worker_id, hint.num_blocks, hint.transport) == (
         "p2", 8, "tcp"
     )
+    # The asker's own KV receiver bound to its loopback: a peer elsewhere could not answer it.
+    workers["p0"] = worker("p0", kv_address="tcp://127.0.0.1:7")
+    assert hint_for(workers, index, "p0") is None
 
 
 def test_no_hint_from_other_models_dead_or_addressless_workers_or_pending_prompts() -> None:
