@@ -42,8 +42,9 @@ from common.sampling_params import MAX_PROMPT_LOGPROB_TOKENS, MAX_TOP_LOGPROBS, 
 # 10: KVHeader.block_checksums (a CRC-32 per block, so a damaged block is found as that block)
 # replace its whole-payload checksum (a v9 peer would refuse the field, or send none);
 # 11: KVEvents.tier (which tier of a worker holds the keys: a v10 router would refuse the field);
-# 12: peer fetch: Prefill.peer (a `PeerHint`), `KVFetch` on the kv socket, and prefill workers
-# bind a kv socket too (a v11 worker would refuse the field and never answer a fetch)
+# 12: peer fetch: Prefill.peer and Generate.peer (a `PeerHint`), `KVFetch` on the kv socket,
+# and prefill workers bind a kv socket too (a v11 worker would refuse the field and never answer
+# a fetch)
 PROTOCOL_VERSION = 12
 MAX_CONTROL_MESSAGE_BYTES = 64 * 2**20  # a 128k-token prompt of int ids fits with room to spare
 # Messages that are small by nature have a smaller limit, checked from the tag before decoding: a
@@ -204,10 +205,10 @@ class ReserveReply(msgspec.Struct, tag="reserve_reply", forbid_unknown_fields=Tr
 
 
 class PeerHint(msgspec.Struct, forbid_unknown_fields=True):
-    """Inside a `Prefill`: a live peer holds the prompt's leading `num_blocks` blocks (in its
-    cache or its KV tier, by the router's index) that the chosen worker lacks. The worker may
-    pull them from the peer's `kv_address` (`KVFetch`) instead of computing them, when its
-    measured rates say that is cheaper; no answer within `timeout_s` means it computes them."""
+    """Inside a `Prefill` (or a `Generate`): a live peer holds the prompt's leading `num_blocks`
+    blocks (in its cache or its KV tier, by the router's index) that the chosen worker lacks. The
+    worker may pull them from the peer's `kv_address` (`KVFetch`) instead of computing them, when
+    its measured rates say that is cheaper; no answer within `timeout_s` means it computes them."""
 
     worker_id: Name
     kv_address: KVAddress
@@ -239,6 +240,7 @@ class Generate(msgspec.Struct, tag="generate", forbid_unknown_fields=True):
     prompt_token_ids: list[int]
     params: SamplingParams
     num_output_tokens: Count = 0
+    peer: PeerHint | None = None  # where a prefix this worker lacks may be fetched from
 
 
 class Abort(msgspec.Struct, tag="abort", forbid_unknown_fields=True):

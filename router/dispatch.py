@@ -28,6 +28,7 @@ import msgspec
 
 from common.aio import wait_for
 from common.api.requests import RequestError
+from common.prefix_hash import block_keys
 from common.protocol import (
     Abort,
     BlockBooksReply,
@@ -130,7 +131,7 @@ class Dispatcher:
                     decode, keys = self._pick_decode(flight)
                     if decode is not None:
                         self.line.leave(place)
-                        started = await self._start_on(flight, decode)
+                        started = await self._start_on(flight, decode, keys)
                         if started:
                             flight.dispatched = True
                             if keys:  # prefilled there: the next prompt with this prefix follows
@@ -177,11 +178,21 @@ class Dispatcher:
             and self.registry.has_live("prefill")
         )
 
-    async def _start_on(self, flight: Flight, decode: Worker) -> bool:
-        """Try one decode worker; False if it refused, did not answer or is unreachable."""
+    async def _start_on(self, flight: Flight, decode: Worker, keys: list[bytes]) -> bool:
+        """Try one decode worker; False if it refused, did not answer or is unreachable.
+        `keys`: the prompt's block keys under its salt, if the choice computed them."""
         flight.assign_decode(decode)
         if not self._remote_prefill(flight, decode):
-            if self.send(decode, self.generate(flight)):
+            message = self.generate(flight)
+            info = decode.info
+            if self.peer_fetch and info.kv_salt:  # it prefills here: a peer may hold the prefix
+                keys = keys or block_keys(flight.prompt_token_ids, info.block_size, info.kv_salt)
+                matched = self.prefix_index.match(decode.worker_id, keys) * info.block_size
+                message.peer = prefill_leg.peer_hint(
+                    self.registry, self.prefix_index, decode, flight.prompt_token_ids, matched,
+                    keys,
+                )  # fmt: skip
+            if self.send(decode, message):
                 return True
             self.refused(flight, decode, "unreachable")
             return False

@@ -227,3 +227,36 @@ def test_blocks_in_the_peers_tier_are_fetched_too(tiny_llama, kv_dtype) -> None:
         pair.assert_all_free()
     finally:
         pair.close()
+
+
+def test_a_decode_worker_fetches_for_a_prompt_it_prefills_itself(pair, tiny_llama) -> None:
+    from common import protocol
+    from common.protocol import Generate
+    from decode.worker import DecodeWorker
+
+    address = pair.router.getsockopt_string(zmq.LAST_ENDPOINT)
+    decode = DecodeWorker(make_engine(tiny_llama[0]), address, "d", "tcp://127.0.0.1:*",
+                          context=pair.ctx)  # fmt: skip
+    try:
+        pair.prefill(pair.a, "r1")
+        pair.run_until(lambda: len(pair.headers) == 1)
+        message = Generate("r2", PROMPT, GREEDY, peer=pair.hint("tcp"))
+        assert decode._fetch_first(message) and "r2" in decode.deferred
+        deadline = time.monotonic() + 30
+        tokens: list[int] = []
+        while not tokens or decode.engine.has_unfinished() or decode.deferred:
+            assert time.monotonic() < deadline, "timed out"
+            pair.a.step()
+            decode.step()
+            while pair.router.poll(0):
+                identity, frame = pair.router.recv_multipart()
+                msg = protocol.decode_control(frame)
+                if isinstance(msg, protocol.TokenBatch):
+                    tokens += [t for out in msg.outputs for t in out.token_ids]
+        assert tokens == hf_greedy(tiny_llama[0], PROMPT, GREEDY.max_tokens)
+        assert decode.engine.num_prefill_tokens == len(PROMPT) - 7 * BLOCK_SIZE
+        assert decode.peer_fetch_counters()["kv_peer_fetched_tokens_total"] == 7 * BLOCK_SIZE
+        books = decode.engine.block_books()
+        assert books.ok and books.free + books.cached == books.total, books
+    finally:
+        decode.close()

@@ -351,3 +351,32 @@ def test_a_stopping_router_lets_its_streams_finish_within_the_drain_timeout() ->
             httpx.post(router.url + "/v1/completions", json=body, timeout=2)
     finally:
         router.stop()
+
+
+def test_a_prompt_prefilled_on_a_decode_worker_carries_a_hint_at_the_peer_holding_it() -> None:
+    salt = model_salt("default", "float32", 16)
+    keys = block_keys(LONG, 16, salt)  # LONG's 2 full blocks (of 40 tokens: 2 may be fetched)
+    with RouterThread(local_prefill_max_tokens=64, routing="least_loaded") as router:
+        d0 = router.worker("decode", "d0", kv_salt=salt)
+        d1 = router.worker("decode", "d1", kv_salt=salt)
+        d1.send(KVEvents("d1", 0, keys, [], reset=True))
+        deadline = time.monotonic() + 5
+        while router.server.prefix_index.match("d1", keys) < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert complete(router, LONG).status_code == 200  # least loaded, lowest id: d0
+        (generate,) = d0.messages(Generate)
+        assert generate.peer is not None
+        assert (generate.peer.worker_id, generate.peer.num_blocks) == ("d1", 2)
+        assert generate.peer.kv_address == d1.kv_address
+    with RouterThread(local_prefill_max_tokens=64, routing="least_loaded",
+                      kv_peer_fetch="off") as router:  # fmt: skip
+        d0 = router.worker("decode", "d0", kv_salt=salt)
+        d1 = router.worker("decode", "d1", kv_salt=salt)
+        d1.send(KVEvents("d1", 0, keys, [], reset=True))
+        deadline = time.monotonic() + 5
+        while router.server.prefix_index.match("d1", keys) < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert complete(router, LONG).status_code == 200
+        assert d0.messages(Generate)[0].peer is None
