@@ -357,7 +357,14 @@ int paged_decode_kv(const void *q, long q_stride, const void *k_cache, const voi
             const int len = seq_lens[b], t0 = s * chunk, t1 = t0 + chunk < len ? t0 + chunk : len;
             float *pa = splits > 1 ? partial + stride * part : acc;
             float *pm = splits > 1 ? pa + (size_t)G * D : ml, *pl = pm + G;
-            if (t0 >= t1) continue; /* past this row's tokens: the merge reads its parts only */
+            if (t0 >= t1) { /* past this row's tokens: the merge reads its real parts only */
+                if (splits == 1) { /* a row of no tokens (none in a real step): zeros */
+                    memset(pa, 0, sizeof(float) * G * D);
+                    for (int g = 0; g < G; g++) pl[g] = 0.f;
+                    write_out(&job, b, h, pa, pl);
+                }
+                continue;
+            }
             attend_dispatch(&job, b, h, t0, t1, scores, qf, pa, pm, pl, row);
             if (splits == 1) write_out(&job, b, h, pa, pl);
         }
