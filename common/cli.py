@@ -73,6 +73,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from common.kernels import cpu_quant, tune
     from common.model.llama import CausalLM
     from common.model.model_files import resolve_model
+    from common.model.model_runner import allow_dense_weights
     from common.model.quant import kernel_weights
     from common.model.weights import iter_weights
 
@@ -87,7 +88,9 @@ def cmd_tune(args: argparse.Namespace) -> int:
     model.load_weights(iter_weights(source), config.quantization, config.quantization_group_size)
     dtype = config.resolved_dtype()
     model = model.to(dtype=dtype).eval()
-    return tune.run_tune_command(kernel_weights([model]), dtype)
+    weights = kernel_weights([model])
+    allow_dense_weights(config.dense_weight_memory, [w for _, w in weights], dtype)
+    return tune.run_tune_command(weights, dtype)
 
 
 def cmd_limits(args: argparse.Namespace) -> int:

@@ -73,6 +73,7 @@ class EngineConfig:
     quantization_group_size: int = 0  # 0 = automatic (see the flag's help)
     cpu_activations: str = "auto"  # auto | int8 | float (CPU quantized layers' activations)
     kernel_choice: str = "auto"  # auto (measured) | table | a cpu_quant path (CPU quantized layers)
+    dense_weight_memory: str = "auto"  # auto | 0 | a size: dequantized copies for big CPU batches
     kv_cache_dtype: str = "auto"  # auto (model dtype) | bfloat16 | float16 | float32 | int8 | fp8
     kv_offload_memory: str = "0"  # host RAM for blocks evicted from the KV cache (0: none)
     kv_offload_dir: str = ""  # a local directory for them ("": none) ...
@@ -139,6 +140,8 @@ class EngineConfig:
         self.resolved_dtype()
         self.resolved_kv_dtype()
         parse_size(self.kv_cache_memory)
+        if self.dense_weight_memory != "auto":
+            parse_size(self.dense_weight_memory)
         self._validate_offload()
         if self.cuda_graph_max_batch < 1:
             raise ValueError("--cuda-graph-max-batch must be >= 1")
@@ -203,7 +206,9 @@ class EngineConfig:
 
 
 # common.kernels.cpu_quant.KERNEL_CHOICES (not imported: it imports torch)
-_KERNEL_CHOICES = ("auto", "table", "c", "f32tiles", "int4pack", "int8pack", "a8", "dequant")
+_KERNEL_CHOICES = (
+    "auto", "table", "c", "f32tiles", "int4pack", "int8pack", "a8", "dense", "dequant"
+)
 
 _HELP = {
     "model": "'default' (SmolLM2-135M-Instruct), an HF model directory, or a .gguf file",
@@ -261,7 +266,13 @@ _HELP = {
     "kernel_choice": "which kernel multiplies a quantized layer on the CPU at each batch size: "
     "auto (timed on this machine at the first start for the model, threads and CPU, cached in "
     "the kernel cache; `pdserve tune` measures again), table (a fixed table, measured on one "
-    "AVX2 host), or one of c, f32tiles, int4pack, int8pack, a8, dequant (forced where it applies)",
+    "AVX2 host), or one of c, f32tiles, int4pack, int8pack, a8, dense, dequant (forced where it "
+    "applies)",
+    "dense_weight_memory": "memory the CPU quantized layers may spend on a copy of their weights "
+    "dequantized to --dtype (2 bytes per weight in bfloat16), multiplied by the CPU's 16-bit GEMM "
+    "(AMX/AVX-512) at the batch sizes where that measures faster (prompt steps, big batches): "
+    "auto (if the copies fit in a quarter of the memory available at start), 0 (never), or a "
+    "size such as 1GiB (if they fit in it)",
 }
 
 

@@ -14,6 +14,11 @@ Paths, all computing x [M, K] @ W.T for W = the dequantized weight:
   a8         common.kernels.cpu_qgemm: x quantized to int8 per row and block of 32 columns, exact
              int32 block sums (VNNI / AVX2), on a copy of the weight repacked into panels. Not
              exact: off by x's rounding (at most max|x| / 254 per block times the weights' sum).
+  dense      a copy of the weight dequantized to x's dtype, made once and kept (oneDNN-prepacked
+             where torch can), then its 16-bit / float32 GEMM (AMX or AVX-512 bfloat16 where the
+             CPU has them): the prompt steps' path where it measures faster. Exactly `dequant`'s
+             products; it costs 2 (bfloat16) or 4 (float32) bytes per weight, so it applies only
+             where `set_dense_weights` allowed it (EngineConfig.dense_weight_memory).
   dequant    dequantize to x's dtype, then F.linear: the reference.
 Which runs is `kernel_choice` (EngineConfig.kernel_choice, --kernel-choice, set by
 common.kernels.tune.prepare at an engine's start):
@@ -65,11 +70,12 @@ TABLE: list[tuple[int, int, tuple[str, ...]]] = [
     (8, MIN_ROWS - 1, ("a8", "int8pack", "c", "dequant")),  # int8pack: per channel only
     (8, 1 << 30, ("a8", "f32tiles", "int8pack", "c", "dequant")),
 ]
-PATHS = ("c", "f32tiles", "int4pack", "int8pack", "a8", "dequant")
+PATHS = ("c", "f32tiles", "int4pack", "int8pack", "a8", "dense", "dequant")
 ACTIVATION_MODES = ("auto", "int8", "float")
 activations = "auto"  # see the module docstring; set_activations changes it
 KERNEL_CHOICES = ("auto", "table", *PATHS)
 kernel_choice = "auto"  # see the module docstring; set_kernel_choice changes it
+dense_weights = False  # whether the "dense" path may keep its copies: set_dense_weights
 # (bits, x dtype, activations) -> (the M points, each point's paths fastest first): a batch of M
 # rows takes the first point >= M (the last beyond it); written by common.kernels.tune.install
 tuned: dict[tuple[int, torch.dtype, str], tuple[list[int], list[list[str]]]] = {}
@@ -107,6 +113,18 @@ def set_kernel_choice(choice: str) -> None:
     kernel_choice = choice
 
 
+def set_dense_weights(allowed: bool) -> None:
+    """Whether quantized layers may keep a dequantized copy of their weight (the "dense" path)
+    from now on; the model runner decides it from the copies' size and its memory budget."""
+    global dense_weights
+    dense_weights = allowed
+
+
+def dense_bytes(weights: list[QuantWeight], dtype: torch.dtype) -> int:
+    """What the dense path's copies of `weights` take for x in `dtype`."""
+    return sum(w.n * w.k for w in weights) * torch.empty(0, dtype=dtype).element_size()
+
+
 def int8_activations() -> bool:
     """Whether `activations` lets the a8 path run on this host."""
     if activations == "float" or not cpu_qgemm.available():
@@ -141,6 +159,8 @@ def applies(path: str, w: QuantWeight, x: torch.Tensor) -> bool:
         )
     if path == "int8pack":
         return w.bits == 8 and w.group_size == w.k and w.zero is None and x.dtype in _TORCH_DTYPES
+    if path == "dense":
+        return dense_weights and x.dtype in _TORCH_DTYPES
     return path == "dequant"
 
 
@@ -220,6 +240,11 @@ def run_path(path: str, x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
     if path == "int8pack":
         scales = _prepared(w, path, x.dtype, _int8pack_scales)
         return torch.ops.aten._weight_int8pack_mm(x.contiguous(), w.qweight, scales)
+    if path == "dense":
+        weight, packed = _prepared(w, path, x.dtype, _dense_copy)
+        if packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+        return F.linear(x, weight)
     return F.linear(x, w.dequantize(x.dtype))
 
 
@@ -237,6 +262,19 @@ def _prepared(w: QuantWeight, path: str, dtype: torch.dtype | None, make):
     if hit is None or hit[0] != versions:
         hit = w.derived[(path, dtype)] = (versions, make(w) if dtype is None else make(w, dtype))
     return hit[1]
+
+
+def _dense_copy(w: QuantWeight, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The weight dequantized to `dtype`, and oneDNN's prepacked form of it where torch has one
+    for that dtype on this CPU (as common.model.layers.Linear packs dense weights): then the
+    packed one alone is kept."""
+    weight = w.dequantize(dtype).contiguous()
+    if torch.backends.mkldnn.is_available() and dtype != torch.float16:
+        try:
+            return weight[:0], torch.ops.mkldnn._reorder_linear_weight(weight, None)
+        except RuntimeError:  # no bfloat16 oneDNN path on this CPU: the plain GEMM
+            pass
+    return weight, None
 
 
 def _int8pack_scales(w: QuantWeight, dtype: torch.dtype) -> torch.Tensor:

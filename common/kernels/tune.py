@@ -25,7 +25,8 @@ order of the first point >= M (the last beyond 256), so point m_i serves M in (m
 It is written as JSON (atomically; the first writer wins, so processes that tuned at once agree)
 to the kernel cache directory (common.kernels.cbuild.cache_dir), in a file named by a hash of
 the key: CPU flags, the C kernels' libraries (their ISA level and build key), torch threads and
-version, the layers' formats and shapes, the activation mode and x's dtype. A later start with
+version, the layers' formats and shapes, the activation mode, whether the dense path may keep its
+copies, and x's dtype. A later start with
 the same key reads it instead of measuring; any change makes another key, so another file.
 `cpu_quant.choose` reads the orders from `cpu_quant.tuned`; a layer that meets a (bits, dtype,
 mode) no engine tuned for (a test, a benchmark) is tuned on its own shape at its first matmul.
@@ -51,7 +52,7 @@ from common.kernels.quant_weight import QuantWeight
 
 log = logging.getLogger(__name__)
 
-VERSION = 2  # of the method and the file: part of the key (2: a8 is credited like c)
+VERSION = 3  # of the method and the file: part of the key (2: a8 is credited like c; 3: dense)
 M_POINTS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 MAX_ROWS = 2048
 # the C decode layers (common.kernels.cpu_layer) fold about this many torch calls of a decoder
@@ -120,6 +121,7 @@ def tuning_key(layers: list[QuantWeight], dtype: torch.dtype) -> dict:
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "activations": cpu_quant.activations,
+        "dense_weights": cpu_quant.dense_weights,
         "dtype": str(dtype).removeprefix("torch."),
         "layers": sorted(layer_format(layer) for layer in layers),
     }
@@ -131,8 +133,12 @@ def cache_path(key: dict) -> Path:
 
 
 def allowed_paths(dtype: torch.dtype) -> list[str]:
-    """The paths the activation mode lets run (a8 only where int8 activations may)."""
-    return [p for p in cpu_quant.PATHS if p != "a8" or cpu_quant.int8_activations()]
+    """The paths the activation mode lets run (a8 only where int8 activations may; dense only
+    where its copies were allowed)."""
+    return [
+        p for p in cpu_quant.PATHS
+        if (p != "a8" or cpu_quant.int8_activations()) and (p != "dense" or cpu_quant.dense_weights)
+    ]  # fmt: skip
 
 
 def measure(

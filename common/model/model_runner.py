@@ -48,6 +48,39 @@ def kv_bytes_per_block(hf_config, block_size: int, dtype: torch.dtype) -> int:
     return 2 * hf_config.num_hidden_layers * block_size * hf_config.num_key_value_heads * row
 
 
+def allow_dense_weights(budget: str, weights: list, dtype: torch.dtype) -> bool:
+    """Let the quantized layers keep dequantized copies (cpu_quant's "dense" path, which the tune
+    then times) when all of them fit in `budget` (--dense-weight-memory: auto = a quarter of the
+    memory available now); logs the decision. Returns it."""
+    if not weights:  # no quantized layers: nothing to decide (the flag is process-wide)
+        return False
+    need = cpu_quant.dense_bytes(weights, dtype)
+    if budget == "auto":
+        limit, what = available_memory_bytes() // 4, "a quarter of the available memory"
+    else:
+        limit, what = parse_size(budget), f"--dense-weight-memory {budget}"
+    allowed = 0 < need <= limit
+    cpu_quant.set_dense_weights(allowed)
+    log.info(
+        "dense copies of the quantized weights (%s, %.1f MiB) %s %s (%.1f MiB)",
+        str(dtype).removeprefix("torch."), need / 2**20,
+        "fit in" if allowed else "do not fit in: the dense path is off;", what, limit / 2**20,
+    )  # fmt: skip
+    return allowed
+
+
+def available_memory_bytes() -> int:
+    """MemAvailable from /proc/meminfo (Linux); elsewhere 0 (auto then keeps no copies)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 class ModelRunner:
     """The model, its paged KV cache, and the per-step input preparation."""
 
@@ -100,6 +133,7 @@ class ModelRunner:
             self.draft_model = self._load_draft(config.draft_model, hf_config)
         if self.device.type == "cpu":  # which kernel serves which batch size: measured or cached
             weights = kernel_weights([self.model, self.draft_model])
+            allow_dense_weights(config.dense_weight_memory, [w for _, w in weights], self.dtype)
             tune.prepare(config.kernel_choice, self.dtype, weights)
         self.num_blocks = self._num_blocks(hf_config)
         if self.num_blocks * self.block_size < self.max_model_len:

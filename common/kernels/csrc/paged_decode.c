@@ -175,6 +175,68 @@ static inline __m128 reduce4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
     return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
+#define PREFETCH_AHEAD 16 /* tokens: see attend_part_avx2 */
+
+/* token tt's K and V rows of kv head h, asked for into L2 */
+static inline void prefetch_kv(const Job *j, const int32_t *table, int tt, int h, size_t esize,
+                               size_t row_bytes) {
+    const int bs = j->bs;
+    const long off = (((long)table[tt / bs] * bs + tt % bs) * j->Hkv + h) * j->D;
+    for (size_t c = 0; c < row_bytes; c += 64) {
+        _mm_prefetch((const char *)j->k_cache + off * esize + c, _MM_HINT_T1);
+        _mm_prefetch((const char *)j->v_cache + off * esize + c, _MM_HINT_T1);
+    }
+}
+
+static inline float hmax4(__m128 v) {
+    v = _mm_max_ps(v, _mm_movehl_ps(v, v));
+    v = _mm_max_ss(v, _mm_shuffle_ps(v, v, 1));
+    return _mm_cvtss_f32(v);
+}
+
+/* exp_approx (vecmath.h) on 8 lanes: the same steps */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.33654f)), _mm256_set1_ps(88.72283f));
+    const __m256 n = _mm256_floor_ps(
+        _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.f));
+    const __m256i e = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+/* softmax_parts with each row's maximum m[g] given: 8 exps at a time, 8 partial sums */
+static inline void softmax_exp_avx2(float *restrict scores, int G, int n, const float *m,
+                                    float *restrict l) {
+    for (int g = 0; g < G; g++) {
+        float *restrict sg = scores + g * n;
+        const __m256 mx = _mm256_set1_ps(m[g]);
+        __m256 sum8 = _mm256_setzero_ps();
+        int t = 0;
+        for (; t + 8 <= n; t += 8) {
+            const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + t), mx));
+            _mm256_storeu_ps(sg + t, e);
+            sum8 = _mm256_add_ps(sum8, e);
+        }
+        const __m128 h4 = _mm_add_ps(_mm256_castps256_ps128(sum8), _mm256_extractf128_ps(sum8, 1));
+        const __m128 h2 = _mm_add_ps(h4, _mm_movehl_ps(h4, h4));
+        float sum = _mm_cvtss_f32(_mm_add_ss(h2, _mm_shuffle_ps(h2, h2, 1)));
+        for (; t < n; t++) {
+            sg[t] = exp_approx(sg[t] - m[g]);
+            sum += sg[t];
+        }
+        l[g] = sum;
+    }
+}
+
 /* kvq: 0 for a cache of q's dtype, 1 for an 8-bit one (a constant in every copy; int8 or fp8 is
  * told apart per load, one well-predicted branch, to keep the copies few) */
 static inline __attribute__((always_inline)) void attend_part_avx2(
@@ -183,22 +245,23 @@ static inline __attribute__((always_inline)) void attend_part_avx2(
     float *restrict l) {
     const int bs = j->bs, Hkv = j->Hkv, n = t1 - t0, dtype = j->dtype;
     const int32_t *table = j->block_tables + (long)b * j->max_blocks;
-    /* Ask for every K and V row of the part up front: in a decode step the weights streamed
-     * since the last layer have evicted the cache, and many misses in flight at once cost far
-     * less than one at a time as the loops reach them (41 -> 23 us a layer at 256 tokens). */
+    /* Ask for K and V rows ahead of the loops: in a decode step the weights streamed since the
+     * last layer have evicted the cache, and many misses in flight at once cost far less than
+     * one at a time as the loops reach them (41 -> 23 us a layer at 256 tokens). The first
+     * PREFETCH_AHEAD tokens' rows now, the rest from inside the score loop, PREFETCH_AHEAD
+     * tokens ahead of it: asking for a whole part's rows at once stalled on the full fill
+     * buffers (a fifth of a batch-64 step's attention). V is not read until the score loop
+     * ends, so its rows are asked for at the same distance. */
     const size_t esize = kvq ? 1 : dtype == 0 ? 4 : 2, row_bytes = (size_t)D * esize;
-    for (int tt = t0; tt < t1; tt++) {
-        const long off = (((long)table[tt / bs] * bs + tt % bs) * Hkv + h) * D;
-        for (size_t c = 0; c < row_bytes; c += 64) {
-            _mm_prefetch((const char *)j->k_cache + off * esize + c, _MM_HINT_T1);
-            _mm_prefetch((const char *)j->v_cache + off * esize + c, _MM_HINT_T1);
-        }
-    }
+    const int ahead = t0 + PREFETCH_AHEAD < t1 ? t0 + PREFETCH_AHEAD : t1;
+    for (int tt = t0; tt < ahead; tt++) prefetch_kv(j, table, tt, h, esize, row_bytes);
     for (int g = 0; g < G; g++)
         load_row(j->q, b * j->q_stride + (long)(h * G + g) * D, D, dtype, qf + g * D);
     /* element offsets of each token's K/V row of this kv head */
     long rows[4];
     float kscale[4] = {1.f, 1.f, 1.f, 1.f};
+    __m128 mx4[4];
+    for (int g = 0; g < G; g++) mx4[g] = _mm_set1_ps(-INFINITY);
     int t = t0;
     while (t < t1) {
         const int count = t1 - t < 4 ? t1 - t : 4;
@@ -208,6 +271,9 @@ static inline __attribute__((always_inline)) void attend_part_avx2(
             rows[i] = slot_row * D;
             if (kvq) kscale[i] = j->k_scales[slot_row] * j->scale;
         }
+        for (int i = 0; i < count; i++)
+            if (t + i + PREFETCH_AHEAD < t1)
+                prefetch_kv(j, table, t + i + PREFETCH_AHEAD, h, esize, row_bytes);
         __m256 a[4][4];
         for (int g = 0; g < G; g++)
             for (int i = 0; i < 4; i++) a[g][i] = _mm256_setzero_ps();
@@ -222,12 +288,15 @@ static inline __attribute__((always_inline)) void attend_part_avx2(
         for (int g = 0; g < G; g++) {
             float s4[4];
             const __m128 sc = kvq ? _mm_loadu_ps(kscale) : _mm_set1_ps(j->scale);
-            _mm_storeu_ps(s4, _mm_mul_ps(reduce4(a[g][0], a[g][1], a[g][2], a[g][3]), sc));
+            const __m128 s = _mm_mul_ps(reduce4(a[g][0], a[g][1], a[g][2], a[g][3]), sc);
+            mx4[g] = _mm_max_ps(mx4[g], s); /* a short tail's repeats change no maximum */
+            _mm_storeu_ps(s4, s);
             for (int i = 0; i < count; i++) scores[g * n + (t - t0) + i] = s4[i];
         }
         t += count;
     }
-    softmax_parts(scores, G, n, m, l);
+    for (int g = 0; g < G; g++) m[g] = hmax4(mx4[g]);
+    softmax_exp_avx2(scores, G, n, m, l);
     for (int d0 = 0; d0 < D; d0 += 32) {
         __m256 v_acc[4][4];
         for (int g = 0; g < G; g++)

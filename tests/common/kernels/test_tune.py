@@ -1,5 +1,6 @@
 """common/kernels/tune.py: the tune cache is written, reused without measuring again, and
-invalidated by the CPU flags, threads, layer shapes, activation mode and x dtype; the path each
+invalidated by the CPU flags, threads, layer shapes, activation mode, the dense path's permission
+and x dtype; the path each
 batch range gets is the one measured fastest there (a fake timer: deterministic), a path that
 does not apply falls to the next in measured order; --kernel-choice forces a path or the fixed
 table and measures nothing; the startup log names each range's kernel with its times; a tiny
@@ -75,7 +76,9 @@ def test_cache_written_then_reused(cache):
     assert set(cpu_quant.tuned) == {(4, torch.float32, "auto"), (8, torch.float32, "auto")}
 
 
-@pytest.mark.parametrize("change", ["flags", "threads", "shapes", "activations", "dtype"])
+@pytest.mark.parametrize(
+    "change", ["flags", "threads", "shapes", "activations", "dtype", "dense"]
+)
 def test_cache_invalidated(cache, monkeypatch, change):
     timer = FakeTimer()
     tune.prepare("auto", torch.float32, kernel_weights([model()]), timer)
@@ -89,6 +92,8 @@ def test_cache_invalidated(cache, monkeypatch, change):
         hidden = 96
     elif change == "activations":
         monkeypatch.setattr(cpu_quant, "activations", "float")
+    elif change == "dense":
+        monkeypatch.setattr(cpu_quant, "dense_weights", not cpu_quant.dense_weights)
     else:
         dtype = torch.bfloat16
     try:
@@ -256,3 +261,20 @@ def test_pdserve_tune_prints_the_table(tiny_llama, cache, capsys):
     assert "kernel choice, " in out and "int4 x float32 M 1" in out
     (file,) = cache.glob("tune-*.json")
     assert f"written to {file}" in out
+
+
+@pytest.mark.parametrize("allowed", [True, False])
+def test_the_dense_path_is_timed_only_where_allowed(monkeypatch, allowed):
+    """Its copies allowed (the model runner's budget), dense is timed like any path and can win
+    a range; not allowed, it is never timed nor chosen."""
+    monkeypatch.setattr(cpu_quant, "activations", "float")
+    monkeypatch.setattr(cpu_quant, "dense_weights", allowed)
+    fastest = lambda m: "c" if m <= 16 else "dense"  # noqa: E731
+    layers = [qlayer(64, 64).kernel_weight()]
+    tables = tune.measure(layers, torch.float32, FakeTimer(winner(fastest)))
+    firsts = {m: order[0] for m, order, _ in tables[4]}
+    if allowed:
+        assert firsts == {m: fastest(m) for m in tune.M_POINTS}
+    else:
+        assert all("dense" not in order for _, order, _ in tables[4])
+        assert set(firsts.values()) == {"c"}

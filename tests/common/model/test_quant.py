@@ -83,6 +83,7 @@ def test_cpu_kernels_match_reference(monkeypatch, path, bits, group, dtype, m) -
     qt = quantize_rtn(torch.randn(n, k) * 0.1, bits, group or k)
     layer = QuantLinear(qt).to(dtype)
     x = torch.randn(m, k).to(dtype)
+    monkeypatch.setattr(cpu_quant, "dense_weights", True)  # else the runner's budget decides
     if not cpu_quant.applies(path, layer.kernel_weight(), x):
         pytest.skip(f"{path} does not apply")
     monkeypatch.setenv("PDSERVE_CPU_QUANT_KERNEL", path)
@@ -100,18 +101,25 @@ def test_cpu_kernels_match_reference(monkeypatch, path, bits, group, dtype, m) -
     assert (got.float() - ref).abs().max() <= tol * scale
 
 
-@pytest.mark.parametrize("mode, group", [("int4", 0), ("int4", 32), ("int8", 0), ("int8", 32)])
-def test_tiny_quantized_engine_matches_dequantized_twin(tiny_model, mode, group) -> None:
+@pytest.mark.parametrize(
+    "mode, group, kernels",
+    [("int4", 0, "auto"), ("int4", 32, "auto"), ("int8", 0, "auto"), ("int8", 32, "auto"),
+     ("int4", 32, "dense")],
+)  # fmt: skip
+def test_tiny_quantized_engine_matches_dequantized_twin(tiny_model, mode, group, kernels) -> None:
     """Engine logprobs of a quantized tiny model vs a dense model holding its dequantized weights.
 
     float32 with float activations: the quantized and dense matmuls differ only in summation
-    order, so greedy tokens agree and logits agree to 1e-3 (random-init logits are O(1)).
+    order, so greedy tokens agree and logits agree to 1e-3 (random-init logits are O(1)). With
+    the dense path forced, every quantized layer multiplies its kept dequantized copy.
     """
     family, hf_model, _ = tiny_model
     cfg = dict(model="tiny", dtype="float32", kv_cache_memory="8MiB", block_size=8,
                cpu_activations="float")  # fmt: skip
     quant = Engine(
-        EngineConfig(**cfg, quantization=mode, quantization_group_size=group),
+        EngineConfig(
+            **cfg, quantization=mode, quantization_group_size=group, kernel_choice=kernels
+        ),
         hf_model.config,
         hf_model.state_dict().items(),
     )
@@ -120,17 +128,44 @@ def test_tiny_quantized_engine_matches_dequantized_twin(tiny_model, mode, group)
     assert len(layers) == 4 * hf_model.config.num_hidden_layers  # qkv, o, gate_up, down
     assert all(m.bits == int(mode[3:]) for m in layers)
     assert type(model.lm_head).__name__ == "Linear"  # the head stays 16-bit on a dense checkpoint
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=5)
+    ps = [[5, 9, 23, 7, 100, 3], [17, 4, 4, 8, 99, 120, 31, 2, 64]]
+    got = quant.generate(ps, params)  # before the twin's start resets the process's kernel choice
     twin_weights = []
     for hf_name, tensor in hf_model.state_dict().items():
         twin_weights.append((hf_name, _requantized(hf_name, tensor, mode, group)))
     dense = Engine(EngineConfig(**cfg, quantization="none"), hf_model.config, twin_weights)
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=5)
-    ps = [[5, 9, 23, 7, 100, 3], [17, 4, 4, 8, 99, 120, 31, 2, 64]]
-    got = quant.generate(ps, params)
     ref = dense.generate(ps, params)
     for a, b in zip(got, ref):
         assert a.output_token_ids == b.output_token_ids, family
         assert a.output_logprobs == pytest.approx(b.output_logprobs, abs=1e-3)
+    if kernels == "dense":
+        assert cpu_quant.dense_weights and all(("dense", torch.float32) in m.kernel_weight().derived
+                                               for m in layers)  # fmt: skip
+    cpu_quant.set_kernel_choice("auto")
+
+
+@pytest.mark.parametrize(
+    "budget, available, allowed",
+    [("auto", 4 << 20, True), ("auto", 1 << 20, False), ("1MiB", 0, True), ("64KiB", 0, False),
+     ("0", 1 << 40, False)],
+)  # fmt: skip
+def test_dense_copies_only_within_their_budget(monkeypatch, caplog, budget, available, allowed):
+    """--dense-weight-memory: the copies (here 4 x 96 x 256 float32 = 384 KiB) are allowed when
+    all fit: auto in a quarter of the available memory, a size in itself, 0 never."""
+    from common.model import model_runner
+
+    monkeypatch.setattr(model_runner, "available_memory_bytes", lambda: available)
+    monkeypatch.setattr(cpu_quant, "dense_weights", not allowed)
+    weights = [quantize_rtn(torch.randn(96, 256), 4, 32) for _ in range(4)]
+    kernel = [QuantLinear(qt).kernel_weight() for qt in weights]
+    assert cpu_quant.dense_bytes(kernel, torch.float32) == 384 << 10
+    with caplog.at_level("INFO", logger="common.model.model_runner"):
+        assert model_runner.allow_dense_weights(budget, kernel, torch.float32) is allowed
+    assert cpu_quant.dense_weights is allowed
+    assert ("do not fit in: the dense path is off" in caplog.text) is not allowed
+    x = torch.randn(3, 256)
+    assert cpu_quant.applies("dense", kernel[0], x) is allowed
 
 
 def _requantized(hf_name: str, tensor: torch.Tensor, mode: str, group: int) -> torch.Tensor:
