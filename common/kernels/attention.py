@@ -181,19 +181,21 @@ def _prefill_attention(
 ) -> torch.Tensor:
     """Causal; queries are the last q_len of k_len keys. q [q_len, H, D], k/v [k_len, Hkv, D]."""
     q_len, k_len = q.shape[0], k.shape[0]
-    num_heads, num_kv_heads = q.shape[1], k.shape[1]
-    if num_heads != num_kv_heads:
-        # SDPA's enable_gqa falls back to its slow math kernel on CPU; expanded K/V keep it fused.
-        k = k.repeat_interleave(num_heads // num_kv_heads, dim=1)
-        v = v.repeat_interleave(num_heads // num_kv_heads, dim=1)
-    qt, kt, vt = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # [1, H, len, D]
+    num_heads, num_kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[2]
+    group = num_heads // num_kv_heads
+    # [Hkv, G, len, D]: each kv head's G query heads as a batch row whose K/V are one head's,
+    # broadcast (stride 0), not copied: SDPA's enable_gqa falls back to its slow math kernel on
+    # CPU, and repeat_interleave copies K/V G times (same result to the bit, 25% slower at 2,048
+    # tokens).
+    qt = q.view(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
+    kt, vt = (x.transpose(0, 1)[:, None].expand(-1, group, -1, -1) for x in (k, v))
     if q_len == k_len:
         out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale)
     else:
         rows = torch.arange(q_len, device=q.device)[:, None] + (k_len - q_len)
         allowed = torch.arange(k_len, device=q.device)[None, :] <= rows
         out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=allowed, scale=scale)
-    return out[0].transpose(0, 1)
+    return out.permute(2, 0, 1, 3).reshape(q_len, num_heads, head_dim)
 
 
 def paged_attention(
