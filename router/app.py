@@ -30,7 +30,6 @@ Built by `router.server` (`create_app`), which runs it under uvicorn.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import secrets
 from collections.abc import Callable
@@ -130,13 +129,13 @@ class RouterState:
 
 
 class _Guard:
-    """ASGI middleware in front of every route (FastAPI's own /openapi.json and /docs included):
-    the API key, and a declared body size over the limit refused before a byte of it is read;
-    then the generation endpoints straight to `router.generate.serve_generate`, everything else
-    through FastAPI. Plain ASGI rather than BaseHTTPMiddleware, which would buffer streamed
-    responses."""
+    """The ASGI app in front of FastAPI (its own /openapi.json and /docs included): the API key,
+    and a declared body size over the limit refused before a byte of it is read; then the
+    generation endpoints straight to `router.generate.serve_generate`, everything else through
+    FastAPI (its routing, middleware and exception handlers). Plain ASGI rather than
+    BaseHTTPMiddleware, which would buffer streamed responses."""
 
-    def __init__(self, app: ASGIApp, state: RouterState) -> None:
+    def __init__(self, app: FastAPI, state: RouterState) -> None:
         self.app = app
         self.state = state
 
@@ -146,35 +145,41 @@ class _Guard:
             if error is not None:
                 await error_response(error)(scope, receive, send)
                 return
-            app = self.app
             path = scope["path"]
-            if path in GENERATE_URLS and scope["method"] == "POST":  # past FastAPI's routing
-                app = functools.partial(serve_generate, self.state, path)
-            await self.state.trimmer.serve(app, scope, receive, send, self.state.executor)
+            if path in GENERATE_URLS and scope["method"] == "POST":  # past FastAPI
+                await serve_generate(self.state, path, scope, receive, send)
+                return
+            await self.state.trimmer.serve(self.app, scope, receive, send, self.state.executor)
             return
         await self.app(scope, receive, send)
 
     def _refusal(self, scope: Scope) -> RequestError | None:
         state = self.state
-        headers = {k.lower(): v for k, v in scope["headers"]}
         path = scope["path"]
-        open_path = path in OPEN_PATHS or (path == "/metrics" and state.metrics_without_key)
-        if state.api_key and not open_path:
-            scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+        check_key = state.api_key and not (
+            path in OPEN_PATHS or (path == "/metrics" and state.metrics_without_key)
+        )
+        authorization = length = b""
+        for name, value in scope["headers"]:  # ASGI servers give header names in lower case
+            if name == b"content-length":
+                length = value
+            elif name == b"authorization":
+                authorization = value
+        if check_key:
+            scheme, _, token = authorization.partition(b" ")
             if scheme.lower() != b"bearer" or not secrets.compare_digest(
                 token.strip(), state.api_key.encode()
             ):
                 return RequestError(
                     "invalid or missing API key", code=401, type="authentication_error"
                 )
-        length = headers.get(b"content-length", b"")
         if length.isdigit() and int(length) > state.max_body_bytes:
             return too_large(state)
         return None
 
 
-def create_app(state: RouterState) -> FastAPI:
-    """The FastAPI app over `state`."""
+def create_app(state: RouterState) -> ASGIApp:
+    """The router's ASGI app over `state`: the guard in front of the FastAPI app."""
     app = FastAPI(
         title="pdserve router",
         summary="OpenAI-compatible completions and chat over disaggregated prefill/decode workers",
@@ -183,7 +188,6 @@ def create_app(state: RouterState) -> FastAPI:
         openapi_url="/openapi.json",
     )
     app.state.router = state
-    app.add_middleware(_Guard, state=state)
 
     @app.exception_handler(RequestError)
     async def _request_error(request: Request, e: RequestError) -> JSONResponse:
@@ -203,13 +207,14 @@ def create_app(state: RouterState) -> FastAPI:
         log.exception("internal error on %s", request.url.path)
         return error_response(RequestError(f"internal error: {e}", code=500, type="internal_error"))
 
+    # Served by the guard (`serve_generate`) before FastAPI sees them: here for the schema.
     @app.post(COMPLETIONS_URL, openapi_extra=schemas.openapi_body(schemas.COMPLETION_REQUEST))
     async def completions(request: Request) -> Response:
-        return await generate(state, request, COMPLETIONS_URL)
+        return await generate(state, COMPLETIONS_URL, request.scope, request.receive)
 
     @app.post(CHAT_URL, openapi_extra=schemas.openapi_body(schemas.CHAT_REQUEST))
     async def chat_completions(request: Request) -> Response:
-        return await generate(state, request, CHAT_URL)
+        return await generate(state, CHAT_URL, request.scope, request.receive)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -265,7 +270,7 @@ def create_app(state: RouterState) -> FastAPI:
     async def detokenize(request: Request) -> dict[str, Any]:
         return await detokenize_body(state, request)
 
-    return app
+    return _Guard(app, state)
 
 
 def _model_card(state: RouterState, name: str) -> dict[str, Any]:

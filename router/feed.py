@@ -3,15 +3,16 @@
 Owns `ChoiceFeed`, which applies a job's events (the decode workers' `TokenOutput`s, or a
 flight's failure) to its choices: timing tokens into the request's metrics, releasing each choice
 on the worker once it is done (which aborts it there when a stop string cut it short), and
-turning a failure into a `RequestError`; and `choice_delta_batches` / `choice_deltas`, the loop
-over it for a whole (non-streamed) response, everything buffered at each wake-up at once. The
+turning a failure into a `RequestError`; and `collect`, the loop over it for a whole
+(non-streamed) response, everything buffered at each wake-up at once. The
 choices are `common.api.choice.Choice`s. Used by `router.generate` (whole responses) and
 `router.streaming` (streamed ones).
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Sequence
+import asyncio
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
 from common.api.choice import Choice, Delta
@@ -83,31 +84,34 @@ class ChoiceFeed:
         return render(choice, delta), None
 
 
-async def choice_delta_batches(
+async def collect(
     job: Job,
     choices: Sequence[Choice],
     timeout_s: float,
     timer: RequestTimer,
-    render: Callable[[Choice, Delta], T] = _pair,
-) -> AsyncIterator[list[T]]:
-    """Apply the job's events until every choice is done, yielding `render(choice, delta)` of
-    everything that arrived by each wake-up together; RequestError on failure or timeout."""
+    gone: Callable[[], Awaitable[bool]],
+    poll_s: float,
+) -> None:
+    """Apply the job's events until every choice is done, everything buffered at each wake-up
+    at once, in the caller's task; RequestError on failure, after `timeout_s` (504), or when
+    `gone()`, asked every `poll_s` (tokens arriving or not), says the client left (499)."""
     clock = timer.metrics.clock
     deadline = clock() + timeout_s
+    look_at = clock() + poll_s  # when to ask `gone` next
     feed = ChoiceFeed(job, choices, timer)
+    events = job.events
     while not feed.done:
-        rendered, error = feed.apply(await job.next_events(deadline - clock()), render)
+        now = clock()
+        if now >= deadline:
+            raise RequestError("the request timed out", code=504, type="timeout")
+        if now >= look_at:
+            if await gone():
+                raise RequestError("the client closed the connection", code=499)
+            look_at = now + poll_s
+        try:
+            await events.wait(min(deadline, look_at) - now)
+        except asyncio.TimeoutError:
+            continue
+        _, error = feed.apply(events.take_all(), _pair)
         if error is not None:
-            if rendered:
-                yield rendered
             raise error
-        yield rendered
-
-
-async def choice_deltas(
-    job: Job, choices: Sequence[Choice], timeout_s: float, timer: RequestTimer
-) -> AsyncIterator[tuple[Choice, Delta]]:
-    """`choice_delta_batches`, one delta at a time."""
-    async for deltas in choice_delta_batches(job, choices, timeout_s, timer):
-        for item in deltas:
-            yield item

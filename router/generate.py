@@ -10,8 +10,12 @@ beyond the waiting limit or while the relay is overloaded), and the answer: a st
 the client leaves first). Every error is an OpenAI error body (`error_response`).
 
 `serve_generate` is the ASGI entry `router.app`'s guard calls for these two routes directly,
-past FastAPI's routing and dependency machinery (which cost more than the routing decision
-itself); the FastAPI routes stay for the OpenAPI schema and for any other server path.
+past FastAPI (its routing, middleware and dependency machinery cost more than the routing
+decision itself); the FastAPI routes stay for the OpenAPI schema. The path is lean because at a
+few hundred microseconds a request every piece counts: the body read straight off `receive`, no
+task per request (a whole response is collected in the request's own task, the client's
+departure looked for only once it has waited `DISCONNECT_POLL_S`), and a whole body encoded once
+and sent as two ASGI messages (`WholeBody`, the bytes `JSONResponse` would send).
 """
 
 from __future__ import annotations
@@ -19,12 +23,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import time
-import uuid
-from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
@@ -35,9 +37,9 @@ from common.api.requests import CHAT_URL, GenerationRequest, RequestError, parse
 from common.api.responses import chat_body, completion_body
 from common.api.structured import check_structured_output
 from common.api.tools import message_texts
-from router.feed import choice_deltas
+from router.feed import collect
 from router.job import Job
-from router.streaming import SSEResponse
+from router.streaming import SSEResponse, disconnected
 
 if TYPE_CHECKING:
     from router.app import RouterState
@@ -56,14 +58,33 @@ def too_large(state: RouterState) -> RequestError:
     return RequestError(f"the request body exceeds {state.max_body_bytes} bytes", code=413)
 
 
+# As `JSONResponse` renders: the same bytes, without building an encoder per response.
+_JSON = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+
+
+class WholeBody(Response):
+    """A whole (non-streamed) JSON answer: byte for byte `JSONResponse(content)`, its headers
+    built without Starlette's header machinery."""
+
+    def __init__(self, content: Any) -> None:
+        self.status_code = 200
+        self.background = None
+        self.body = _JSON.encode(content).encode()
+        self.raw_headers = [
+            (b"content-length", b"%d" % len(self.body)),
+            (b"content-type", b"application/json"),
+        ]
+
+
 async def serve_generate(
     state: RouterState, url: str, scope: Scope, receive: Receive, send: Send
 ) -> None:
     """One generation request as a plain ASGI app; errors as the app's exception handlers
-    answer them (a RequestError's own body, anything else a logged 500)."""
-    request = Request(scope, receive)
+    answer them (a RequestError's own body, anything else a logged 500). Tells the heap
+    trimmer (`router.memory`) how many body bytes it read and sent."""
+    counted = _Counted(receive, send)
     try:
-        response = await generate(state, request, url)
+        response = await generate(state, url, scope, counted.receive)
     except RequestError as e:
         response = error_response(e)
     except Exception as e:
@@ -71,7 +92,32 @@ async def serve_generate(
         response = error_response(
             RequestError(f"internal error: {e}", code=500, type="internal_error")
         )
-    await response(scope, receive, send)
+    try:
+        if isinstance(response, WholeBody):
+            counted.num_bytes += len(response.body)
+            await response(scope, counted.receive, send)
+        else:
+            await response(scope, counted.receive, counted.send)
+    finally:
+        state.trimmer.request_done(counted.num_bytes, state.executor)
+
+
+class _Counted:
+    """`receive` and `send` counting the body bytes through them."""
+
+    __slots__ = ("_receive", "_send", "num_bytes")
+
+    def __init__(self, receive: Receive, send: Send) -> None:
+        self._receive, self._send, self.num_bytes = receive, send, 0
+
+    async def receive(self) -> dict:
+        message = await self._receive()
+        self.num_bytes += len(message.get("body", b""))
+        return message
+
+    async def send(self, message: dict) -> None:
+        self.num_bytes += len(message.get("body", b""))
+        await self._send(message)
 
 
 def prompt_texts(gen: GenerationRequest) -> list[str]:
@@ -83,10 +129,10 @@ def prompt_texts(gen: GenerationRequest) -> list[str]:
 
 
 async def validated(
-    state: RouterState, request: Request, url: str
+    state: RouterState, receive: Receive, url: str
 ) -> tuple[GenerationRequest, list[EngineInput]]:
     """The request read, validated and tokenized (off the loop): RequestError when it is bad."""
-    body = await json_body(state, request)
+    body = await json_body(state, receive)
     gen = parse_request(url, body, state.served_model_names, state.tool_format())
     context_len = state.context_len()
     texts = prompt_texts(gen)
@@ -99,27 +145,36 @@ async def validated(
     return gen, await state.offload(engine_inputs, gen, state.tokenizer, context_len)
 
 
-async def json_body(state: RouterState, request: Request) -> dict:
-    """The body as a validated JSON object, read up to the size limit and parsed off the loop."""
+async def json_body(state: RouterState, receive: Receive) -> dict:
+    """The body as a validated JSON object, read off `receive` up to the size limit and parsed
+    off the loop when large; 499 if the client leaves before it is whole."""
     chunks, size = [], 0
-    async for chunk in request.stream():
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise RequestError("the client closed the connection", code=499)
+        chunk = message.get("body", b"")
         size += len(chunk)
         if size > state.max_body_bytes:  # no or a false Content-Length: stop reading here
             raise too_large(state)
         chunks.append(chunk)
-    raw = b"".join(chunks)
+        if not message.get("more_body", False):
+            break
+    raw = chunks[0] if len(chunks) == 1 else b"".join(chunks)
     if len(raw) < 65536:  # handing a small body to a thread costs more than parsing it
         return parse_json_object(raw)
     return await state.offload(parse_json_object, raw)
 
 
-async def generate(state: RouterState, request: Request, url: str) -> Response:
+async def generate(state: RouterState, url: str, scope: Scope, receive: Receive) -> Response:
+    """The answer to one generation request (a stream, or the whole body once every choice is
+    done); RequestError when it fails before an answer starts."""
     timer = state.metrics.start_request()
     try:
         with state.admission.admit():  # waiting from here until every flight is dispatched
-            gen, inputs = await validated(state, request, url)
+            gen, inputs = await validated(state, receive, url)
             chat = gen.endpoint == "chat"
-            response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+            response_id = f"{'chatcmpl' if chat else 'cmpl'}-{os.urandom(16).hex()}"
             choices = [
                 Choice(p * gen.n + k, inp.prompt_token_ids, params, gen, state.tokenizer)
                 for p, inp in enumerate(inputs)
@@ -154,38 +209,39 @@ async def generate(state: RouterState, request: Request, url: str) -> Response:
             state.request_timeout_s,
             timer,
         )
-
-    async def collect() -> None:
-        async for _ in choice_deltas(job, choices, state.request_timeout_s, timer):
-            pass
-
+    watch = ClientWatch(receive)
     try:
-        await unless_disconnected(request, collect)
+        await collect(job, choices, state.request_timeout_s, timer, watch.gone, DISCONNECT_POLL_S)
     except RequestError as e:
         timer.failed(e.code)
         raise
     finally:
+        watch.close()
         job.close()
     completion_tokens = sum(len(c.token_ids) for c in choices)
     timer.finished(prompt_tokens, completion_tokens, [c.finish_reason or "" for c in choices])
     build = chat_body if chat else completion_body
     results = [c.result() for c in choices]
-    return JSONResponse(
+    return WholeBody(
         build(gen, results, state.tokenizer, prompt_tokens, request_id=response_id, created=created)
     )
 
 
-async def unless_disconnected(request: Request, work: Callable[[], Awaitable[None]]) -> None:
-    """Run `work`; cancel it (and raise RequestError 499) if the client goes away first."""
-    task = asyncio.ensure_future(work())
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                raise RequestError("the client closed the connection", code=499)
-    finally:
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+class ClientWatch:
+    """Whether the HTTP client has gone, asked while a whole response waits: the watch on
+    `receive` (a task) starts only when first asked, so a request answered within the first
+    poll never starts one."""
+
+    def __init__(self, receive: Receive) -> None:
+        self.receive = receive
+        self.task: asyncio.Future[None] | None = None
+
+    async def gone(self) -> bool:
+        if self.task is None:
+            self.task = asyncio.ensure_future(disconnected(self.receive))
+            await asyncio.sleep(0)  # a client already gone is seen now, not a poll later
+        return self.task.done()
+
+    def close(self) -> None:
+        if self.task is not None:
+            self.task.cancel()

@@ -91,7 +91,7 @@ class SSEResponse(Response):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         job, timer = self.job, self.timer
-        gone = asyncio.ensure_future(_disconnect(receive))
+        gone = asyncio.ensure_future(disconnected(receive))
         try:
             await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
             if self.request.endpoint == "chat":
@@ -237,7 +237,7 @@ async def _body(send: Send, data: bytes) -> None:
         await send({"type": "http.response.body", "body": data, "more_body": True})
 
 
-async def _disconnect(receive: Receive) -> None:
-    """Until the client goes away."""
+async def disconnected(receive: Receive) -> None:
+    """Until the client goes away (the ASGI server's `http.disconnect`)."""
     while (await receive())["type"] != "http.disconnect":
         pass

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 async def tokenize_body(state: RouterState, request: Request) -> Response:
     """The prompt (or chat messages, templated) as token ids, with the count and context."""
-    body = await json_body(state, request)
+    body = await json_body(state, request.receive)
     check_model(state, body)
     if "messages" in body:
         chat = {**body, "max_tokens": 1}
@@ -48,7 +48,7 @@ async def tokenize_body(state: RouterState, request: Request) -> Response:
 
 async def detokenize_body(state: RouterState, request: Request) -> dict[str, Any]:
     """Token ids as text (special tokens included)."""
-    body = await json_body(state, request)
+    body = await json_body(state, request.receive)
     check_model(state, body)
     return {"prompt": await state.offload(_detokenize, state.tokenizer, body.get("tokens"))}
 

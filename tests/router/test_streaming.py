@@ -2,7 +2,7 @@
 
 The SSE bytes of streamed completions and chat (with and without the usage chunk), the error event
 of a failed or timed-out flight, stop strings that release a choice on the worker, and the
-non-streamed path (`choice_deltas`, then a whole body) giving the same text. Every test runs with
+non-streamed path (`collect`, then a whole body) giving the same text. Every test runs with
 the response's task writing (`task`: no direct writer, as under a server other than uvicorn) and
 with chunks written as the events are put (`direct`: a fake uvicorn cycle).
 """
@@ -24,7 +24,7 @@ from common.api.tokenizer import Tokenizer
 from common.model.model_files import resolve_model
 from common.protocol import TokenOutput
 from router.dispatch import FlightFailed
-from router.feed import choice_deltas
+from router.feed import collect
 from router.metrics import RouterMetrics
 from router.relay import EventBuffer
 from router.sse import HTTP_CYCLE
@@ -329,18 +329,76 @@ def test_non_streamed_collects_the_same_text(tok: Tokenizer) -> None:
     )
     a, b, c = ids(tok, " red green blue")
     job = ScriptedJob([(0, tokens([a, b])), (1, tokens([c], "length")), (0, tokens([c], "length"))])
-    metrics = RouterMetrics(Clock())
+    metrics = RouterMetrics()
+    asked: list[bool] = []
 
-    async def collect() -> list[tuple[int, str]]:
-        timer = metrics.start_request()
-        return [(ch.index, d.text) async for ch, d in choice_deltas(job, choices, 60.0, timer)]
+    async def gone() -> bool:
+        asked.append(True)
+        return False
 
-    deltas = asyncio.run(collect())
-    assert deltas == [(0, " red green"), (1, " blue"), (0, " blue")]
+    async def run() -> None:
+        feeding = asyncio.ensure_future(job.feed())  # one event per loop turn
+        await collect(job, choices, 60.0, metrics.start_request(), gone, 60.0)
+        await feeding
+
+    asyncio.run(run())
+    assert not asked  # answered within the first poll: the client was never looked for
     body = completion_body(request, [ch.result() for ch in choices], tok, prompt_tokens)
     assert [ch["text"] for ch in body["choices"]] == [" red green blue", " blue"]
     assert body["usage"]["completion_tokens"] == 4
     assert job.finished == [1, 0] and not job.closed  # router.app closes it after the body
+
+
+@pytest.mark.parametrize("leaves", [False, True])
+def test_a_whole_response_times_out_or_sees_its_client_leave(tok: Tokenizer, leaves: bool) -> None:
+    """Nothing arrives: the client is looked for at every poll (499 once it left), else 504 at
+    the deadline; either way no choice was applied."""
+    request, choices, _ = setup(tok, "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 2})
+    job = ScriptedJob([])
+    asked: list[bool] = []
+
+    async def gone() -> bool:
+        asked.append(True)
+        return leaves and len(asked) >= 3
+
+    async def run() -> None:
+        await collect(job, choices, 0.5, RouterMetrics().start_request(), gone, 0.01)
+
+    with pytest.raises(RequestError) as e:
+        asyncio.run(run())
+    assert e.value.code == (499 if leaves else 504)
+    assert len(asked) == 3 if leaves else len(asked) >= 3
+    assert not choices[0].token_ids
+
+
+def test_a_whole_response_sees_its_client_leave_while_tokens_keep_coming(tok: Tokenizer) -> None:
+    """The client is looked for every poll even when tokens never stop arriving (a stream of a
+    token per 5 ms, polls every 20 ms): 499 long before the last token."""
+    request, choices, _ = setup(tok, "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 400})
+    (a,) = ids(tok, " red")
+    job = ScriptedJob([])
+    asked: list[bool] = []
+
+    async def gone() -> bool:
+        asked.append(True)
+        return len(asked) >= 2
+
+    async def run() -> None:
+        async def drip() -> None:
+            for _ in range(399):
+                job.events.put_nowait((0, tokens([a])))
+                await asyncio.sleep(0.005)
+
+        dripping = asyncio.ensure_future(drip())
+        try:
+            await collect(job, choices, 60.0, RouterMetrics().start_request(), gone, 0.02)
+        finally:
+            dripping.cancel()
+
+    with pytest.raises(RequestError) as e:
+        asyncio.run(run())
+    assert e.value.code == 499 and len(asked) == 2
+    assert 0 < len(choices[0].token_ids) < 100
 
 
 class TogetherJob(ScriptedJob):
