@@ -118,9 +118,7 @@ def gather(
 
 def scatter(kv_cache: torch.Tensor, index: torch.Tensor, payload: torch.Tensor) -> None:
     """Write a payload into the indexed blocks of the cache."""
-    kv_quant.storage(kv_cache).index_copy_(
-        2, index, kv_quant.storage(payload).to(kv_cache.device)
-    )
+    kv_quant.storage(kv_cache).index_copy_(2, index, kv_quant.storage(payload).to(kv_cache.device))
 
 
 def gather_payload(
@@ -183,32 +181,40 @@ def assemble_payload(
     kv_scales: torch.Tensor | None,
     sources: list[int | torch.Tensor],
     out: memoryview | None = None,
+    first: int = 0,
+    num_blocks: int | None = None,
 ) -> torch.Tensor:
     """The payload of blocks from two kinds of source, in order: a block id of the cache, or one
     block's bytes as a KV tier keeps them (`common.engine.kv_tier_store.BlockIO`: its KV rows of
     every layer, K then V, then its scales: a one-block payload). A peer fetch sends blocks of
     its cache and of its tier in one payload. Returns the bytes (a uint8 CPU tensor, over `out`
-    when given)."""
-    n = len(sources)
+    when given).
+
+    With `first` and `num_blocks` (and `out`), `sources` are blocks `first`, `first + 1`, ... of
+    a payload of `num_blocks` blocks, written into their places: a payload filled in slices."""
+    num_total = len(sources) if num_blocks is None else num_blocks
+    if not 0 <= first <= first + len(sources) <= num_total:
+        raise ValueError(f"blocks {first}..{first + len(sources)} of a {num_total}-block payload")
     if out is None:
-        out = memoryview(bytearray(payload_nbytes(kv_cache, n, kv_scales)))
+        out = memoryview(bytearray(payload_nbytes(kv_cache, num_total, kv_scales)))
     if not len(out):
         return torch.empty(0, dtype=torch.uint8)
     data = torch.frombuffer(out, dtype=torch.uint8)
-    if not n:
+    if not sources:
         return data
     storage = kv_quant.storage(kv_cache)
     rows = 2 * storage.shape[0]  # (layer, K|V) rows: the payload holds each row's blocks in turn
     cache_rows = storage.view(rows, storage.shape[2], -1)
     kv_piece = cache_rows.shape[2] * storage.element_size()
-    kv_bytes = kv_piece * rows * n
-    dst_kv = data[:kv_bytes].view(rows, n, kv_piece)
+    kv_bytes = kv_piece * rows * num_total
+    here = slice(first, first + len(sources))  # this slice's blocks in every (layer, K|V) row
+    dst_kv = data[:kv_bytes].view(rows, num_total, kv_piece)[:, here]
     scale_rows = dst_scales = None
     scale_piece = 0
     if kv_scales is not None:
         scale_rows = kv_scales.view(rows, kv_scales.shape[2], -1)
         scale_piece = scale_rows.shape[2] * kv_scales.element_size()
-        dst_scales = data[kv_bytes:].view(rows, n, scale_piece)
+        dst_scales = data[kv_bytes:].view(rows, num_total, scale_piece)[:, here]
     ids = [(i, s) for i, s in enumerate(sources) if isinstance(s, int)]
     if ids:  # the cache's blocks in one gather (as `gather`: along dim 1 of the row view)
         at = torch.tensor([i for i, _ in ids])
@@ -247,11 +253,16 @@ def from_bytes(buffer, header: KVHeader) -> torch.Tensor:
 
 
 def block_checksums(
-    buffer, kv_cache: torch.Tensor, kv_scales: torch.Tensor | None, num_blocks: int
+    buffer,
+    kv_cache: torch.Tensor,
+    kv_scales: torch.Tensor | None,
+    num_blocks: int,
+    blocks: range | None = None,
 ) -> list[int]:
     """Each block's CRC-32 over its bytes in payload order (`KVHeader.block_checksums`): its K
     then V of layer 0, 1, ..., then, for an 8-bit cache, its K and V scales of each layer the
-    same way. `buffer` holds the payload of `num_blocks` blocks of this cache."""
+    same way. `buffer` holds the payload of `num_blocks` blocks of this cache; `blocks`: only
+    these (a slice of the payload just filled), else all."""
     view = memoryview(buffer).cast("B")
     rows = 2 * kv_cache.shape[0]  # (layer, K|V) rows, each holding every block's piece in turn
     pieces = [(0, payload_nbytes(kv_cache, 1) // rows)]  # (where the rows start, piece bytes)
@@ -260,7 +271,7 @@ def block_checksums(
         pieces.append((payload_nbytes(kv_cache, num_blocks), scale_piece))
     crc32 = _fast_crc32 or zlib.crc32
     checksums = []
-    for block in range(num_blocks):
+    for block in range(num_blocks) if blocks is None else blocks:
         crc = 0
         for base, size in pieces:
             stride = size * num_blocks

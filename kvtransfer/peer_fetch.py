@@ -12,12 +12,10 @@ from the workers' loops (`common.runtime.worker.WorkerBase`), never blocking the
   transfer, then registered in the prefix cache under their keys; the request then runs as usual
   and finds them there. A refusal, a damaged payload or no answer within the hint's timeout
   (the peer died or is stuck) frees the blocks, and the request computes its prompt itself: a
-  fetch never fails a request. The placeholder keeps the fetched blocks pinned until the
-  request's own sequence has taken them.
-- the peer, `serve`: looks the asked keys up (cache blocks whose tokens match, else tier
-  blocks) and pushes the leading run it holds through its `KVSender` (`send_blocks`: the gather
-  is the only work on its loop, as for any send); 0 blocks when it holds none, so the asker need
-  not wait for its timeout.
+  fetch never fails a request; after no answer, the socket to that peer is closed too (a dead
+  peer's socket would keep the fetch queued and stay in the sender's map). The placeholder keeps
+  the fetched blocks pinned until the request's own sequence has taken them.
+- the peer: `kvtransfer.peer_serve.FetchServer` answers, a bounded slice a turn.
 """
 
 from __future__ import annotations
@@ -26,13 +24,11 @@ import logging
 import time
 from dataclasses import dataclass
 
-import torch
-
 from common.engine.sequence import SequenceState
 from common.prefix_hash import block_keys
 from common.protocol import MAX_FETCH_BLOCKS, MAX_FETCH_TOKENS, KVFetch, KVHeader, PeerHint, encode
 from common.sampling_params import SamplingParams
-from kvtransfer.payload import kv_layout
+from kvtransfer import payload
 from kvtransfer.receiver import ReceivedKV
 from kvtransfer.sender import KVSender, TransferResult
 
@@ -62,6 +58,7 @@ class _Fetch:
     tokens: list[list[int]]  # ... and their tokens
     start_block: int
     peer: str
+    kv_address: str
     transport: str
     nbytes: int
     started: float
@@ -103,7 +100,7 @@ class PeerFetcher:
         num = min(usable - start, MAX_FETCH_BLOCKS, MAX_FETCH_TOKENS // bs)  # one KVFetch's worth
         if num < MIN_FETCH_BLOCKS or num > engine.pool.num_free:
             return False
-        nbytes = num * self._block_nbytes()
+        nbytes = num * block_nbytes(engine)
         if not self._worth_it(num * bs, nbytes, hint.transport):
             self.declined += 1
             return False
@@ -129,8 +126,8 @@ class PeerFetcher:
         now = time.monotonic()
         fetch = _Fetch(
             request_id, placeholder, len(local), keys[start : start + num],
-            tokens[start : start + num], start, hint.worker_id, hint.transport, nbytes, now,
-            now + hint.timeout_s,
+            tokens[start : start + num], start, hint.worker_id, hint.kv_address, hint.transport,
+            nbytes, now, now + hint.timeout_s,
         )  # fmt: skip
         self._fetches[fid] = fetch
         message = KVFetch(
@@ -143,7 +140,7 @@ class PeerFetcher:
             deadline_s=hint.timeout_s,
         )
         if not self.sender.request(hint.kv_address, encode(message)):
-            self._end(fid, "could not send the fetch")
+            self._end(fid, "could not send the fetch", unreachable=True)
             return False
         return True
 
@@ -159,12 +156,6 @@ class PeerFetcher:
             else:
                 break
         return n
-
-    def _block_nbytes(self) -> int:
-        runner = self.engine.runner
-        kv = runner.kv_cache[:, :, 0].numel() * runner.kv_cache.element_size()
-        scales = runner.kv_scales
-        return kv + (0 if scales is None else scales[:, :, 0].numel() * scales.element_size())
 
     def _worth_it(self, num_tokens: int, nbytes: int, transport: str) -> bool:
         """Fetching measures cheaper than computing (or a rate is not measured yet: fetching
@@ -226,7 +217,7 @@ class PeerFetcher:
         now = time.monotonic()
         for fid, fetch in list(self._fetches.items()):
             if now > fetch.deadline:
-                self._end(fid, f"peer {fetch.peer} did not answer in time")
+                self._end(fid, f"peer {fetch.peer} did not answer in time", unreachable=True)
         seqs = self.engine.seqs
         for rid in list(self._pinned):
             own = seqs.get(rid)
@@ -247,13 +238,17 @@ class PeerFetcher:
         if seq is not None:
             self._release(seq)
 
-    def _end(self, fid: str, reason: str) -> None:
+    def _end(self, fid: str, reason: str, unreachable: bool = False) -> None:
+        """The fetch ended without blocks; `unreachable`: no answer came (the peer may be dead),
+        so its socket is closed unless another fetch still waits on that peer."""
         fetch = self._fetches.pop(fid)
         self.failed += 1
         log.info("fetch of %s's prefix from %s ended without blocks (%s): computing it",
                  fetch.request_id, fetch.peer, reason)  # fmt: skip
         self._release(fetch.placeholder)
         self._ended.append(fetch.request_id)
+        if unreachable and all(f.kv_address != fetch.kv_address for f in self._fetches.values()):
+            self.sender.drop_peer(fetch.kv_address)
 
     def _release(self, placeholder: SequenceState) -> None:
         if self.engine.reserved.pop(placeholder.request_id, None) is not None:
@@ -271,37 +266,10 @@ class PeerFetcher:
         }
 
 
-def serve(engine, sender: KVSender, fetch: KVFetch) -> int:
-    """Push the leading run of `fetch`'s blocks this engine holds (cache, else tier) to the asker;
-    returns the number of blocks sent (0: an empty answer, so the asker stops waiting)."""
-    bs = engine.config.block_size
-    sources: list[int | torch.Tensor] = []
-    if len(fetch.token_ids) == len(fetch.keys) * bs:  # else a different block size: none
-        for i, key in enumerate(fetch.keys):
-            tokens = fetch.token_ids[i * bs : (i + 1) * bs]
-            hit = engine.pool.lookup([key], [tokens])
-            if hit:
-                sources.append(hit[0])
-                continue
-            found = engine.tier.read_block(key) if engine.tier is not None else None
-            if found is None or found[0] != tuple(tokens):
-                break
-            sources.append(found[1])
-    header = KVHeader(
-        request_id=fetch.fetch_id,
-        start_block=fetch.start_block,
-        num_blocks=len(sources),
-        nbytes=0,
-        transport=fetch.transport,
-        first_token_id=0,  # not a prompt's handoff: no token goes with the blocks
-        **kv_layout(engine.runner.kv_cache),  # type: ignore[arg-type]
-    )
-    try:  # the gather happens now: the blocks may be reused as soon as this returns
-        sender.send_blocks(fetch.reply_address, header, sources, fetch.deadline_s)
-    except ValueError as exc:  # an id already in flight: the asker's retry finds its answer
-        log.warning("could not answer fetch %s: %s", fetch.fetch_id, exc)
-        return 0
-    return len(sources)
+def block_nbytes(engine) -> int:
+    """Bytes one block of the engine's cache travels as (KV, and scales when 8-bit)."""
+    runner = engine.runner
+    return payload.payload_nbytes(runner.kv_cache, 1, runner.kv_scales)
 
 
 def settle(result: TransferResult) -> bool:

@@ -5,7 +5,10 @@
 the receiver's ack or refusal, the deadline, an abort, or a failure to send at all. Until then
 the worker keeps the blocks pinned; after it, it may release them whatever the outcome.
 
-One DEALER socket per decode worker address, created on first use. Transports:
+One DEALER socket per peer address, created on first use; at most `MAX_PEERS`, the least
+recently used idle ones (nothing in flight to them) closed beyond that, and a peer's socket is
+closed after a transfer to it or a fetch of the worker's (`drop_peer`) ends without an answer, so
+that a dead peer's socket and queued frames do not stay. Transports:
 - tcp: frames [encode(header), payload]; the payload is the gathered blocks, sent zero-copy and
   held until the transfer ends.
 - shm: the payload is gathered straight into a shared-memory segment from the sender's pool
@@ -37,6 +40,7 @@ log = logging.getLogger(__name__)
 
 TRANSPORTS = ("tcp", "shm", "cuda_ipc")
 SOCKET_BUFFER_BYTES = 4 << 20  # larger kernel buffers for big tcp payloads (capped by the OS)
+MAX_PEERS = 64  # sockets kept; beyond it the least recently used idle ones are closed
 
 
 @dataclass
@@ -104,21 +108,47 @@ class KVSender:
 
         self._start(address, header, deadline_s, fill, block_ids)
 
-    def send_blocks(
-        self, address: str, header: KVHeader, sources: list[int | torch.Tensor], deadline_s: float
-    ) -> None:
-        """As `send`, for blocks some of which are bytes out of a KV tier rather than blocks of
-        the cache (`payload.assemble_payload`): a peer fetch's answer. tcp or shm only."""
-        self._check(header, len(sources))
+    def stage(self, address: str, header: KVHeader, deadline_s: float) -> memoryview | None:
+        """Start a transfer whose payload the caller fills itself, over as many turns as it
+        likes (a peer fetch's answer, `kvtransfer.peer_fetch.FetchServer`), then sends with
+        `send_staged`; tcp or shm only. The deadline runs from now. Fills header.nbytes (and
+        shm_name) and returns the `header.nbytes` bytes to fill (`payload.assemble_payload`); None
+        when it ended at once (a result from `poll` says why). ValueError as `send`."""
+        self._check(header, header.num_blocks)
         if header.transport == "cuda_ipc":
-            raise ValueError("a peer fetch travels over tcp or shm")
-        ids = [s for s in sources if isinstance(s, int)]
-        payload.block_index(ids, self.kv_cache.shape[2], self.kv_cache.device)  # checks them
+            raise ValueError("a staged transfer travels over tcp or shm")
+        rid = header.request_id
+        now = time.monotonic()
+        transfer = _Transfer(address, header, started=now, deadline=now + deadline_s)
+        self._pending[rid] = transfer
+        header.nbytes = payload.payload_nbytes(self.kv_cache, header.num_blocks, self.kv_scales)
+        header.block_checksums = []
+        try:
+            if header.transport == "tcp":
+                transfer.payload = torch.empty(header.nbytes, dtype=torch.uint8)
+                return payload.as_bytes(transfer.payload)
+            header.shm_name = ""
+            if not header.nbytes:
+                return memoryview(b"")
+            transfer.segment = self.segments.acquire(header.nbytes)
+            header.shm_name = transfer.segment.name
+            return memoryview(transfer.segment.mapping)[: header.nbytes]
+        except (OSError, RuntimeError) as exc:  # no memory or no shm left: a failed transfer
+            self._finish(rid, False, f"send failed: {exc}")
+            return None
 
-        def fill(out: memoryview | None) -> torch.Tensor:
-            return payload.assemble_payload(self.kv_cache, self.kv_scales, sources, out=out)
+    def send_staged(self, request_id: str, block_checksums: list[int]) -> None:
+        """Send a staged transfer, its buffer filled (`stage`); one whose deadline passed or that
+        was aborted meanwhile has its result already, and nothing is sent."""
+        transfer = self._pending.get(request_id)
+        if transfer is None:
+            return
+        transfer.header.block_checksums = block_checksums
+        frames = [] if transfer.payload is None else [payload.as_bytes(transfer.payload)]
+        self._transmit(transfer, frames)
 
-        self._start(address, header, deadline_s, fill, [])
+    def is_pending(self, request_id: str) -> bool:
+        return request_id in self._pending
 
     def _check(self, header: KVHeader, num_blocks: int) -> None:
         if header.request_id in self._pending:
@@ -138,15 +168,28 @@ class KVSender:
         transfer = _Transfer(address, header, started=now, deadline=now + deadline_s)
         self._pending[rid] = transfer
         try:
-            socket = self._peer(address)
             frames = self._prepare(transfer, fill, block_ids)
-            socket.send_multipart([encode(header), *frames], flags=zmq.NOBLOCK, copy=False)
-        except zmq.Again:
-            self._finish(rid, False, "peer send queue full")
         except (zmq.ZMQError, OSError, cuda_ipc.CudaIpcError) as exc:
             self._finish(rid, False, f"send failed: {exc}")
+            return
         except Exception as exc:  # still exactly one result, and no segment left behind
             # The traceback as text: a record holding the frames would keep the segment mapped.
+            log.error("kv send of %s failed:\n%s", rid, traceback.format_exc())
+            self._finish(rid, False, f"send failed: {exc}")
+            return
+        self._transmit(transfer, frames)
+
+    def _transmit(self, transfer: _Transfer, frames: list) -> None:
+        """Send a registered transfer's header and payload frames; a failure is its result."""
+        rid = transfer.header.request_id
+        try:
+            socket = self._peer(transfer.address)
+            socket.send_multipart([encode(transfer.header), *frames], flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            self._finish(rid, False, "peer send queue full")
+        except (zmq.ZMQError, OSError) as exc:
+            self._finish(rid, False, f"send failed: {exc}")
+        except Exception as exc:  # still exactly one result
             log.error("kv send of %s failed:\n%s", rid, traceback.format_exc())
             self._finish(rid, False, f"send failed: {exc}")
 
@@ -195,8 +238,11 @@ class KVSender:
         return payload.block_checksums(data, self.kv_cache, self.kv_scales, num_blocks)
 
     def _peer(self, address: str) -> zmq.Socket:
-        socket = self._peers.get(address)
-        if socket is None:
+        socket = self._peers.pop(address, None)
+        if socket is not None:
+            self._peers[address] = socket  # the most recently used, last
+        else:
+            self._trim_peers(MAX_PEERS - 1)
             socket = self.context.socket(zmq.DEALER)
             if self.keys is not None:
                 self.keys.connect_as_client(socket)
@@ -268,11 +314,32 @@ class KVSender:
     def _drop_idle_peer(self, address: str) -> None:
         """Close a peer's socket when nothing else is in flight to it, so that a dead or stuck
         peer's queued payloads are freed now (zmq would hold them until it reconnects)."""
+        self.drop_peer(address)
+
+    def drop_peer(self, address: str) -> bool:
+        """Close the socket to `address` unless a transfer to it is in flight (a fetch that got
+        no answer: the peer may be dead, and its queued messages go with the socket); a later
+        send connects anew. True if it was closed."""
         if any(t.address == address for t in self._pending.values()):
-            return
+            return False
         socket = self._peers.pop(address, None)
-        if socket is not None:
-            socket.close(linger=0)
+        if socket is None:
+            return False
+        socket.close(linger=0)
+        return True
+
+    def _trim_peers(self, keep: int) -> None:
+        """Close the least recently used idle sockets until at most `keep` are open (sockets
+        with transfers in flight are kept: their deadlines bound them)."""
+        busy = {t.address for t in self._pending.values()}
+        for address in list(self._peers):
+            if len(self._peers) <= keep:
+                return
+            if address not in busy:
+                self._peers.pop(address).close(linger=0)
+
+    def num_peers(self) -> int:
+        return len(self._peers)
 
     def close(self) -> None:
         """Unlink every segment, pooled or lent, and close the sockets; pending transfers just

@@ -4,10 +4,10 @@ touches kvtransfer.
 `WorkerKV` is mixed into WorkerBase, whose `__init__` sets the attributes it reads (`engine`,
 `sender`, `receiver`, `fetcher`, `deferred`, `peer_served_tokens`, `draining`) and which provides
 `handle` and `abort`. It binds the worker's KV address (`attach_kv`), polls both KV sockets once
-per turn (`poll_kv`: the worker's own transfers, peers' fetches answered through
-`kvtransfer.peer_fetch.serve`, fetch answers settled), starts the fetch a dispatch's `PeerHint`
-offers (`_fetch_first`: the dispatch waits in `deferred`, then is handled as if it came now) and
-counts what was fetched and served.
+per turn (`poll_kv`: the worker's own transfers, peers' fetches answered a slice a turn through
+`kvtransfer.peer_serve.FetchServer`, fetch answers settled), starts the fetch a dispatch's
+`PeerHint` offers (`_fetch_first`: the dispatch waits in `deferred`, then is handled as if it came
+now) and counts what was fetched and served.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from common import protocol
 if TYPE_CHECKING:
     from common.engine.engine import Engine
     from kvtransfer.peer_fetch import PeerFetcher
+    from kvtransfer.peer_serve import FetchServer
     from kvtransfer.receiver import KVReceiver, ReceivedKV
     from kvtransfer.sender import KVSender, TransferResult
 
@@ -35,6 +36,7 @@ class WorkerKV:
     sender: KVSender | None
     receiver: KVReceiver | None
     fetcher: PeerFetcher | None
+    fetch_server: FetchServer
     deferred: dict[str, msgspec.Struct]
     peer_served_tokens: int
     draining: bool
@@ -52,6 +54,7 @@ class WorkerKV:
         """The worker's KV sockets: its address (`Register.kv_address`: where peers push KV
         and send fetches) is the receiver's, with `advertise_host` for its host when given."""
         from kvtransfer.peer_fetch import PeerFetcher
+        from kvtransfer.peer_serve import FetchServer
 
         self.sender, self.receiver = sender, receiver
         address = receiver.address
@@ -59,6 +62,7 @@ class WorkerKV:
             address = f"tcp://{advertise_host}:{address.rsplit(':', 1)[1]}"
         self.kv_address = address
         self.fetcher = PeerFetcher(self.engine, sender, address)
+        self.fetch_server = FetchServer(self.engine, sender)
 
     def poll_kv(self) -> tuple[list[ReceivedKV], list[TransferResult]]:
         """Transfers that ended on either socket and are the worker's own (fetches are settled
@@ -70,9 +74,9 @@ class WorkerKV:
         fetcher = self.fetcher
         received = [r for r in self.receiver.poll(self._resolve_kv) if not fetcher.on_received(r)]
         for fetch in self.receiver.take_fetches():
-            self.peer_served_tokens += (
-                peer_fetch.serve(self.engine, self.sender, fetch) * self.engine.config.block_size
-            )
+            self.fetch_server.add(fetch)
+        # a bounded slice of the answers a turn: the worker's own step is not held up for long
+        self.peer_served_tokens += self.fetch_server.step() * self.engine.config.block_size
         sent = [r for r in self.sender.poll() if not peer_fetch.settle(r)]
         for request_id in fetcher.poll():
             message = self.deferred.pop(request_id, None)

@@ -129,3 +129,29 @@ def test_block_checksums_cover_each_blocks_kv_then_scales(pair):
         for b in range(n)
     ]
     assert got == want and len(set(got)) == n
+
+
+def test_a_payload_assembled_in_slices_is_the_payload_gathered_at_once(pair):
+    """A peer fetch's answer is filled a slice a turn (`peer_fetch.FetchServer`): cache blocks
+    and tier bytes, each slice into its place, with checksums per slice, give the same bytes and
+    checksums as one gather."""
+    from common.engine.kv_tier_store import BlockIO
+
+    sender, _ = pair
+    cache, scales = sender.kv_cache, sender.kv_scales
+    blocks = [5, 0, 3, 7, 2]
+    n = len(blocks)
+    index = payload.block_index(blocks, cache.shape[2], cache.device)
+    whole = bytes(payload.as_bytes(payload.gather_payload(cache, scales, index)))
+    io = BlockIO(cache, scales)
+    sources = [5, io.read(0), 3, io.read(7), 2]  # tier bytes for two of them
+    out = memoryview(bytearray(payload.payload_nbytes(cache, n, scales)))
+    checksums: list[int] = []
+    for first, num in ((0, 2), (2, 1), (3, 2)):
+        payload.assemble_payload(cache, scales, sources[first : first + num], out=out,
+                                 first=first, num_blocks=n)  # fmt: skip
+        checksums += payload.block_checksums(out, cache, scales, n, range(first, first + num))
+    assert bytes(out) == whole
+    assert checksums == payload.block_checksums(whole, cache, scales, n)
+    with pytest.raises(ValueError, match="payload"):
+        payload.assemble_payload(cache, scales, sources[:2], out=out, first=4, num_blocks=n)

@@ -151,6 +151,7 @@ def test_a_peer_that_never_answers_means_computing_after_the_timeout(pair, tiny_
         assert pair.b.engine.num_prefill_tokens == len(PROMPT)  # computed it all
         assert pair.headers[0].first_token_id == hf_greedy(tiny_llama[0], PROMPT, 1)[0]
         assert pair.b.peer_fetch_counters()["kv_peer_fetch_failures_total"] == 1
+        assert address not in pair.b.sender._peers  # the silent peer's socket was closed
         pair.run_until(lambda: not pair.b.sender.num_pending())
         pair.assert_all_free()
     finally:

@@ -3,6 +3,7 @@ the per-block checksums."""
 
 from __future__ import annotations
 
+import time
 import zlib
 
 import pytest
@@ -15,6 +16,7 @@ from tests.kvtransfer import (
     block_bytes,
     make_cache,
     make_header,
+    poll_until,
     run_child_transfer,
     transfer,
 )
@@ -75,6 +77,64 @@ def test_bad_address_is_a_failed_result(pair):
     sender.send("nonsense://x", make_header(sender.kv_cache), SRC_BLOCKS, 5.0)
     [result] = sender.poll()
     assert not result.ok and "send failed" in result.reason and sender.num_pending() == 0
+
+
+def test_the_sender_keeps_a_bounded_number_of_peer_sockets(pair, monkeypatch):
+    from kvtransfer import sender as sender_module
+
+    monkeypatch.setattr(sender_module, "MAX_PEERS", 2)
+    sender, receiver = pair
+    others = [KVReceiver(make_cache(seed=None)) for _ in range(3)]
+    try:
+        # A transfer in flight to each of 3 peers not reading yet: no socket of them is closed
+        for i, other in enumerate(others):
+            sender.send(other.address, make_header(sender.kv_cache, f"r{i}"), SRC_BLOCKS, 5.0)
+        assert sender.num_peers() == 3 and sender.num_pending() == 3
+        for other in others:
+            assert poll_until(lambda o=other: o.poll(lambda h: DST_BLOCKS, timeout_ms=20))
+        results: list = []
+        for _ in range(3):
+            results += poll_until(sender.poll)
+            if len(results) == 3:
+                break
+        assert len(results) == 3 and all(r.ok for r in results)
+        # All idle now: a new peer closes the least recently used until 2 are left
+        received, result = transfer(sender, receiver, "tcp", request_id="r9")
+        assert received.ok and result.ok
+        assert set(sender._peers) == {others[2].address, receiver.address}
+        # A closed peer's socket is made anew on its next use
+        received, result = transfer(sender, others[0], "tcp", request_id="r10")
+        assert received.ok and result.ok and sender.num_peers() == 2
+        assert sender.drop_peer(others[0].address) and sender.num_peers() == 1
+        assert not sender.drop_peer(others[0].address)  # already gone
+    finally:
+        for other in others:
+            other.close()
+
+
+def test_a_staged_transfer_is_filled_by_the_caller_then_sent(pair):
+    """`stage` / `send_staged` (a peer fetch's answer, filled over several turns) deliver what
+    one `send` would; a stage whose deadline passed sends nothing."""
+    sender, receiver = pair
+    cache = sender.kv_cache
+    header = make_header(cache, "staged")
+    buffer = sender.stage(receiver.address, header, 5.0)
+    assert buffer is not None and len(buffer) == header.nbytes and sender.is_pending("staged")
+    n = len(SRC_BLOCKS)
+    for i, block in enumerate(SRC_BLOCKS):  # a block a "turn"
+        payload.assemble_payload(cache, None, [block], out=buffer, first=i, num_blocks=n)
+    sender.send_staged("staged", payload.block_checksums(buffer, cache, None, n))
+    received = poll_until(lambda: receiver.poll(lambda h: DST_BLOCKS, timeout_ms=20))
+    [result] = poll_until(sender.poll)
+    assert received[0].ok and result.ok
+    assert torch.equal(receiver.kv_cache[:, :, DST_BLOCKS], cache[:, :, SRC_BLOCKS])
+    late = make_header(cache, "late")
+    assert sender.stage(receiver.address, late, 0.01) is not None
+    time.sleep(0.05)
+    [result] = poll_until(sender.poll)
+    assert not result.ok and result.reason == "deadline" and not sender.is_pending("late")
+    sender.send_staged("late", [])  # ended: nothing goes out
+    assert not receiver.poll(lambda h: DST_BLOCKS, timeout_ms=100)
 
 
 @pytest.mark.e2e  # spawns the receiver process
