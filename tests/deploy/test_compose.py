@@ -122,11 +122,13 @@ def test_services_present(compose: dict) -> None:
 
 def test_stage_commands(compose: dict) -> None:
     assert argv(service(compose, "pull").get("command"))[:2] == ["models", "pull"]
-    for name in ("router", "prefill"):
+    for name in STAGES:
         assert argv(service(compose, name).get("command"))[:1] == [name]
-    # decode runs through a shell (for its address); the script must still exec `pdserve decode`.
-    script = " ".join(argv(service(compose, "decode").get("entrypoint")))
-    assert "exec pdserve decode" in script
+    # Workers run through a shell (for their address); the script execs `pdserve <its $0>`, the
+    # command (test_workers_advertise_their_own_container_address runs it).
+    for name in WORKERS:
+        script = " ".join(argv(service(compose, name).get("entrypoint")))
+        assert 'exec pdserve "$0"' in script, name
 
 
 def _mounts(svc: dict) -> list[tuple[str, str]]:
@@ -170,9 +172,13 @@ def test_workers_point_at_router_control_socket(compose: dict) -> None:
 def test_kv_transport_is_tcp_between_containers(compose: dict) -> None:
     for name in WORKERS:
         assert env(service(compose, name)).get("PDSERVE_KV_TRANSPORT") == "tcp", name
-    decode_env = env(service(compose, "decode"))
-    assert decode_env["PDSERVE_KV_HOST"] == "0.0.0.0"
-    assert decode_env["PDSERVE_KV_PORT"] == "8100"
+    # Every worker's KV receiver is reachable from the others: decode workers take prompts' KV
+    # there, and any worker serves and fetches cached prefixes there (peer fetch)
+    for name in WORKERS:
+        worker_env = env(service(compose, name))
+        assert worker_env["PDSERVE_KV_HOST"] == "0.0.0.0", name
+        assert worker_env["PDSERVE_KV_PORT"] == "8100", name
+        assert "8100" in {str(p) for p in service(compose, name).get("expose") or []}, name
 
 
 def _published(svc: dict) -> list[tuple[str | None, str]]:
@@ -274,11 +280,11 @@ def _write_exe(path: Path, body: str) -> None:
     path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
 
 
-def _run_decode_entrypoint(compose: dict, tmp_path: Path, addresses: str):
-    entrypoint = argv(service(compose, "decode")["entrypoint"])
+def _run_worker_entrypoint(compose: dict, tmp_path: Path, addresses: str, stage: str):
+    entrypoint = argv(service(compose, stage)["entrypoint"])
     assert entrypoint[:2] in (["/bin/sh", "-c"], ["sh", "-c"])
     script = entrypoint[2]
-    command = argv(service(compose, "decode").get("command"))
+    command = argv(service(compose, stage).get("command"))
     shims = tmp_path / "bin"
     shims.mkdir()
     _write_exe(shims / "hostname", f'#!/bin/sh\n[ "$1" = -i ] || exit 9\necho "{addresses}"\n')
@@ -317,17 +323,21 @@ def test_pull_writes_one_cluster_secret_every_stage_reads(compose: dict, tmp_pat
     assert again.returncode == 0 and secret.read_text() == written  # kept across restarts
 
 
-def test_decode_advertises_its_own_container_address(compose: dict, tmp_path: Path) -> None:
+@pytest.mark.parametrize("stage", WORKERS)
+def test_workers_advertise_their_own_container_address(
+    compose: dict, tmp_path: Path, stage: str
+) -> None:
     # `hostname -i` may list several addresses (IPv6 too): the first one is advertised.
-    result = _run_decode_entrypoint(compose, tmp_path, "172.18.0.5 fd00::5")
+    result = _run_worker_entrypoint(compose, tmp_path, "172.18.0.5 fd00::5", stage)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.splitlines() == ["decode", "--kv-advertise-host", "172.18.0.5"]
+    assert result.stdout.splitlines() == [stage, "--kv-advertise-host", "172.18.0.5"]
 
 
-def test_decode_refuses_a_loopback_address(compose: dict, tmp_path: Path) -> None:
-    result = _run_decode_entrypoint(compose, tmp_path, "127.0.1.1")
+@pytest.mark.parametrize("stage", WORKERS)
+def test_workers_refuse_a_loopback_address(compose: dict, tmp_path: Path, stage: str) -> None:
+    result = _run_worker_entrypoint(compose, tmp_path, "127.0.1.1", stage)
     assert result.returncode != 0
-    assert "no container address" in result.stderr
+    assert f"{stage}: no container address" in result.stderr
     assert result.stdout == ""  # pdserve never started
 
 

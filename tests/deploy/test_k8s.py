@@ -185,21 +185,23 @@ def test_several_routers_replaced_one_at_a_time(name: str, rendered) -> None:
         "labels"].items()  # fmt: skip
 
 
-def test_workers_named_after_their_pod_decode_advertises_its_ip(rendered) -> None:
+def test_workers_named_after_their_pod_advertise_its_ip(rendered) -> None:
     objects = rendered["base"]
     for stage in WORKERS:
         ref = env_of(objects, stage)["PDSERVE_WORKER_ID"]["valueFrom"]["fieldRef"]
         assert ref["fieldPath"] == "metadata.name"  # the adapter maps worker= to the pod
         threads = env_of(objects, stage)["PDSERVE_NUM_THREADS"]["valueFrom"]["resourceFieldRef"]
         assert threads["resource"] == "requests.cpu"
-    decode = env_of(objects, "decode")
-    assert decode["PDSERVE_KV_ADVERTISE_HOST"]["valueFrom"]["fieldRef"]["fieldPath"] == (
-        "status.podIP"
-    )
-    assert decode["PDSERVE_KV_HOST"]["value"] == "0.0.0.0"
-    kv_port = int(decode["PDSERVE_KV_PORT"]["value"])
-    assert kv_port in {p["containerPort"] for p in main_container(deployment(objects, "decode"))[
-        "ports"]}  # fmt: skip
+        # Every worker's KV receiver is reachable pod to pod: decode workers take prompts' KV
+        # there, and any worker serves and fetches cached prefixes there (peer fetch)
+        kv = env_of(objects, stage)
+        assert kv["PDSERVE_KV_ADVERTISE_HOST"]["valueFrom"]["fieldRef"]["fieldPath"] == (
+            "status.podIP"
+        ), stage
+        assert kv["PDSERVE_KV_HOST"]["value"] == "0.0.0.0", stage
+        kv_port = int(kv["PDSERVE_KV_PORT"]["value"])
+        assert kv_port in {p["containerPort"] for p in main_container(deployment(objects, stage))[
+            "ports"]}, stage  # fmt: skip
     shared = env_of(objects, "prefill")
     assert shared["PDSERVE_KV_TRANSPORT"]["value"] == "tcp"  # pod to pod
 

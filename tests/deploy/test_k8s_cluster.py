@@ -162,6 +162,10 @@ def test_workers_get_the_wiring_the_manifests_give(cluster: ManifestCluster) -> 
     decode = cluster.env("decode")
     assert decode["PDSERVE_WORKER_ID"] == "pdserve-decode-0"  # the pod name (downward API)
     assert decode["PDSERVE_KV_ADVERTISE_HOST"] == "127.0.0.1"  # the pod IP (downward API)
+    for stage in ("prefill", "decode"):  # every worker's KV receiver: prompts' KV, peer fetches
+        kv_port = cluster.pod(stage).local_port("kv")
+        assert cluster.env(stage)["PDSERVE_KV_PORT"] == str(kv_port), stage
+        assert cluster.env(stage)["PDSERVE_KV_ADVERTISE_HOST"] == "127.0.0.1", stage
     routers = cluster.routers()
     assert len(routers) >= 2  # the Deployment's replicas
     controls = [f"tcp://127.0.0.1:{cluster.pod(r).local_port('control')}" for r in routers]
