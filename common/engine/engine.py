@@ -30,8 +30,8 @@ from common.engine.handoff import KVHandoff
 from common.engine.sampler import Sampler, SampleResult, make_generator
 from common.engine.scheduler import ScheduledSeq, Scheduler
 from common.engine.sequence import SequenceState, SequenceStatus
-from common.engine.spec.governor import SpeculationGovernor
-from common.engine.spec.proposers import make_proposer
+from common.engine.spec.governor import ShadowDrafts, SpeculationGovernor
+from common.engine.spec.proposers import NgramProposer, make_proposer
 from common.engine.spec.verify import Verifier
 from common.engine.step_budget import PrefillBudget
 from common.kernels.attention import Row
@@ -119,6 +119,9 @@ class Engine(KVHandoff):
         self.governor = (
             SpeculationGovernor() if self.proposer and config.speculative_adaptive else None
         )
+        # n-gram drafts cost nothing to make: while drafting is paused, what they would have
+        # gained is watched, and drafting resumes as soon as it would pay
+        self.shadow = ShadowDrafts(self._free_draft) if self.governor is not None else None
         self.num_steps = 0  # steps that ran a batch: progress, for the workers' stall checks
         self.num_drafts = 0  # verify rows with at least one draft token
         self.num_draft_tokens = 0
@@ -264,11 +267,33 @@ class Engine(KVHandoff):
             drafted = any(item.draft_token_ids for item in batch)
             num_tokens = sum(len(out.new_token_ids) for out in outputs)
             governor.record(num_running, drafted, time.perf_counter() - start, num_tokens)
+            self._watch_shadows(num_running, outputs)
         if self.check_books_when_idle and not self.has_unfinished():
             books = self.block_books()
             if books.errors:
                 raise RuntimeError(f"the KV block books do not balance: {books}")
         return outputs
+
+    def _free_draft(self, token_ids: list[int]) -> list[int]:
+        """What the proposer would draft after `token_ids`, where that costs nothing (n-gram)."""
+        if not isinstance(self.proposer, NgramProposer):
+            return []
+        return self.proposer.draft(token_ids, self.config.num_speculative_tokens)
+
+    def _watch_shadows(self, num_running: int, outputs: list[RequestOutput]) -> None:
+        """While the governor pauses drafting at this batch size, tell it what n-gram drafts
+        would have gained (ShadowDrafts); otherwise forget the shadow drafts."""
+        if self.shadow is None or self.governor is None:
+            return
+        if not self.governor.paused(num_running):
+            self.shadow.clear()
+            return
+        for out in outputs:
+            seq = self.seqs.get(out.request_id)
+            tokens = seq.token_ids if seq is not None else []
+            finished = out.finished or seq is None
+            for gain in self.shadow.observe(out.request_id, out.new_token_ids, tokens, finished):
+                self.governor.shadow(num_running, gain)
 
     def _step(self, batch: list[ScheduledSeq]) -> list[RequestOutput]:
         """Draft, run the model over the batch's rows, sample or verify, keep what was kept."""

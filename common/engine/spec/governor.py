@@ -2,12 +2,16 @@
 
 `SpeculationGovernor` turns drafting off at a batch size while verified steps cost more per token
 than plain ones (`--speculative-adaptive`), and tries again later. The engine asks it before each
-step (`allow`) and tells it how each decode step went (`record`).
+step (`allow`) and tells it how each decode step went (`record`). `ShadowDrafts` watches what a
+free proposer (n-gram lookup) would have drafted while drafting is paused and how much of it the
+model then produced: the governor resumes as soon as that says drafting would pay (`shadow`),
+instead of waiting out its pause while the copying it was made for goes by.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 
 def mean_accepted_length(stats: dict[str, float]) -> float:
@@ -27,6 +31,9 @@ class _Pace:
     drafting_steps: int = 0  # since drafting was last (re)started here
     paused: int = 0  # steps left with drafting off
     failures: int = 0  # drafting lost to plain decoding this many times in a row
+    step: float | None = None  # seconds of a drafting step (kept across pauses)
+    shadow: float | None = None  # tokens a sequence's verify step would have gained (paused)
+    shadows: int = 0  # shadow drafts judged since this pause began
 
 
 class SpeculationGovernor:
@@ -37,8 +44,10 @@ class SpeculationGovernor:
     not counted). After `min_steps` drafting steps it compares: more than `margin` times slower
     than plain decoding means drafting pauses at that batch size for `pause_steps` steps
     (doubling with each loss in a row, up to 4x), then is tried afresh. With no plain measurement
-    yet it pauses for `probe_steps` steps to take one. Verification is exact either way, so this
-    changes speed only, never output.
+    yet it pauses for `probe_steps` steps to take one. While paused, `shadow` hears what drafts
+    would have gained: once `min_shadows` of them predict drafting at least `margin` times faster
+    per token than plain decoding (its last measured step time over that gain), the pause ends.
+    Verification is exact either way, so this changes speed only, never output.
     """
 
     def __init__(
@@ -48,14 +57,17 @@ class SpeculationGovernor:
         min_steps: int = 16,
         alpha: float = 0.1,
         margin: float = 1.1,
+        min_shadows: int = 3,
     ) -> None:
         self.pause_steps = pause_steps
         self.probe_steps = probe_steps
         self.min_steps = min_steps
         self.alpha = alpha
         self.margin = margin  # drafting must be this much slower to pause: noise is not a loss
+        self.min_shadows = min_shadows
         self._pace: dict[int, _Pace] = {}
         self.num_pauses = 0
+        self.num_resumes = 0  # pauses ended early by shadow drafts
 
     def allow(self, batch_size: int) -> bool:
         """Whether this step may draft; call once per step."""
@@ -75,6 +87,7 @@ class SpeculationGovernor:
             pace.plain = self._average(pace.plain, per_token)
             return
         pace.drafting = self._average(pace.drafting, per_token)
+        pace.step = self._average(pace.step, seconds)
         pace.drafting_steps += 1
         if pace.drafting_steps < self.min_steps:
             return
@@ -88,6 +101,61 @@ class SpeculationGovernor:
             pace.failures = 0
             return
         pace.paused, pace.drafting, pace.drafting_steps = pause, None, 0
+        pace.shadow, pace.shadows = None, 0
 
-    def _average(self, old: float | None, new: float) -> float:
-        return new if old is None else (1 - self.alpha) * old + self.alpha * new
+    def paused(self, batch_size: int) -> bool:
+        pace = self._pace.get(batch_size)
+        return pace is not None and pace.paused > 0
+
+    def shadow(self, batch_size: int, tokens: int) -> None:
+        """While paused at `batch_size`: a draft made without verifying it would have gained a
+        sequence `tokens` tokens in one verify step (1 + its leading tokens the model produced)."""
+        pace = self._pace.get(batch_size)
+        if pace is None or pace.paused <= 0 or pace.step is None or pace.plain is None:
+            return
+        pace.shadow = self._average(pace.shadow, float(tokens), alpha=0.3)
+        pace.shadows += 1
+        predicted = pace.step / (batch_size * pace.shadow)  # seconds a token, drafting
+        if pace.shadows >= self.min_shadows and predicted * self.margin < pace.plain:
+            pace.paused, pace.failures, pace.shadow, pace.shadows = 0, 0, None, 0
+            self.num_resumes += 1
+
+    def _average(self, old: float | None, new: float, alpha: float | None = None) -> float:
+        alpha = self.alpha if alpha is None else alpha
+        return new if old is None else (1 - alpha) * old + alpha * new
+
+
+@dataclass
+class ShadowDrafts:
+    """Drafts `propose(token_ids)` makes for sequences that decode without drafting, checked
+    against the tokens the model then produces: each ends at its first miss (or when all of it
+    came true) as the tokens a verify step of it would have gained."""
+
+    propose: Callable[[list[int]], list[int]]
+    pending: dict[str, tuple[list[int], int]] = field(default_factory=dict)  # draft, matched
+
+    def observe(self, request_id: str, new_token_ids: list[int], token_ids: list[int],
+                finished: bool) -> list[int]:  # fmt: skip
+        """A plain step gave `request_id` `new_token_ids` (its tokens are now `token_ids`): the
+        gains of the shadow drafts this ended; then a fresh draft from here."""
+        gains = []
+        draft, matched = self.pending.pop(request_id, ([], 0))
+        for token in new_token_ids:
+            if not draft:
+                break
+            if token == draft[matched]:
+                matched += 1
+                if matched < len(draft):
+                    continue
+            gains.append(1 + matched)  # a miss (the model's own token), or all of it and the next
+            draft, matched = [], 0
+        if draft:
+            self.pending[request_id] = (draft, matched)
+        elif not finished:
+            fresh = self.propose(token_ids)
+            if fresh:
+                self.pending[request_id] = (fresh, 0)
+        return gains
+
+    def clear(self) -> None:
+        self.pending.clear()

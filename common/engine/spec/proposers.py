@@ -64,9 +64,11 @@ class NgramProposer:
 
     def propose(self, items: list[ScheduledSeq]) -> None:
         for item in items:
-            item.draft_token_ids = ngram_propose(
-                item.seq.token_ids, item.num_lookahead_tokens, self.min_n, self.max_n
-            )
+            item.draft_token_ids = self.draft(item.seq.token_ids, item.num_lookahead_tokens)
+
+    def draft(self, token_ids: list[int], k: int) -> list[int]:
+        """Up to k tokens to follow `token_ids` (ngram_propose with this proposer's n range)."""
+        return ngram_propose(token_ids, k, self.min_n, self.max_n)
 
 
 class DraftProposer:

@@ -16,7 +16,7 @@ from common.cli import build_parser
 from common.config import EngineConfig, config_from_args
 from common.engine.engine import Engine
 from common.engine.scheduler import ScheduledSeq
-from common.engine.spec.governor import SpeculationGovernor, mean_accepted_length
+from common.engine.spec.governor import ShadowDrafts, SpeculationGovernor, mean_accepted_length
 from common.engine.spec.proposers import ngram_propose
 from common.engine.spec.verify import greedy_accept, rejection_sample
 from common.sampling_params import SamplingParams
@@ -463,6 +463,53 @@ def test_governor_pauses_drafting_that_loses_and_keeps_drafting_that_wins() -> N
     for _ in range(6):
         gov.record(3, True, 0.063, 3)
         assert gov.allow(3)
+
+
+def test_shadow_drafts_score_what_drafting_would_have_gained() -> None:
+    drafts = iter([[5, 6, 7], [8, 9], [1]])
+    shadow = ShadowDrafts(lambda token_ids: next(drafts, []))
+    assert shadow.observe("a", [4], [3, 4], False) == []  # no draft yet: one is made from here
+    assert shadow.observe("a", [5], [3, 4, 5], False) == []
+    assert shadow.observe("a", [6], [3, 4, 5, 6], False) == []
+    assert shadow.observe("a", [0], [3, 4, 5, 6, 0], False) == [3]  # 2 came true, then a miss
+    assert shadow.observe("a", [8], [3, 4, 5, 6, 0, 8], False) == []
+    assert shadow.observe("a", [9], [3, 4, 5, 6, 0, 8, 9], False) == [3]  # all of it came true
+    assert shadow.observe("a", [2], [3, 4, 5, 6, 0, 8, 9, 2], True) == [1]  # missed at once
+    assert shadow.pending == {}  # finished: no fresh draft
+
+
+def test_governor_resumes_a_pause_when_shadow_drafts_would_pay() -> None:
+    gov = SpeculationGovernor(pause_steps=100, min_steps=3, alpha=1.0, margin=1.1, min_shadows=3)
+    gov.record(1, False, 0.010, 1)  # plain: 10 ms a token
+    for _ in range(3):
+        gov.record(1, True, 0.015, 1)  # drafts rejected: 15 ms a token
+    assert gov.num_pauses == 1 and gov.paused(1)
+    gov.shadow(1, 1)  # nothing would have come true: stays paused
+    gov.shadow(1, 1)
+    gov.shadow(1, 1)
+    assert gov.paused(1) and gov.num_resumes == 0
+    for _ in range(4):  # now the model copies: 4 tokens a 15 ms verify step, 3.75 ms a token
+        gov.shadow(1, 4)
+    assert not gov.paused(1) and gov.num_resumes == 1 and gov.allow(1)
+    gov.shadow(2, 5)  # a batch size never paused: nothing to resume
+    assert gov.num_resumes == 1
+
+
+def test_adaptive_ngram_drafting_comes_back_when_the_model_starts_copying(tiny_llama) -> None:
+    """A pause taken while drafts missed ends within a few steps once n-gram drafts would come
+    true (shadow drafts), not after the pause's 64 steps; the output is plain decoding's. The
+    model is made to repeat itself (logit_bias +100 on one token: greedy picks it every step)."""
+    engine = make_engine(tiny_llama, "ngram", speculative_adaptive=True)
+    prompt = repetitive(5)
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, logit_bias={42: 100})
+    gov = engine.governor
+    gov.record(1, False, 1e-3, 1)  # as if drafting had just lost at batch 1: paused 64 steps
+    gov._pace[1].paused, gov._pace[1].step = 64, 1e-3
+    (seq,) = engine.generate([prompt], params)
+    assert seq.output_token_ids == [42] * 48
+    assert gov.num_resumes >= 1 and engine.num_accepted_tokens > 0
+    assert engine.num_steps < 48  # plain decoding takes 49 (the prompt, then 48 tokens)
+    assert_block_pool_full(engine)
 
 
 def test_adaptive_engine_stops_a_slow_proposer_and_keeps_the_output(tiny_llama) -> None:
