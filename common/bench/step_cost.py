@@ -29,6 +29,7 @@ PATH_DTYPES = {
     "a8": "int8",  # int8 activations, int32 sums
     "int4pack": "act",
     "int8pack": "act",
+    "dense": "act",  # the dequantized copy's 16-bit / float32 GEMM
     "dequant": "act",
 }
 
