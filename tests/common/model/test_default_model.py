@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from common.api.tokenizer import Tokenizer
 from common.cli import main
@@ -86,16 +85,15 @@ def prompts(tok: Tokenizer) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def reference(source: ModelSource, tok: Tokenizer, prompts: list[list[int]]) -> list[list[int]]:
+def reference(
+    hf_default_model: torch.nn.Module, tok: Tokenizer, prompts: list[list[int]]
+) -> list[list[int]]:
     """transformers' greedy output ids for each prompt (eos included when it stops there)."""
-    hf_model = AutoModelForCausalLM.from_pretrained(
-        source.path.parent, gguf_file=source.path.name, dtype=torch.float32
-    ).eval()
     outputs = []
     with torch.inference_mode():
         for prompt in prompts:
             ids = torch.tensor([prompt])
-            out = hf_model.generate(
+            out = hf_default_model.generate(
                 ids,
                 attention_mask=torch.ones_like(ids),
                 max_new_tokens=MAX_NEW_TOKENS,
