@@ -11,9 +11,11 @@ from the workers' loops (`common.runtime.worker.WorkerBase`), never blocking the
   own receiver. The pushed blocks are written and checked by `kvtransfer.receiver` like any
   transfer, then registered in the prefix cache under their keys; the request then runs as usual
   and finds them there. A refusal, a damaged payload or no answer within the hint's timeout
-  (the peer died or is stuck) frees the blocks, and the request computes its prompt itself: a
-  fetch never fails a request; after no answer, the socket to that peer is closed too (a dead
-  peer's socket would keep the fetch queued and stay in the sender's map). The placeholder keeps
+  (the peer is stuck, or its host went away) frees the blocks, and the request computes its
+  prompt itself: a fetch never fails a request. A peer process that dies is noticed sooner: its
+  connection is lost (`KVSender.peer_down`), and the fetch ends on the next turn. After no
+  answer the socket to that peer is closed too (a dead peer's socket would keep the fetch
+  queued and stay in the sender's map). The placeholder keeps
   the fetched blocks pinned until the request's own sequence has taken them.
 - the peer: `kvtransfer.peer_serve.FetchServer` answers, a bounded slice a turn.
 """
@@ -218,6 +220,8 @@ class PeerFetcher:
         for fid, fetch in list(self._fetches.items()):
             if now > fetch.deadline:
                 self._end(fid, f"peer {fetch.peer} did not answer in time", unreachable=True)
+            elif self.sender.peer_down(fetch.kv_address):  # it died: no need to wait it out
+                self._end(fid, f"the connection to peer {fetch.peer} is lost", unreachable=True)
         seqs = self.engine.seqs
         for rid in list(self._pinned):
             own = seqs.get(rid)

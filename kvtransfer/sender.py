@@ -8,7 +8,10 @@ the worker keeps the blocks pinned; after it, it may release them whatever the o
 One DEALER socket per peer address, created on first use; at most `MAX_PEERS`, the least
 recently used idle ones (nothing in flight to them) closed beyond that, and a peer's socket is
 closed after a transfer to it or a fetch of the worker's (`drop_peer`) ends without an answer, so
-that a dead peer's socket and queued frames do not stay. Transports:
+that a dead peer's socket and queued frames do not stay. Each socket's connection events are
+watched (a zmq monitor), so that `peer_down` tells at once when a peer's connection was lost or
+refused (a process that died: its kernel closes the connection), rather than after a timeout.
+Transports:
 - tcp: frames [encode(header), payload]; the payload is the gathered blocks, sent zero-copy and
   held until the transfer ends.
 - shm: the payload is gathered straight into a shared-memory segment from the sender's pool
@@ -20,6 +23,7 @@ that a dead peer's socket and queued frames do not stay. Transports:
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 import traceback
@@ -28,6 +32,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from common.protocol import KVAck, KVHeader, ProtocolError, decode_kv, encode
 from common.sockets import keepalive
@@ -41,6 +46,10 @@ log = logging.getLogger(__name__)
 TRANSPORTS = ("tcp", "shm", "cuda_ipc")
 SOCKET_BUFFER_BYTES = 4 << 20  # larger kernel buffers for big tcp payloads (capped by the OS)
 MAX_PEERS = 64  # sockets kept; beyond it the least recently used idle ones are closed
+# A peer's connection: up, lost, or refused (zmq retries a refused connect every ~0.1 s)
+_LINK_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
+_MAX_LINK_EVENTS_PER_CHECK = 64
+_monitor_ids = itertools.count()  # one inproc endpoint per monitor in the process, never reused
 
 
 @dataclass
@@ -85,6 +94,8 @@ class KVSender:
         self._own_context = context is None
         self.context = context if context is not None else zmq.Context()
         self._peers: dict[str, zmq.Socket] = {}
+        self._monitors: dict[str, zmq.Socket] = {}  # each peer socket's connection events
+        self._down: set[str] = set()  # peers whose latest connection event was a loss
         self._pending: dict[str, _Transfer] = {}
         self._done: list[TransferResult] = []
         self._ipc_exports: dict[str, cuda_ipc.CudaIpcExport] = {}
@@ -249,13 +260,39 @@ class KVSender:
             socket.setsockopt(zmq.LINGER, 0)
             keepalive(socket)
             socket.setsockopt(zmq.SNDBUF, SOCKET_BUFFER_BYTES)
+            # an endpoint of its own: pyzmq's default names it by the fd, which a socket made
+            # after this one closes may reuse while the old monitor is still bound
+            monitor = socket.get_monitor_socket(
+                _LINK_EVENTS, f"inproc://kvsender-monitor-{next(_monitor_ids)}"
+            )
+            monitor.setsockopt(zmq.LINGER, 0)
             try:
                 socket.connect(address)
             except zmq.ZMQError:
+                monitor.close(linger=0)
                 socket.close(linger=0)
                 raise
             self._peers[address] = socket
+            self._monitors[address] = monitor
+            self._down.discard(address)
         return socket
+
+    def peer_down(self, address: str) -> bool:
+        """Whether the connection to `address` was lost or refused and is not back (its peer
+        died, or nothing listens there); False while it connects or is up, or with no socket."""
+        monitor = self._monitors.get(address)
+        if monitor is None:
+            return False
+        for _ in range(_MAX_LINK_EVENTS_PER_CHECK):
+            try:
+                event = recv_monitor_message(monitor, zmq.NOBLOCK)["event"]
+            except zmq.Again:
+                break
+            if event == zmq.EVENT_CONNECTED:
+                self._down.discard(address)
+            else:
+                self._down.add(address)
+        return address in self._down
 
     def poll(self) -> list[TransferResult]:
         """Collect acks from every peer and expire deadlines; the transfers that ended since."""
@@ -322,7 +359,16 @@ class KVSender:
         send connects anew. True if it was closed."""
         if any(t.address == address for t in self._pending.values()):
             return False
+        return self._close_peer(address)
+
+    def _close_peer(self, address: str) -> bool:
         socket = self._peers.pop(address, None)
+        monitor = self._monitors.pop(address, None)
+        self._down.discard(address)
+        if socket is not None:
+            socket.disable_monitor()
+        if monitor is not None:
+            monitor.close(linger=0)
         if socket is None:
             return False
         socket.close(linger=0)
@@ -336,7 +382,7 @@ class KVSender:
             if len(self._peers) <= keep:
                 return
             if address not in busy:
-                self._peers.pop(address).close(linger=0)
+                self._close_peer(address)
 
     def num_peers(self) -> int:
         return len(self._peers)
@@ -346,8 +392,7 @@ class KVSender:
         end."""
         self.segments.close()
         self._pending.clear()
-        for socket in self._peers.values():
-            socket.close(linger=0)
-        self._peers.clear()
+        for address in list(self._peers):
+            self._close_peer(address)
         if self._own_context:
             self.context.term()

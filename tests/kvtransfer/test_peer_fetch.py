@@ -158,6 +158,53 @@ def test_a_peer_that_never_answers_means_computing_after_the_timeout(pair, tiny_
         silent.close(0)
 
 
+def test_a_peer_that_dies_while_asked_is_noticed_by_its_lost_connection(pair, tiny_llama) -> None:
+    pair.prefill(pair.a, "r1")
+    pair.run_until(lambda: len(pair.headers) == 1)
+    pair.run_until(lambda: not pair.a.sender.num_pending())
+    started = time.monotonic()
+    pair.prefill(pair.b, "r2", pair.hint("tcp", timeout_s=20.0))
+    assert "r2" in pair.b.deferred
+    deadline = time.monotonic() + 10
+    assert pair.a.receiver.socket.poll(5000)  # the fetch reached a (a has not read it)
+    pair.a.receiver.socket.close(linger=0)  # a's process dies: its kernel closes the connection
+    dst = list(range(64))
+    while len(pair.headers) < 2:  # a is gone: only b and the decode side run
+        assert time.monotonic() < deadline, "timed out"
+        pair.b.step()
+        for r in pair.decode.poll(lambda h: dst[: h.num_blocks]):
+            assert r.ok, r.reason
+            pair.headers.append(r.header)
+        time.sleep(0.001)
+    assert time.monotonic() - started < 10  # the lost connection, not the 20 s timeout
+    assert pair.b.engine.num_prefill_tokens == len(PROMPT)
+    assert pair.b.peer_fetch_counters()["kv_peer_fetch_failures_total"] == 1
+    assert pair.headers[1].first_token_id == hf_greedy(tiny_llama[0], PROMPT, 1)[0]
+    assert pair.a.kv_address not in pair.b.sender._peers  # its socket closed
+    while pair.b.sender.num_pending():
+        assert time.monotonic() < deadline, "timed out"
+        pair.b.step()
+        pair.decode.poll(lambda h: dst[: h.num_blocks])
+    pair.assert_all_free()
+
+
+def test_a_peer_address_where_nothing_listens_means_computing_at_once(pair) -> None:
+    gone = pair.ctx.socket(zmq.ROUTER)  # a port that was a worker's, now closed
+    gone.bind("tcp://127.0.0.1:*")
+    address = gone.getsockopt_string(zmq.LAST_ENDPOINT)
+    gone.close(0)
+    started = time.monotonic()
+    pair.prefill(pair.b, "r1", pair.hint("tcp", address, timeout_s=20.0))
+    assert "r1" in pair.b.deferred
+    pair.run_until(lambda: len(pair.headers) == 1)
+    assert time.monotonic() - started < 10  # the refused connection, not the 20 s timeout
+    assert pair.b.engine.num_prefill_tokens == len(PROMPT)
+    assert pair.b.peer_fetch_counters()["kv_peer_fetch_failures_total"] == 1
+    assert address not in pair.b.sender._peers
+    pair.run_until(lambda: not pair.b.sender.num_pending())
+    pair.assert_all_free()
+
+
 def test_a_peer_holding_nothing_answers_at_once_and_the_prompt_is_computed(pair) -> None:
     pair.prefill(pair.b, "r1", pair.hint("shm", timeout_s=20.0))
     started = time.monotonic()
