@@ -47,6 +47,25 @@ def reference(chat_model_dir):
     return out[: len(chats)], out[len(chats) :], tok.decode(sampled.output_token_ids)
 
 
+@pytest.fixture(scope="module")
+def colocated(chat_model_dir, tmp_path_factory):
+    """One decode worker that prefills too; shared by the tests that leave it serving."""
+    tmp = tmp_path_factory.mktemp("colocated")
+    with Cluster(str(chat_model_dir), tmp, prefill=0, decode=1) as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="module")
+def one_p_one_d(chat_model_dir, tmp_path_factory):
+    """A prefill worker and a decode worker, every prompt prefilled remotely; shared by the tests
+    that leave both serving with every block free (each checks that at its end, so the next one
+    starts from a clean cluster). The scale-out test adds workers: it is the last to use it."""
+    tmp = tmp_path_factory.mktemp("1p1d")
+    router_flags = ("--local-prefill-max-tokens", "0")
+    with Cluster(str(chat_model_dir), tmp, prefill=1, decode=1, router_flags=router_flags) as c:
+        yield c
+
+
 def client(cluster: Cluster) -> openai.OpenAI:
     return openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0)
 
@@ -123,10 +142,8 @@ def test_disaggregated_1p1d_matches_engine(chat_model_dir, reference, tmp_path, 
         ), cluster.logs()
 
 
-def test_colocated_matches_engine(chat_model_dir, reference, tmp_path):
-    model = str(chat_model_dir)
-    with Cluster(model, tmp_path, prefill=0, decode=1) as cluster:
-        check_against_reference(cluster, model, reference)
+def test_colocated_matches_engine(chat_model_dir, reference, colocated):
+    check_against_reference(colocated, str(chat_model_dir), reference)
 
 
 def test_2p2d_32_concurrent_streams(chat_model_dir, reference, tmp_path):
@@ -160,25 +177,22 @@ def test_2p2d_32_concurrent_streams(chat_model_dir, reference, tmp_path):
         assert all(f == t for f, t in state.values()), state
 
 
-def test_client_disconnect_frees_blocks(chat_model_dir, tmp_path):
-    model = str(chat_model_dir)
-    with Cluster(
-        model, tmp_path, prefill=1, decode=1, router_flags=("--local-prefill-max-tokens", "0")
-    ) as cluster:
-        body = {
-            "model": model,
-            "prompt": "Tell me a long story",
-            "max_tokens": 1500,
-            "temperature": 0,
-            "ignore_eos": True,
-            "stream": True,
-        }
-        with httpx.stream("POST", cluster.url + "/v1/completions", json=body, timeout=60) as r:
-            for i, _ in enumerate(r.iter_lines()):
-                if i > 5:
-                    break  # hang up mid-stream
-        state = cluster.wait_blocks_free(["prefill-0", "decode-0"])
-        assert all(f == t for f, t in state.values()), state
+def test_client_disconnect_frees_blocks(chat_model_dir, one_p_one_d):
+    cluster = one_p_one_d
+    body = {
+        "model": str(chat_model_dir),
+        "prompt": "Tell me a long story",
+        "max_tokens": 1500,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with httpx.stream("POST", cluster.url + "/v1/completions", json=body, timeout=60) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i > 5:
+                break  # hang up mid-stream
+    state = cluster.wait_blocks_free(["prefill-0", "decode-0"])
+    assert all(f == t for f, t in state.values()), state
 
 
 def test_decode_worker_killed_mid_stream_its_streams_move_and_finish(chat_model_dir, tmp_path):
@@ -250,25 +264,22 @@ BAD_BODIES = [
 ]
 
 
-def test_bad_requests_get_openai_errors(chat_model_dir, tmp_path):
-    model = str(chat_model_dir)
-    with Cluster(model, tmp_path, prefill=0, decode=1) as cluster:
-        for body, status in BAD_BODIES:
-            r = httpx.post(
-                cluster.url + "/v1/completions", json={"model": model, **body}, timeout=30
-            )
-            assert r.status_code == status, (body, r.text)
-            assert {"message", "type", "param", "code"} <= set(r.json()["error"])
-        r = httpx.post(
-            cluster.url + "/v1/completions",
-            content=b"{not json",
-            timeout=30,
-            headers={"content-type": "application/json"},
-        )
-        assert r.status_code == 400 and "error" in json.loads(r.text)
-        # the server still answers after all that
-        ok = client(cluster).completions.create(model=model, prompt="Hi", max_tokens=3)
-        assert ok.usage.completion_tokens >= 1
+def test_bad_requests_get_openai_errors(chat_model_dir, colocated):
+    model, cluster = str(chat_model_dir), colocated
+    for body, status in BAD_BODIES:
+        r = httpx.post(cluster.url + "/v1/completions", json={"model": model, **body}, timeout=30)
+        assert r.status_code == status, (body, r.text)
+        assert {"message", "type", "param", "code"} <= set(r.json()["error"])
+    r = httpx.post(
+        cluster.url + "/v1/completions",
+        content=b"{not json",
+        timeout=30,
+        headers={"content-type": "application/json"},
+    )
+    assert r.status_code == 400 and "error" in json.loads(r.text)
+    # the server still answers after all that
+    ok = client(cluster).completions.create(model=model, prompt="Hi", max_tokens=3)
+    assert ok.usage.completion_tokens >= 1
 
 
 def test_hung_prefill_worker_requests_move_to_another(chat_model_dir, reference, tmp_path):
@@ -307,102 +318,97 @@ def test_hung_prefill_worker_requests_move_to_another(chat_model_dir, reference,
         assert all(f == t for f, t in state.values()), state
 
 
-def test_workers_reregister_after_router_restart(chat_model_dir, tmp_path):
-    model = str(chat_model_dir)
-    with Cluster(
-        model, tmp_path, prefill=1, decode=1, router_flags=("--local-prefill-max-tokens", "0")
-    ) as cluster:
-        cluster.kill("router")
-        cluster.start_router()
-        cluster.wait_workers(1, 1, timeout_s=30)
-        r = client(cluster).completions.create(
-            model=model, prompt="Hello there", max_tokens=5, temperature=0
-        )
-        assert r.usage.completion_tokens == 5
+def test_workers_reregister_after_router_restart(chat_model_dir, one_p_one_d):
+    model, cluster = str(chat_model_dir), one_p_one_d
+    cluster.kill("router")
+    cluster.start_router()
+    cluster.wait_workers(1, 1, timeout_s=30)
+    r = client(cluster).completions.create(
+        model=model, prompt="Hello there", max_tokens=5, temperature=0
+    )
+    assert r.usage.completion_tokens == 5
+    state = cluster.wait_blocks_free(["prefill-0", "decode-0"])
+    assert all(f == t for f, t in state.values()), state
 
 
-def test_abort_before_prefill_frees_blocks_on_both_workers(chat_model_dir, tmp_path):
-    model = str(chat_model_dir)
-    with Cluster(
-        model, tmp_path, prefill=1, decode=1, router_flags=("--local-prefill-max-tokens", "0")
-    ) as cluster:
-        prefill = cluster.procs["prefill-0"]
-        prefill.send_signal(signal.SIGSTOP)  # the prompt waits in its queue
-        try:
-            body = {
-                "model": model,
-                "prompt": "Tell me about the sea",
-                "max_tokens": 50,
-                "temperature": 0,
-                "stream": True,
-            }
-            with pytest.raises(httpx.ReadTimeout):
-                with httpx.stream(
-                    "POST",
-                    cluster.url + "/v1/completions",
-                    json=body,
-                    timeout=httpx.Timeout(30, read=1.0),
-                ) as r:
-                    for _ in r.iter_lines():
-                        pass
-            # the client is gone: the decode worker's reservation must be released already
-            state = cluster.wait_blocks_free(["decode-0"])
-            assert all(f == t for f, t in state.values()), state
-        finally:
-            prefill.send_signal(signal.SIGCONT)
-        # the prefill worker then finds the Abort behind the Prefill and frees what it took
-        cluster.wait_workers(1, 1, timeout_s=30)
-        state = cluster.wait_blocks_free(["prefill-0", "decode-0"])
+def test_abort_before_prefill_frees_blocks_on_both_workers(chat_model_dir, one_p_one_d):
+    model, cluster = str(chat_model_dir), one_p_one_d
+    prefill = cluster.procs["prefill-0"]
+    prefill.send_signal(signal.SIGSTOP)  # the prompt waits in its queue
+    try:
+        body = {
+            "model": model,
+            "prompt": "Tell me about the sea",
+            "max_tokens": 50,
+            "temperature": 0,
+            "stream": True,
+        }
+        with pytest.raises(httpx.ReadTimeout):
+            with httpx.stream(
+                "POST",
+                cluster.url + "/v1/completions",
+                json=body,
+                timeout=httpx.Timeout(30, read=1.0),
+            ) as r:
+                for _ in r.iter_lines():
+                    pass
+        # the client is gone: the decode worker's reservation must be released already
+        state = cluster.wait_blocks_free(["decode-0"])
         assert all(f == t for f, t in state.values()), state
-        r = client(cluster).completions.create(model=model, prompt="Hi", max_tokens=3)
-        assert r.usage.completion_tokens >= 1
+    finally:
+        prefill.send_signal(signal.SIGCONT)
+    # the prefill worker then finds the Abort behind the Prefill and frees what it took
+    cluster.wait_workers(1, 1, timeout_s=30)
+    state = cluster.wait_blocks_free(["prefill-0", "decode-0"])
+    assert all(f == t for f, t in state.values()), state
+    r = client(cluster).completions.create(model=model, prompt="Hi", max_tokens=3)
+    assert r.usage.completion_tokens >= 1
 
 
-def test_scale_out_and_drain_without_losing_requests(chat_model_dir, tmp_path):
+def test_scale_out_and_drain_without_losing_requests(chat_model_dir, one_p_one_d):
     """What scripts/scale.sh does to compose, with processes: add workers, then remove one."""
-    model = str(chat_model_dir)
-    with Cluster(
-        model, tmp_path, prefill=1, decode=1, router_flags=("--local-prefill-max-tokens", "0")
-    ) as cluster:
-        cluster.start_worker("decode", "decode-1")
-        cluster.start_worker("prefill", "prefill-1")
-        cluster.wait_workers(2, 2, timeout_s=60)
+    model, cluster = str(chat_model_dir), one_p_one_d
+    cluster.start_worker("decode", "decode-1")
+    cluster.start_worker("prefill", "prefill-1")
+    cluster.wait_workers(2, 2, timeout_s=60)
 
-        def queries(worker: str) -> float:
-            return cluster.worker_gauge("prefix_cache_queries_total", worker) or 0.0
+    def queries(worker: str) -> float:
+        return cluster.worker_gauge("prefix_cache_queries_total", worker) or 0.0
 
-        async def burst(n: int, max_tokens: int) -> list[int]:
-            c = openai.AsyncOpenAI(
-                base_url=cluster.url + "/v1", api_key="x", max_retries=0, timeout=120
-            )
-            rs = await asyncio.gather(
-                *(
-                    c.completions.create(
-                        model=model,
-                        prompt=f"Request number {i} says",
-                        max_tokens=max_tokens,
-                        temperature=0,
-                        extra_body={"ignore_eos": True},
-                    )
-                    for i in range(n)
+    async def burst(n: int, max_tokens: int) -> list[int]:
+        c = openai.AsyncOpenAI(
+            base_url=cluster.url + "/v1", api_key="x", max_retries=0, timeout=120
+        )
+        rs = await asyncio.gather(
+            *(
+                c.completions.create(
+                    model=model,
+                    prompt=f"Request number {i} says",
+                    max_tokens=max_tokens,
+                    temperature=0,
+                    extra_body={"ignore_eos": True},
                 )
+                for i in range(n)
             )
-            return [r.usage.completion_tokens for r in rs]
+        )
+        return [r.usage.completion_tokens for r in rs]
 
-        assert asyncio.run(burst(8, 8)) == [8] * 8
-        time.sleep(1.5)  # next heartbeat carries the counters
-        assert all(queries(w) > 0 for w in ("decode-0", "decode-1", "prefill-0", "prefill-1"))
+    workers = ("decode-0", "decode-1", "prefill-0", "prefill-1")
+    before = {w: queries(w) for w in workers}  # the earlier tests on this cluster count too
+    assert asyncio.run(burst(8, 8)) == [8] * 8
+    time.sleep(1.5)  # next heartbeat carries the counters
+    assert all(queries(w) > before[w] for w in workers), (before, {w: queries(w) for w in workers})
 
-        # remove a decode worker while requests run on it: it drains, nothing is lost
-        results: list[list[int]] = []
-        runner = threading.Thread(target=lambda: results.append(asyncio.run(burst(8, 400))))
-        runner.start()
-        time.sleep(1.0)
-        cluster.procs["decode-1"].send_signal(signal.SIGTERM)
-        runner.join(120)
-        assert results == [[400] * 8]
-        assert cluster.procs["decode-1"].wait(timeout=30) == 0  # exits by itself once drained
-        assert asyncio.run(burst(4, 4)) == [4] * 4  # the rest keep serving
+    # remove a decode worker while requests run on it: it drains, nothing is lost
+    results: list[list[int]] = []
+    runner = threading.Thread(target=lambda: results.append(asyncio.run(burst(8, 400))))
+    runner.start()
+    time.sleep(1.0)
+    cluster.procs["decode-1"].send_signal(signal.SIGTERM)
+    runner.join(120)
+    assert results == [[400] * 8]
+    assert cluster.procs["decode-1"].wait(timeout=30) == 0  # exits by itself once drained
+    assert asyncio.run(burst(4, 4)) == [4] * 4  # the rest keep serving
 
 
 def test_1p1d_with_ngram_speculation_matches_plain_decoding(tmp_path):
