@@ -271,7 +271,8 @@ _HELP = {
     "dense_weight_memory": "memory the CPU quantized layers may spend on a copy of their weights "
     "dequantized to --dtype (2 bytes per weight in bfloat16), multiplied by the CPU's 16-bit GEMM "
     "(AMX/AVX-512) at the batch sizes where that measures faster (prompt steps, big batches): "
-    "auto (if the copies fit in a quarter of the memory available at start), 0 (never), or a "
+    "auto (if the copies fit in a quarter of the memory available at start, a container's "
+    "cgroup limit counted), 0 (never), or a "
     "size such as 1GiB (if they fit in it)",
 }
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
@@ -69,16 +70,37 @@ def allow_dense_weights(budget: str, weights: list, dtype: torch.dtype) -> bool:
     return allowed
 
 
-def available_memory_bytes() -> int:
-    """MemAvailable from /proc/meminfo (Linux); elsewhere 0 (auto then keeps no copies)."""
+def available_memory_bytes(root: str = "/") -> int:
+    """Memory this process may still take: MemAvailable from /proc/meminfo, or less where a
+    cgroup limit (a container's, a Kubernetes pod's) leaves less; 0 where neither can be read
+    (auto then keeps no copies). `root`: where /proc and /sys are (tests)."""
+    available = _read_int(os.path.join(root, "proc/meminfo"), "MemAvailable:", 1024)
+    for limit_file, usage_file in (
+        ("sys/fs/cgroup/memory.max", "sys/fs/cgroup/memory.current"),  # cgroup v2
+        ("sys/fs/cgroup/memory/memory.limit_in_bytes",
+         "sys/fs/cgroup/memory/memory.usage_in_bytes"),  # v1
+    ):  # fmt: skip
+        limit = _read_int(os.path.join(root, limit_file))
+        usage = _read_int(os.path.join(root, usage_file))
+        if limit and usage is not None and limit < (1 << 60):  # "max" / v1's huge "no limit"
+            room = max(limit - usage, 0)
+            available = room if available is None else min(available, room)
+            break
+    return available or 0
+
+
+def _read_int(path: str, prefix: str = "", unit: int = 1) -> int | None:
+    """The integer in `path` (on its line starting with `prefix`, the first word after it, times
+    `unit`), or None when there is none (no file, "max", another format)."""
     try:
-        with open("/proc/meminfo") as f:
+        with open(path) as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                if line.startswith(prefix):
+                    word = line[len(prefix) :].split()[0] if line[len(prefix) :].split() else ""
+                    return int(word) * unit if word.isdigit() else None
     except OSError:
         pass
-    return 0
+    return None
 
 
 class ModelRunner:

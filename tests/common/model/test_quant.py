@@ -482,3 +482,22 @@ def test_batches_from_min_rows_take_f32tiles(monkeypatch, bits: int, group: int)
         for m, want in [(1, False), (8, False), (MIN_ROWS - 1, False), (MIN_ROWS, True)]:
             path = cpu_quant.choose(lay.kernel_weight(), torch.randn(m, 128, dtype=dtype))
             assert (path == "f32tiles") == want, (dtype, m, path)
+
+
+@pytest.mark.parametrize(
+    "cgroup, want_gib",
+    [(None, 8), (("max", "1073741824"), 8), (("4294967296", "1073741824"), 3),
+     (("1073741824", "2147483648"), 0)],
+)  # fmt: skip
+def test_available_memory_counts_a_cgroup_limit(tmp_path, cgroup, want_gib):
+    """auto's budget reads MemAvailable, or a container's room under its cgroup limit when that
+    is less ("max": no limit; usage past the limit: no room)."""
+    from common.model.model_runner import available_memory_bytes
+
+    (tmp_path / "proc").mkdir()
+    (tmp_path / "proc/meminfo").write_text("MemTotal: 16777216 kB\nMemAvailable: 8388608 kB\n")
+    if cgroup is not None:
+        (tmp_path / "sys/fs/cgroup").mkdir(parents=True)
+        (tmp_path / "sys/fs/cgroup/memory.max").write_text(cgroup[0] + "\n")
+        (tmp_path / "sys/fs/cgroup/memory.current").write_text(cgroup[1] + "\n")
+    assert available_memory_bytes(str(tmp_path)) == want_gib << 30
