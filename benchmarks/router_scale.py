@@ -99,7 +99,7 @@ CPU_PROFILE = (
 
 def start_router(
     python: str, ready_file: str, profile: str = "", heartbeat_timeout_s: float = 0.0,
-    max_loop_lag_s: float = 0.0,
+    max_loop_lag_s: float = 0.0, event_loop: str = "",
 ) -> subprocess.Popen:  # fmt: skip
     run = ["-c", CPU_PROFILE, profile] if profile else ["-m", "common.cli"]
     cmd = [python, *run, "router", "--port", "0", "--control-port", "0",
@@ -107,6 +107,8 @@ def start_router(
            "--ready-file", ready_file, "--max-loop-lag-s", str(max_loop_lag_s)]  # fmt: skip
     if heartbeat_timeout_s:
         cmd += ["--heartbeat-timeout-s", str(heartbeat_timeout_s)]
+    if event_loop:
+        cmd += ["--event-loop", event_loop]
     proc = subprocess.Popen(cmd, cwd=ROOT)
     deadline = time.monotonic() + 120
     while not os.path.exists(ready_file):
@@ -520,6 +522,8 @@ def main() -> None:
                     "the default here: this measures what a router can do, and the synthetic "
                     "workers and clients share its host; on a loaded host its loop runs late and "
                     "it would refuse work with 429s, as it should)")  # fmt: skip
+    ap.add_argument("--event-loop", default="", help="the router's --event-loop (auto, uvloop, "
+                    "asyncio; default: the router's own default)")  # fmt: skip
     ap.add_argument("--decisions-only", action="store_true", help="only the routing choices "
                     "themselves (no router process, no HTTP): microseconds per decode and per "
                     "prefill choice with --workers workers, for each policy")  # fmt: skip
@@ -552,6 +556,7 @@ def main() -> None:
                     profile,
                     args.heartbeat_timeout_s,
                     args.max_loop_lag_s,
+                    args.event_loop,
                 )  # fmt: skip
             )
             with open(ready_file) as f:

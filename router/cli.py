@@ -9,7 +9,6 @@ weights), signals. Called by `common.cli` (the `pdserve` dispatcher). Heavy impo
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import signal
 from dataclasses import fields
@@ -57,5 +56,5 @@ def run_router(args: argparse.Namespace) -> int:
     # have shut down cleanly, so the re-raised signal must not kill the process.
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: None)
-    asyncio.run(server.serve())
+    server.run()
     return 0

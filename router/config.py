@@ -52,6 +52,7 @@ class RouterConfig:
     ready_file: str = ""
     cluster_secret_file: str = ""
     tool_call_parser: str = ""
+    event_loop: str = "auto"
 
 
 HELP = {
@@ -111,6 +112,9 @@ HELP = {
     "tool_choice 'auto' answers are read as <tool_call> JSON, as Hermes, Qwen2 and Qwen3 templates "
     "ask for) or generic (the default, and hermes' fallback where the template cannot render "
     "tools: tools in the system prompt, every answer grammar-constrained to text or calls)",
+    "event_loop": "auto | uvloop | asyncio: the router's event loop (auto: uvloop where it is "
+    "installed; its sockets and callbacks cost each HTTP request about a third less than "
+    "asyncio's)",
     "ready_file": 'once serving, write the bound addresses here as JSON ({"http_port", '
     '"control_address", "local_prefill_max_tokens"}), so a launcher that passed port 0 learns '
     "the ports the OS gave",

@@ -3,7 +3,8 @@
 Owns building the router's parts from a `RouterConfig` (validating the routing knobs), running the
 FastAPI app under uvicorn beside the control plane's receive and liveness loops, announcing the
 bound ports (log line, `--ready-file`, `on_ready`), and shutting everything down. `router.cli`
-(`pdserve router`) runs it in the main thread; tests start a `RouterServer` in a thread. Heavy
+(`pdserve router`) runs it in the main thread; tests start a `RouterServer` in a thread. Both
+`run` it on uvloop's event loop where it is installed (`--event-loop`). Heavy
 imports (uvicorn, zmq) happen inside the methods so that `pdserve --help` stays fast.
 """
 
@@ -15,8 +16,8 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Coroutine
+from typing import TYPE_CHECKING, Any
 
 from router.config import RouterConfig
 
@@ -54,6 +55,10 @@ def _validate(config: RouterConfig) -> None:
 
     if config.tool_call_parser and config.tool_call_parser not in TOOL_CALL_PARSERS:
         raise ValueError(f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}")
+    if config.event_loop not in EVENT_LOOPS:
+        raise ValueError(f"--event-loop must be one of {', '.join(EVENT_LOOPS)}")
+    if config.event_loop == "uvloop" and not _has_uvloop():
+        raise ValueError("--event-loop uvloop: uvloop is not installed")
     if config.max_body_bytes < 1:
         raise ValueError("--max-body-bytes must be >= 1")
     if config.max_buffered_tokens < 1 or config.max_request_buffered_tokens < 1:
@@ -68,6 +73,28 @@ def _validate(config: RouterConfig) -> None:
             "--prefix-load-weight, --balance-abs-tokens and --decode-prefix-slack must be "
             ">= 0, --balance-rel >= 1"
         )
+
+
+EVENT_LOOPS = ("auto", "uvloop", "asyncio")
+
+
+def _has_uvloop() -> bool:
+    try:
+        import uvloop  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def run_loop(main: Coroutine[Any, Any, None], event_loop: str = "auto") -> None:
+    """Run `main` to its end on a new event loop: uvloop's (for "auto" where it is installed,
+    and for "uvloop"), else asyncio's."""
+    if event_loop != "asyncio" and _has_uvloop():
+        import uvloop
+
+        uvloop.run(main)
+    else:
+        asyncio.run(main)
 
 
 class RouterServer:
@@ -183,6 +210,10 @@ class RouterServer:
             await asyncio.gather(*tasks, return_exceptions=True)
             self.control.close()
             self.state.executor.shutdown(wait=False, cancel_futures=True)
+
+    def run(self, on_ready: Callable[[], None] | None = None) -> None:
+        """`serve` on an event loop of its own (`--event-loop`), until it returns."""
+        run_loop(self.serve(on_ready), self.config.event_loop)
 
     def stop(self) -> None:
         """Ask `serve` to return (callable from another thread)."""

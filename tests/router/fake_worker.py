@@ -16,7 +16,6 @@ the default model's tokenizer.
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import queue
 import threading
@@ -317,7 +316,7 @@ class RouterThread:
         self.server = RouterServer(RouterConfig(**config), default_tokenizer(), 8192)
         ready = threading.Event()
         self._thread = threading.Thread(
-            target=lambda: asyncio.run(self.server.serve(on_ready=ready.set)),
+            target=lambda: self.server.run(on_ready=ready.set),
             name="router",
             daemon=True,
         )
