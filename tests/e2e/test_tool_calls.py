@@ -153,17 +153,17 @@ def template_client(chat_model_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module", params=["template", "default-model"])
-def default_client(request, chat_model_dir, tmp_path_factory):
-    """The same template with tiny random weights, then the default model itself (its GGUF)."""
-    tmp = tmp_path_factory.mktemp(f"generic-tool-{request.param}")
+def default_client(request, tmp_path_factory):
+    """The same template with tiny random weights (template_client's cluster: the same flags),
+    then the default model itself (its GGUF)."""
     if request.param == "template":
-        yield from _serve(str(chat_model_dir), tmp)
+        yield request.getfixturevalue("template_client")
     else:
         # its 8,192-token context needs more KV than the test clusters' default holds; no prefix
         # cache, so that a repeated prompt is computed as the first was (a cached prefix rounds
         # differently, and a real model's sampling notices: same seed, same answer holds then)
         flags = ("--max-model-len", "1024", "--no-enable-prefix-caching")
-        yield from _serve("default", tmp, flags)
+        yield from _serve("default", tmp_path_factory.mktemp("generic-tool-default-model"), flags)
 
 
 def check_answer(message, finish_reason: str) -> None:
