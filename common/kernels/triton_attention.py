@@ -71,7 +71,7 @@ def _check_shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor)
     assert q.shape[1] % k_cache.shape[2] == 0, (
         f"num_heads {q.shape[1]} must be a multiple of num_kv_heads {k_cache.shape[2]}"
     )
-    assert q.dtype == k_cache.dtype == v_cache.dtype, "q and the cache must share a dtype"
+    assert k_cache.dtype == v_cache.dtype, "k_cache and v_cache must share a dtype"
 
 
 def _strides(
@@ -133,13 +133,26 @@ def paged_attention_triton(
     scale: float,
     *,
     num_splits: int | None = None,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of new tokens q [num_tokens, H, D] over the paged cache (already holding them).
 
     Decode kernel when every sequence has one new token, else the varlen kernel. `num_splits`
-    (a power of two) overrides the decode split-k heuristic; it exists for tests and tuning.
+    (a power of two) overrides the decode split-k heuristic; it exists for tests and tuning. A
+    cache of q's dtype has no scales; an 8-bit one (int8, fp8) has its float32 scales per (token,
+    kv head), contiguous [blocks, block_size, kv heads], read by the kernels beside each row.
     """
     _check_shapes(q, k_cache, v_cache)
+    if (k_scales is None) != (k_cache.dtype == q.dtype) or (k_scales is None) != (v_scales is None):
+        raise ValueError(
+            f"a {k_cache.dtype} cache with {q.dtype} queries needs "
+            + ("no scales" if k_cache.dtype == q.dtype else "its k_scales and v_scales")
+        )
+    if k_scales is not None:
+        assert k_scales.is_contiguous() and v_scales.is_contiguous()
+        assert k_scales.shape == k_cache.shape[:3] == v_scales.shape
+        assert k_scales.dtype == v_scales.dtype == torch.float32
     if q.stride(-1) != 1:
         q = q.contiguous()
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -148,7 +161,7 @@ def paged_attention_triton(
     block_tables = meta.block_tables.contiguous()
     args = (out, q, k_cache, v_cache, meta, block_tables, _strides(q, out, k_cache, block_tables))
     if meta.max_query_len == 1:
-        launch_decode(*args, scale * _LOG2E, num_splits)
+        launch_decode(*args, scale * _LOG2E, num_splits, k_scales, v_scales)
     else:
-        launch_varlen(*args, scale * _LOG2E)
+        launch_varlen(*args, scale * _LOG2E, k_scales, v_scales)
     return out

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from common.kernels.attention import AttentionMetadata
-from common.kernels.triton_varlen import NEG_BIG, dot, interpreted
+from common.kernels.triton_varlen import NEG_BIG, dequant_rows, dot, interpreted
 
 MIN_DOT = 16  # tl.dot needs every dimension >= 16
 
@@ -27,6 +27,8 @@ def _decode_kernel(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     block_tables_ptr,
     seq_lens_ptr,
     query_start_ptr,
@@ -49,6 +51,7 @@ def _decode_kernel(
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -80,14 +83,19 @@ def _decode_kernel(
         key_ok = pos < hi
         block = tl.load(table + pos // block_size, mask=key_ok, other=0).to(tl.int64)
         kv_off = block * stride_cb + (pos % block_size) * stride_cs + kv_head * stride_ch
-        k = tl.load(k_cache_ptr + kv_off[:, None] + d[None, :], mask=key_ok[:, None], other=0.0)
+        k = tl.load(k_cache_ptr + kv_off[:, None] + d[None, :], mask=key_ok[:, None], other=0)
+        if QUANT:
+            scale_off = (block * block_size + pos % block_size) * tl.num_programs(1) + kv_head
+            k = dequant_rows(k, k_scale_ptr, scale_off, key_ok, q.dtype)
         s = dot(q, tl.trans(k), DOT_FP32) * scale_log2
         s = tl.where(key_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         alpha = tl.exp2(m - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_sum = l_sum * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=key_ok[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=key_ok[:, None], other=0)
+        if QUANT:
+            v = dequant_rows(v, v_scale_ptr, scale_off, key_ok, q.dtype)
         acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, DOT_FP32)
         m = m_new
 
@@ -161,11 +169,14 @@ def launch_decode(
     strides: tuple[int, ...],
     scale_log2: float,
     num_splits: int | None = None,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
 ) -> None:
     """Fill `out` [num_seqs, H, D] with each sequence's one-token attention.
 
     `strides` are triton_attention's `_strides` (their order is the kernel's argument order);
-    `num_splits` (a power of two) overrides `decode_num_splits`.
+    `num_splits` (a power of two) overrides `decode_num_splits`; an 8-bit cache comes with its
+    contiguous float32 scales [blocks, block_size, kv heads].
     """
     num_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -188,6 +199,8 @@ def launch_decode(
         q,
         k_cache,
         v_cache,
+        k_scales if k_scales is not None else k_cache,  # unread without QUANT
+        v_scales if v_scales is not None else v_cache,
         block_tables,
         *common,
         part_acc,
@@ -202,6 +215,7 @@ def launch_decode(
         BLOCK_N=block_n,
         NUM_SPLITS=splits,
         DOT_FP32=interpreted(),
+        QUANT=k_scales is not None,
         num_warps=4,
     )
     if splits > 1:

@@ -38,11 +38,21 @@ def dot(a, b, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def dequant_rows(x, scale_ptr, scale_off, ok, dtype: tl.constexpr):
+    """Rows of an 8-bit cache (int8 or fp8) as `dtype`: code x its row's float32 scale, rounded
+    once to `dtype`, as common.kernels.kv_quant.dequantize does."""
+    scale = tl.load(scale_ptr + scale_off, mask=ok, other=0.0)
+    return (x.to(tl.float32) * scale[:, None]).to(dtype)
+
+
+@triton.jit
 def _varlen_kernel(
     out_ptr,
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     block_tables_ptr,
     seq_lens_ptr,
     query_start_ptr,
@@ -56,11 +66,13 @@ def _varlen_kernel(
     stride_ch,
     stride_bt,
     block_size,
+    num_kv_heads,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     tile = tl.program_id(0)
     seq = tl.program_id(1)
@@ -95,7 +107,10 @@ def _varlen_kernel(
         key_ok = pos < hi
         block = tl.load(table + pos // block_size, mask=key_ok, other=0).to(tl.int64)
         kv_off = block * stride_cb + (pos % block_size) * stride_cs + kv_head * stride_ch
-        k = tl.load(k_cache_ptr + kv_off[:, None] + d[None, :], mask=key_ok[:, None], other=0.0)
+        k = tl.load(k_cache_ptr + kv_off[:, None] + d[None, :], mask=key_ok[:, None], other=0)
+        if QUANT:
+            scale_off = (block * block_size + pos % block_size) * num_kv_heads + kv_head
+            k = dequant_rows(k, k_scale_ptr, scale_off, key_ok, q.dtype)
         s = dot(q, tl.trans(k), DOT_FP32) * scale_log2
         visible = key_ok[None, :] & (pos[None, :] <= q_pos[:, None])
         s = tl.where(visible, s, float("-inf"))
@@ -103,7 +118,9 @@ def _varlen_kernel(
         alpha = tl.exp2(m - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_sum = l_sum * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=key_ok[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=key_ok[:, None], other=0)
+        if QUANT:
+            v = dequant_rows(v, v_scale_ptr, scale_off, key_ok, q.dtype)
         acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, DOT_FP32)
         m = m_new
 
@@ -124,10 +141,13 @@ def launch_varlen(
     block_tables: torch.Tensor,
     strides: tuple[int, ...],
     scale_log2: float,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
 ) -> None:
     """Fill `out` [num_tokens, H, D] with the attention of q's rows (see module docstring).
 
-    `strides` are triton_attention's `_strides` (their order is the kernel's argument order).
+    `strides` are triton_attention's `_strides` (their order is the kernel's argument order);
+    an 8-bit cache comes with its contiguous float32 scales [blocks, block_size, kv heads].
     """
     num_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -142,15 +162,19 @@ def launch_varlen(
         q,
         k_cache,
         v_cache,
+        k_scales if k_scales is not None else k_cache,  # unread without QUANT
+        v_scales if v_scales is not None else v_cache,
         block_tables,
         *common,
         scale_log2,
         *strides,
         block_size,
+        num_kv_heads,
         GROUP=group,
         HEAD_DIM=head_dim,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         DOT_FP32=interpreted(),
+        QUANT=k_scales is not None,
         num_warps=4 if head_dim <= 64 else 8,
     )

@@ -94,10 +94,11 @@ def _torch_backend(q, k_cache, v_cache, meta, scale, new_k, new_v, k_scales, v_s
 
 
 def _triton_backend(q, k_cache, v_cache, meta, scale, new_k, new_v, k_scales, v_scales):
-    # the model runner refuses a cache of another dtype than the model's (8-bit) with Triton
     from common.kernels.triton_attention import paged_attention_triton
 
-    return paged_attention_triton(q, k_cache, v_cache, meta, scale)
+    return paged_attention_triton(
+        q, k_cache, v_cache, meta, scale, k_scales=k_scales, v_scales=v_scales
+    )
 
 
 def _triton_kv_writer(k, v, k_cache, v_cache, slot_mapping):

@@ -124,11 +124,11 @@ class ModelRunner:
         if backend == "auto":
             backend = "triton" if self.device.type == "cuda" else "torch"
         self.attention_backend = backend
-        if backend == "triton" and self.kv_dtype != self.dtype:
+        if backend == "triton" and self.kv_dtype != self.dtype and self.kv_dtype.itemsize != 1:
             raise ValueError(
-                f"--kv-cache-dtype {config.kv_cache_dtype} (a cache of another dtype than the "
-                f"model's {self.dtype}) is read by the torch attention backend only: use "
-                "--attention-backend torch, or --kv-cache-dtype auto with Triton"
+                f"--kv-cache-dtype {config.kv_cache_dtype} (a 16/32-bit cache of another dtype "
+                f"than the model's {self.dtype}) is read by the torch attention backend only: "
+                "use --attention-backend torch, or with Triton auto, int8 or fp8"
             )
         # the row builder the engine hands to a draft proposer (which never sees the runner)
         self.build_rows: Callable[[list[Row]], Batch] = functools.partial(

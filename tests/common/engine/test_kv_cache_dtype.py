@@ -10,6 +10,7 @@ import torch
 from common.config import EngineConfig
 from common.model.model_runner import ModelRunner
 from common.prefix_hash import model_salt
+from common.sampling_params import SamplingParams
 from tests.common.engine.test_engine import GREEDY, assert_block_pool_full, make_engine, prompts
 from tests.common.engine.test_engine_handoff import handoff
 
@@ -107,12 +108,29 @@ def test_prefix_salt_includes_kv_dtype(tiny_llama):
 
 
 def test_bad_kv_dtype_and_triton_refused(tiny_llama):
+    """Triton reads a cache of the model's dtype or an 8-bit one (with its scales); a 16/32-bit
+    cache of another dtype is refused at start."""
     hf_model, _ = tiny_llama
     with pytest.raises(ValueError, match="--kv-cache-dtype"):
         EngineConfig(kv_cache_dtype="int4").validate()
     config = EngineConfig(
-        model="tiny", dtype="float32", kv_cache_memory="8MiB", kv_cache_dtype="int8",
+        model="tiny", dtype="float32", kv_cache_memory="8MiB", kv_cache_dtype="float16",
         attention_backend="triton", device="cpu",
     )  # fmt: skip
     with pytest.raises(ValueError, match="torch attention backend only"):
         ModelRunner(config, hf_model.config, hf_model.state_dict().items())
+
+
+def test_triton_engine_with_int8_kv_matches_torch(tiny_llama):
+    """The same int8-KV greedy output through the Triton kernels (interpreted without a GPU) as
+    through the torch reference: prefill, chunked continuation and decode all read the 8-bit
+    cache and its scales."""
+    hf_model, _ = tiny_llama
+    ps = prompts(2, seed=3)  # 3 and 7 tokens
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    outs = {}
+    for backend in ("torch", "triton"):
+        engine = make_engine(hf_model, kv_cache_dtype="int8", attention_backend=backend)
+        outs[backend] = [s.output_token_ids for s in engine.generate(ps, params)]
+        assert_block_pool_full(engine)
+    assert outs["triton"] == outs["torch"]

@@ -228,3 +228,37 @@ def test_write_kv_cache_triton_skips_padding_slots():
     write_kv_cache_triton(k, 2 * k, k_cache, v_cache, slots)
     assert k_cache.flatten(0, 1)[:, 0, 0].tolist() == [0, 0, 1, 0, 0, 1, 0, 0]
     assert v_cache.flatten(0, 1)[:, 0, 0].tolist() == [0, 0, 2, 0, 0, 2, 0, 0]
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+@pytest.mark.parametrize(
+    "name", ["decode", "decode_long", "chunked_prefill", "mixed", "spec_decode"]
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_reads_an_8bit_cache(kv_dtype, name, dtype):
+    """--kv-cache-dtype int8|fp8 with Triton: both kernels dequantize each K/V row in registers
+    (code x its float32 scale per token and kv head, rounded once to q's dtype) as the torch
+    reference does, so only the summation order differs: float32 to 1e-5; bfloat16's products
+    round to 2^-8, so 3e-2 as for a bfloat16 cache. Split-k decode included."""
+    from common.kernels import kv_quant
+
+    code = {"int8": torch.int8, "fp8": getattr(torch, "float8_e4m3fn", None)}[kv_dtype]
+    if code is None:
+        pytest.skip("this torch has no float8_e4m3fn")
+    if kv_dtype == "fp8" and DEVICE == "cpu":
+        pytest.skip("Triton's interpreter has no float8 (numpy has none): runs on a GPU")
+    b = make_batch(BATCHES[name], 2, 32, 4, dtype=dtype, seed=7, garbage=0.0)
+    k_cache, k_scales = kv_quant.quantize(b["k_cache"], code)
+    v_cache, v_scales = kv_quant.quantize(b["v_cache"], code)
+    k_scales, v_scales = k_scales.contiguous(), v_scales.contiguous()
+    args = (b["q"], k_cache, v_cache, b["meta"], b["scale"])
+    ref = paged_attention(*args, k_scales=k_scales, v_scales=v_scales)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    out = paged_attention_triton(*args, k_scales=k_scales, v_scales=v_scales)
+    assert out.dtype == dtype
+    assert_close(out, ref.double().cpu(), atol=tol, rtol=tol)
+    if name == "decode_long":
+        split = paged_attention_triton(*args, num_splits=4, k_scales=k_scales, v_scales=v_scales)
+        assert_close(split, ref.double().cpu(), atol=tol, rtol=tol)
+    with pytest.raises(ValueError, match="needs its k_scales and v_scales"):
+        paged_attention_triton(*args)
