@@ -271,7 +271,8 @@ def _dense_copy(w: QuantWeight, dtype: torch.dtype) -> tuple[torch.Tensor, torch
     weight = w.dequantize(dtype).contiguous()
     if torch.backends.mkldnn.is_available() and dtype != torch.float16:
         try:
-            return weight[:0], torch.ops.mkldnn._reorder_linear_weight(weight, None)
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+            return torch.empty(0, w.k, dtype=dtype), packed  # not a view: the copy goes
         except RuntimeError:  # no bfloat16 oneDNN path on this CPU: the plain GEMM
             pass
     return weight, None
