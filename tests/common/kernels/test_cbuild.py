@@ -11,6 +11,7 @@ import platform
 import socket
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -160,23 +161,26 @@ def test_a_shared_cache_never_hands_a_cpu_a_level_it_lacks(tmp_path, monkeypatch
 # The kernels' reference tests, at a forced level in a fresh process. What needs a tiny engine,
 # the default model or a fresh cache (slow, and not per kernel) runs at the default level only;
 # the a8 path's library (cpu_qgemm) checks each of its levels in test_cpu_qgemm.py.
-REFERENCE_TESTS = [
-    "tests/common/kernels/test_cpu_attention.py",
-    "tests/common/kernels/test_cpu_ops.py",
-    "tests/common/kernels/test_cpu_layer.py",
-    "tests/common/model/test_quant.py",
-]
-SELECT = (
-    "not float_mode and not model_forward and not engine and not run_batch and not default_model"
-    " and not handoff and not int4pack] and not int8pack] and not dequant] and not a8]"
-    " and not (per_op_path and (mistral or rope-scaled or qwen2))"
-)
 LIBRARIES = {
     "paged_decode": cpu_attention._LIB,
     "fused_ops": cpu_ops._LIB,
     "quant_matmul": cpu_quant._LIB,
     "decode_layer": cpu_layer._LIB,
 }
+# Each library's reference tests. decode_layer links the other three's sources, each compiled at
+# the level it gets alone: where only its build is new, the parts' code in it is what their own
+# tests ran at a lower level or at the default one, so its tests alone run there.
+REFERENCE_TESTS = {
+    "paged_decode": "tests/common/kernels/test_cpu_attention.py",
+    "fused_ops": "tests/common/kernels/test_cpu_ops.py",
+    "quant_matmul": "tests/common/model/test_quant.py",
+    "decode_layer": "tests/common/kernels/test_cpu_layer.py",
+}
+SELECT = (
+    "not float_mode and not model_forward and not engine and not run_batch and not default_model"
+    " and not handoff and not int4pack] and not int8pack] and not dequant] and not a8]"
+    " and not (per_op_path and (mistral or rope-scaled or qwen2))"
+)
 CHILD = """
 import json, sys
 import pytest
@@ -185,6 +189,15 @@ libs = [cpu_attention._LIB, cpu_ops._LIB, cpu_quant._LIB, cpu_layer._LIB]
 assert all(lib.available() for lib in libs)
 print(json.dumps({lib.source.stem: [lib.level, lib.lib._name] for lib in libs}), flush=True)
 sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", "-x", "-k", sys.argv[1], *sys.argv[2:]]))
+"""
+# one library's build at the level $PDSERVE_CPU_ISA gives it; cbuild alone, without torch
+BUILD = """
+import json, sys
+from pathlib import Path
+from common.kernels import cbuild
+lib, level = cbuild.build([(Path(p), flags) for p, flags in json.loads(sys.argv[1])], sys.argv[2])
+assert lib is not None, "the build failed"
+print(json.dumps([level, Path(lib._name).name]))
 """
 
 
@@ -198,32 +211,85 @@ def expected_levels(value: str) -> dict[str, str]:
     return out
 
 
-def forced_levels() -> list[str]:
-    """The levels worth a run here: the host runs them and they load another set of builds
-    than the default level (the rest of the suite) or a lower forced level."""
-    seen = [expected_levels("")]
-    worth = []
+def forced_runs() -> dict[str, list[str]]:
+    """The levels worth a run here, each with the libraries whose tests it runs: the host runs
+    the level, and those libraries load another build there than at the default level (the rest
+    of the suite) or at a lower forced level."""
+    seen = set(expected_levels("").items())
+    runs = {}
     for level in isa.LEVELS:
-        if isa.runs(level) and (levels := expected_levels(level.name)) not in seen:
-            seen.append(levels)
-            worth.append(level.name)
-    return worth
+        if isa.runs(level):
+            builds = expected_levels(level.name).items()
+            if new := [stem for stem, lv in builds if (stem, lv) not in seen]:
+                runs[level.name] = new
+            seen.update(builds)
+    return runs
+
+
+FORCED = forced_runs()
+LEVELS = {level: expected_levels(level) for level in FORCED}
+
+
+def build_at(level: str, stem: str) -> str:
+    """Build one library as a run at PDSERVE_CPU_ISA=level would (cbuild alone, in a fresh
+    process, without torch); its file name."""
+    lib = LIBRARIES[stem]
+    units = json.dumps([(str(lib.source), lib.flags), *((str(p), f) for p, f in lib.parts)])
+    out = subprocess.run(
+        [sys.executable, "-c", BUILD, units, stem], env={**os.environ, isa.ENV: level}, cwd=ROOT,
+        capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-4000:]
+    built_level, name = json.loads(out.stdout)
+    assert built_level == LEVELS[level][stem]
+    return name
+
+
+def run_at(level: str) -> subprocess.CompletedProcess:
+    """The reference tests of the libraries with a new build at `level`, in a fresh process."""
+    tests = [REFERENCE_TESTS[stem] for stem in FORCED[level]]
+    return subprocess.run(
+        [sys.executable, "-c", CHILD, SELECT, *tests],
+        env={**os.environ, isa.ENV: level}, cwd=ROOT, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def forced(request) -> dict[str, tuple[dict[str, str], subprocess.CompletedProcess]]:
+    """Each selected level's builds and its run, as many at a time as the host has cores: a build
+    compiles its sources one after another, and a run's tests are mostly one thread of Python.
+    Every distinct build is made once, before the runs, so no two runs build the same file.
+    {level: ({library: file name}, the run)}."""
+    selected = [
+        item.callspec.params["level"]
+        for item in request.session.items
+        if item.originalname == "test_kernels_at_each_level_the_host_runs_match_torch"
+    ]
+    builds = {(stem, lv): level for level in selected for stem, lv in LEVELS[level].items()}
+    # the libraries with the most to compile first (decode_layer links all four sources)
+    order = sorted(builds, key=lambda build: len(LIBRARIES[build[0]].parts), reverse=True)
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        names = dict(zip(order, pool.map(lambda build: build_at(builds[build], build[0]), order)))
+        runs = dict(zip(selected, pool.map(run_at, selected)))
+    return {
+        level: ({stem: names[stem, lv] for stem, lv in LEVELS[level].items()}, runs[level])
+        for level in selected
+    }
 
 
 @needs_compiler
 @pytest.mark.skipif(bool(os.environ.get(isa.ENV)), reason="PDSERVE_CPU_ISA set for the suite")
-@pytest.mark.parametrize("level", forced_levels() or [None])
-def test_kernels_at_each_level_the_host_runs_match_torch(level):
+@pytest.mark.parametrize("level", list(FORCED) or [None])
+@pytest.mark.timeout(900)  # the first one's setup builds and runs every level
+def test_kernels_at_each_level_the_host_runs_match_torch(level, request):
     if level is None:
         pytest.skip("the host runs no level but the default one")
-    env = {**os.environ, isa.ENV: level}
-    out = subprocess.run(
-        [sys.executable, "-c", CHILD, SELECT, *REFERENCE_TESTS],
-        env=env, cwd=ROOT, capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
+    built, out = request.getfixturevalue("forced")[level]
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     loaded = json.loads(out.stdout.splitlines()[0])
-    assert {stem: lv for stem, (lv, _) in loaded.items()} == expected_levels(level)
+    # every library loads at the level, the very build made above (so none was built again)
+    assert {stem: lv for stem, (lv, _) in loaded.items()} == LEVELS[level]
+    assert {stem: Path(path).name for stem, (_, path) in loaded.items()} == built
     assert all(f"-{lv}-" in Path(path).name for lv, path in loaded.values())
     assert " passed" in out.stdout and " failed" not in out.stdout
 
