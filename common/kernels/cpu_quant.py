@@ -76,6 +76,7 @@ activations = "auto"  # see the module docstring; set_activations changes it
 KERNEL_CHOICES = ("auto", "table", *PATHS)
 kernel_choice = "auto"  # see the module docstring; set_kernel_choice changes it
 dense_weights = False  # whether the "dense" path may keep its copies: set_dense_weights
+dense_min_rows = 0  # ... and from how many rows on it may serve (set_dense_weights)
 # (bits, x dtype, activations) -> (the M points, each point's paths fastest first): a batch of M
 # rows takes the first point >= M (the last beyond it); written by common.kernels.tune.install
 tuned: dict[tuple[int, torch.dtype, str], tuple[list[int], list[list[str]]]] = {}
@@ -113,11 +114,13 @@ def set_kernel_choice(choice: str) -> None:
     kernel_choice = choice
 
 
-def set_dense_weights(allowed: bool) -> None:
+def set_dense_weights(allowed: bool, min_rows: int = 0) -> None:
     """Whether quantized layers may keep a dequantized copy of their weight (the "dense" path)
-    from now on; the model runner decides it from the copies' size and its memory budget."""
-    global dense_weights
-    dense_weights = allowed
+    from now on, for batches of more than `min_rows` rows; the model runner decides it from the
+    copies' size and its memory budget, and keeps the batches the C decode layers run (which need
+    c or a8) off it."""
+    global dense_weights, dense_min_rows
+    dense_weights, dense_min_rows = allowed, min_rows
 
 
 def dense_bytes(weights: list[QuantWeight], dtype: torch.dtype) -> int:
@@ -160,7 +163,7 @@ def applies(path: str, w: QuantWeight, x: torch.Tensor) -> bool:
     if path == "int8pack":
         return w.bits == 8 and w.group_size == w.k and w.zero is None and x.dtype in _TORCH_DTYPES
     if path == "dense":
-        return dense_weights and x.dtype in _TORCH_DTYPES
+        return dense_weights and x.shape[0] > dense_min_rows and x.dtype in _TORCH_DTYPES
     return path == "dequant"
 
 

@@ -122,6 +122,7 @@ def tuning_key(layers: list[QuantWeight], dtype: torch.dtype) -> dict:
         "torch": torch.__version__,
         "activations": cpu_quant.activations,
         "dense_weights": cpu_quant.dense_weights,
+        "dense_min_rows": cpu_quant.dense_min_rows,
         "dtype": str(dtype).removeprefix("torch."),
         "layers": sorted(layer_format(layer) for layer in layers),
     }
@@ -154,24 +155,29 @@ def measure(
         group = [_slice(layer) for layer in layers if layer.bits == bits]
         xs = {m: torch.randn(m, max(lay.k for lay, _ in group), generator=gen)
               for m in M_POINTS}  # fmt: skip
-        live = [p for p in allowed_paths(dtype) if any(_applies(p, lay, dtype) for lay, _ in group)]
+        live = [
+            p for p in allowed_paths(dtype)
+            if any(_applies(p, lay, dtype, M_POINTS[-1]) for lay, _ in group)
+        ]  # fmt: skip
         raw: list[dict[str, float]] = []  # per M: ms per path timed there
         for m in M_POINTS:
             xm = [xs[m][:, : lay.k].to(dtype) for lay, _ in group]
             runs = [
-                (p, i) for p in live for i, (lay, _) in enumerate(group) if _applies(p, lay, dtype)
-            ]
+                (p, i) for p in live for i, (lay, _) in enumerate(group)
+                if _applies(p, lay, dtype, m)
+            ]  # fmt: skip
             call = lambda p, i, g=group, x=xm: timer(p, g[i][0], x[i]) * g[i][1]  # noqa: E731
             best_s = _best_of(runs, call, m, stats if stats is not None else {})
             fastest = [min((t for (_, j), t in best_s.items() if j == i), default=0.0)
                        for i in range(len(group))]  # fmt: skip
+            timed_here = {p for p, _ in runs}  # dense is not timed below its least rows
             ms = {p: 1e3 * sum(best_s.get((p, i), fastest[i]) for i in range(len(group)))
-                  for p in live}  # fmt: skip
+                  for p in live if p in timed_here}  # fmt: skip
             for path in FUSED_PATHS:  # the paths the C decode layers run inside one call
                 if path in ms:
                     ms[path] = max(ms[path] - 1e3 * (c_credit_s or {}).get(bits, 0.0), 1e-6)
             raw.append(ms)
-            live = [p for p in live if ms[p] <= min(ms.values()) * M_POINTS[-1] / m]
+            live = [p for p in live if p not in ms or ms[p] <= min(ms.values()) * M_POINTS[-1] / m]
         # a call on more rows never takes less time: a point above a later one was a busy moment
         for k in range(len(raw) - 2, -1, -1):
             for p, t in raw[k].items():
@@ -205,8 +211,9 @@ def _best_of(runs: list, call: Callable, m: int, stats: dict) -> dict:
     return {run: min(ts) for run, ts in samples.items()}
 
 
-def _applies(path: str, w: QuantWeight, dtype: torch.dtype) -> bool:
-    return cpu_quant.applies(path, w, torch.empty(0, w.k, dtype=dtype))
+def _applies(path: str, w: QuantWeight, dtype: torch.dtype, m: int) -> bool:
+    """Whether `path` takes an [m, K] input in `dtype` (a broadcast row: no [m, K] buffer)."""
+    return cpu_quant.applies(path, w, torch.empty(1, w.k, dtype=dtype).expand(m, -1))
 
 
 def _slice(w: QuantWeight) -> tuple[QuantWeight, float]:

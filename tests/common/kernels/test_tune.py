@@ -269,6 +269,7 @@ def test_the_dense_path_is_timed_only_where_allowed(monkeypatch, allowed):
     a range; not allowed, it is never timed nor chosen."""
     monkeypatch.setattr(cpu_quant, "activations", "float")
     monkeypatch.setattr(cpu_quant, "dense_weights", allowed)
+    monkeypatch.setattr(cpu_quant, "dense_min_rows", 0)
     fastest = lambda m: "c" if m <= 16 else "dense"  # noqa: E731
     layers = [qlayer(64, 64).kernel_weight()]
     tables = tune.measure(layers, torch.float32, FakeTimer(winner(fastest)))
@@ -278,3 +279,19 @@ def test_the_dense_path_is_timed_only_where_allowed(monkeypatch, allowed):
     else:
         assert all("dense" not in order for _, order, _ in tables[4])
         assert set(firsts.values()) == {"c"}
+
+
+def test_the_dense_path_serves_only_above_its_least_rows(monkeypatch):
+    """set_dense_weights(True, 16): batches of up to 16 rows (the C decode layers' batches in an
+    engine) are never timed nor served by dense, even where it would be fastest."""
+    monkeypatch.setattr(cpu_quant, "activations", "float")
+    monkeypatch.setattr(cpu_quant, "dense_weights", True)
+    monkeypatch.setattr(cpu_quant, "dense_min_rows", 16)
+    layers = [qlayer(64, 64).kernel_weight()]
+    tables = tune.measure(layers, torch.float32, FakeTimer(winner(lambda m: "dense")))
+    for m, order, ms in tables[4]:
+        assert ("dense" in ms) is (m > 16) and (order[0] == "dense") is (m > 16)
+    tune.install(tables, torch.float32)
+    w = layers[0]
+    assert cpu_quant.choose(w, torch.randn(16, 64)) != "dense"
+    assert cpu_quant.choose(w, torch.randn(17, 64)) == "dense"

@@ -130,6 +130,8 @@ def test_tiny_quantized_engine_matches_dequantized_twin(tiny_model, mode, group,
     assert type(model.lm_head).__name__ == "Linear"  # the head stays 16-bit on a dense checkpoint
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=5)
     ps = [[5, 9, 23, 7, 100, 3], [17, 4, 4, 8, 99, 120, 31, 2, 64]]
+    if kernels == "dense":  # at every batch size (an engine keeps the C layers' batches off it)
+        cpu_quant.set_dense_weights(True)
     got = quant.generate(ps, params)  # before the twin's start resets the process's kernel choice
     twin_weights = []
     for hf_name, tensor in hf_model.state_dict().items():
@@ -164,8 +166,8 @@ def test_dense_copies_only_within_their_budget(monkeypatch, caplog, budget, avai
         assert model_runner.allow_dense_weights(budget, kernel, torch.float32) is allowed
     assert cpu_quant.dense_weights is allowed
     assert ("do not fit in: the dense path is off" in caplog.text) is not allowed
-    x = torch.randn(3, 256)
-    assert cpu_quant.applies("dense", kernel[0], x) is allowed
+    big = torch.randn(cpu_quant.dense_min_rows + 1, 256)
+    assert cpu_quant.applies("dense", kernel[0], big) is allowed
 
 
 def _requantized(hf_name: str, tensor: torch.Tensor, mode: str, group: int) -> torch.Tensor:
