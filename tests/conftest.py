@@ -43,5 +43,6 @@ def _cpu_activations_default():
     cpu_quant.activations = "auto"
     cpu_quant.kernel_choice = "auto"
     cpu_quant.set_dense_weights(False)
+    cpu_quant.set_uniform_rows(False)
     cpu_quant.tuned.clear()
     yield

@@ -34,6 +34,7 @@ from common.engine.spec.governor import ShadowDrafts, SpeculationGovernor
 from common.engine.spec.proposers import NgramProposer, make_proposer
 from common.engine.spec.verify import Verifier
 from common.engine.step_budget import PrefillBudget
+from common.kernels import cpu_quant
 from common.kernels.attention import Row
 from common.model.model_runner import ModelRunner
 from common.prefix_hash import model_salt
@@ -103,6 +104,11 @@ class Engine(KVHandoff):
         self.proposer = make_proposer(
             config, runner.model, runner.draft_model, runner.build_rows, self.eos_token_ids
         )
+        # Where the tune picked a float kernel for 1 row and int8 activations for 2+ (their
+        # times are close: 0.20 vs 0.20 ms a layer here), a request's output would depend on
+        # whether it decodes alone, and a verify step's rows would round otherwise than the
+        # decode steps they stand for: one row takes the order of two.
+        cpu_quant.set_uniform_rows(True)
         self.verifier = Verifier(self.eos_token_ids)
         self.scheduler = Scheduler(
             self.block_manager,

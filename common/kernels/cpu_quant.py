@@ -77,6 +77,11 @@ KERNEL_CHOICES = ("auto", "table", *PATHS)
 kernel_choice = "auto"  # see the module docstring; set_kernel_choice changes it
 dense_weights = False  # whether the "dense" path may keep its copies: set_dense_weights
 dense_min_rows = 0  # ... and from how many rows on it may serve (set_dense_weights)
+# an engine's single rows take the order tuned for 2 rows (set_uniform_rows): a row then
+# computes alike alone and beside others, and a verify step's rows as the decode steps they
+# stand for (same kernel, same activation rounding): greedy output does not change with the
+# batch a request shares or with speculation
+uniform_rows = False
 # (bits, x dtype, activations) -> (the M points, each point's paths fastest first): a batch of M
 # rows takes the first point >= M (the last beyond it); written by common.kernels.tune.install
 tuned: dict[tuple[int, torch.dtype, str], tuple[list[int], list[list[str]]]] = {}
@@ -121,6 +126,12 @@ def set_dense_weights(allowed: bool, min_rows: int = 0) -> None:
     c or a8) off it."""
     global dense_weights, dense_min_rows
     dense_weights, dense_min_rows = allowed, min_rows
+
+
+def set_uniform_rows(on: bool) -> None:
+    """Whether a batch of one row takes the tuned order of two rows from now on (auto only)."""
+    global uniform_rows
+    uniform_rows = on
 
 
 def dense_bytes(weights: list[QuantWeight], dtype: torch.dtype) -> int:
@@ -195,10 +206,11 @@ def choose(w: QuantWeight, x: torch.Tensor) -> str:
 def _tuned_order(w: QuantWeight, x: torch.Tensor) -> list[str]:
     from common.kernels import tune  # it imports this module
 
-    order = tune.order_for(w.bits, x.dtype, x.shape[0])
+    rows = 2 if uniform_rows and x.shape[0] == 1 else x.shape[0]
+    order = tune.order_for(w.bits, x.dtype, rows)
     if order is None:
         tune.tune_layer(w, x.dtype)
-        order = tune.order_for(w.bits, x.dtype, x.shape[0]) or []
+        order = tune.order_for(w.bits, x.dtype, rows) or []
     return order
 
 
@@ -215,7 +227,7 @@ def path_for(w: QuantWeight, x: torch.Tensor) -> str:
     """The path `choose` picks for x's batch size, dtype, `activations` and `kernel_choice`, kept
     on the weight (so the environment variable counts when a layer first meets a batch size):
     this runs ~120 times a decode step, where Python overhead is a visible share of the step."""
-    key = (x.shape[0], x.dtype, activations, kernel_choice)
+    key = (x.shape[0], x.dtype, activations, kernel_choice, uniform_rows)
     path = w.paths.get(key)
     if path is None:
         path = w.paths[key] = choose(w, x)

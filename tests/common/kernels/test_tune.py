@@ -295,3 +295,23 @@ def test_the_dense_path_serves_only_above_its_least_rows(monkeypatch):
     w = layers[0]
     assert cpu_quant.choose(w, torch.randn(16, 64)) != "dense"
     assert cpu_quant.choose(w, torch.randn(17, 64)) == "dense"
+
+
+def test_an_engine_gives_single_rows_the_two_row_order(monkeypatch):
+    """Tuned c at 1 row and a8 from 2 (float vs int8 activations): with set_uniform_rows (what
+    an engine sets) a single row takes a8 too, so a row computes alike alone or batched and a
+    verify step's rows as decode steps do; without it, c."""
+    if not cpu_quant.int8_activations():
+        pytest.skip("no int8 activations on this host")
+    w = qlayer(64, 64).kernel_weight()
+    tables = {4: [(1, ["c", "a8"], {}), (2, ["a8", "c"], {}), (256, ["a8", "c"], {})]}
+    tune.install(tables, torch.float32)
+    x = torch.randn(1, 64)
+    assert cpu_quant.choose(w, x) == "c"
+    cpu_quant.set_uniform_rows(True)
+    try:
+        assert cpu_quant.choose(w, x) == "a8" and cpu_quant.path_for(w, x) == "a8"
+        assert cpu_quant.choose(w, torch.randn(3, 64)) == "a8"
+    finally:
+        cpu_quant.set_uniform_rows(False)
+    assert cpu_quant.path_for(w, x) == "c"  # the cached choice is keyed by the switch
