@@ -26,8 +26,8 @@ It is written as JSON (atomically; the first writer wins, so processes that tune
 to the kernel cache directory (common.kernels.cbuild.cache_dir), in a file named by a hash of
 the key: CPU flags, the C kernels' libraries (their ISA level and build key), torch threads and
 version, the layers' formats and shapes, the activation mode, whether the dense path may keep its
-copies, and x's dtype. A later start with
-the same key reads it instead of measuring; any change makes another key, so another file.
+copies and from how many rows it may serve, and x's dtype. A later start with the same key reads
+it instead of measuring; any change makes another key, so another file.
 `cpu_quant.choose` reads the orders from `cpu_quant.tuned`; a layer that meets a (bits, dtype,
 mode) no engine tuned for (a test, a benchmark) is tuned on its own shape at its first matmul.
 """
