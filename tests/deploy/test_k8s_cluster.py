@@ -207,10 +207,18 @@ def test_every_router_serves_and_counts_only_its_own(cluster: ManifestCluster) -
                 before[other], "pdserve:generation_tokens_total"
             )
             assert gained == (6 if other == router else 0), (router, other, gained)
-    # Every router reports every worker's heartbeat series: the same worker, once per router.
+    # Every router reports every worker's heartbeat series: the same worker, once per router. A
+    # worker starved of CPU on a loaded host can miss its heartbeat deadline on one router and
+    # rejoin a moment later (its series then comes back): wait a few heartbeats for it.
     for router in routers:
-        samples = parse_metrics(httpx.get(cluster.url_of(router) + "/metrics", timeout=10).text)
-        workers = {lab.get("worker") for n, lab, _ in samples if n == "pdserve:num_blocks"}
+        deadline = time.monotonic() + 15
+        while True:
+            text = httpx.get(cluster.url_of(router) + "/metrics", timeout=10).text
+            workers = {lab.get("worker") for n, lab, _ in parse_metrics(text)
+                       if n == "pdserve:num_blocks"}  # fmt: skip
+            if workers == {"pdserve-prefill-0", "pdserve-decode-0"} or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
         assert workers == {"pdserve-prefill-0", "pdserve-decode-0"}, (router, workers)
 
 
