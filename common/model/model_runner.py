@@ -106,8 +106,8 @@ def _read_int(path: str, prefix: str = "", unit: int = 1) -> int | None:
         with open(path) as f:
             for line in f:
                 if line.startswith(prefix):
-                    word = line[len(prefix) :].split()[0] if line[len(prefix) :].split() else ""
-                    return int(word) * unit if word.isdigit() else None
+                    words = line[len(prefix) :].split()
+                    return int(words[0]) * unit if words and words[0].isdigit() else None
     except OSError:
         pass
     return None
