@@ -2,7 +2,9 @@
 
 Encoding is msgpack through msgspec: each message is a tagged Struct, so decoding validates types
 and rejects anything unknown; nothing is ever unpickled. KV tensor data never goes through these
-structs: it travels as separate raw frames (or shared memory) described by `KVHeader`.
+structs: it travels as separate raw frames (or shared memory) described by `KVHeader`. The
+messages about KV as a cluster resource (`KVEvents`, `KVResync`, `PeerHint`, `KVFetch`) are
+declared in `common.protocol_kv` and re-exported here: import them from either.
 
 Sockets (all ZeroMQ):
 - control: the router binds a ROUTER socket; every worker connects a DEALER (identity = worker id)
@@ -34,6 +36,18 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
+from common.protocol_kv import (  # re-exported: importers of the KV messages may use either module
+    MAX_FETCH_BLOCKS,  # noqa: F401
+    MAX_FETCH_TOKENS,  # noqa: F401
+    BlockKey,  # noqa: F401
+    Count,
+    KVAddress,
+    KVEvents,
+    KVFetch,
+    KVResync,
+    Name,
+    PeerHint,
+)
 from common.sampling_params import MAX_PROMPT_LOGPROB_TOKENS, MAX_TOP_LOGPROBS, SamplingParams
 
 # 6: TokenBatch (a v5 router cannot read v6 tokens); 7: KVAck.recompute, Generate's output tokens;
@@ -64,9 +78,6 @@ HEARTBEAT_INTERVAL_S = 1.0
 HEARTBEAT_TIMEOUT_S = 3.0  # a worker silent this long is dead (its requests fail within 5 s)
 
 Role = Literal["prefill", "decode"]
-# Bounds on what workers send, enforced while decoding (the router never builds a huge object).
-Name = Annotated[str, Meta(max_length=256)]
-Count = Annotated[int, Meta(ge=0, le=2**53)]
 # Prompt logprobs (common.engine.prompt_logprobs): per prompt token after the first, its logprob,
 # its rank and up to MAX_TOP_LOGPROBS best (token id, logprob): at most 402 bytes of msgpack a
 # token (9 per number), so 51 MiB for the longest prompt that may ask for them, under
@@ -78,11 +89,6 @@ MAX_KV_BLOCKS = 2**18
 # logprobs when the request asked for them.
 MAX_KV_HEADER_BYTES = 2**20 + 5 * MAX_KV_BLOCKS + PROMPT_LOGPROB_BYTES * MAX_PROMPT_LOGPROB_TOKENS
 Crc32 = Annotated[int, Meta(ge=0, le=0xFFFFFFFF)]
-KVAddress = Annotated[str, Meta(max_length=1024)]
-# Blocks one peer fetch may ask for, and their tokens (blocks of up to 256 tokens): the KVFetch
-# then stays under the kv socket's header limit (16-byte keys, at most 5 bytes a token id).
-MAX_FETCH_BLOCKS = 4096
-MAX_FETCH_TOKENS = 2**17
 PromptLogprobs = Annotated[
     list[tuple[float, int, Annotated[list[tuple[int, float]], Meta(max_length=MAX_TOP_LOGPROBS)]]],
     Meta(max_length=MAX_PROMPT_LOGPROB_TOKENS),
@@ -101,7 +107,7 @@ class Register(msgspec.Struct, tag="register", forbid_unknown_fields=True):
     max_model_len: Count
     dtype: Name  # of its KV cache: float32 | bfloat16 | float16 | int8 | float8_e4m3fn
     host: Name  # hostname, to pick same-host transports
-    kv_address: Annotated[str, Meta(max_length=1024)] = ""  # decode: where prefill pushes KV
+    kv_address: KVAddress = ""  # where peers push KV and send fetches
     transports: Annotated[list[Name], Meta(max_length=16)] = []  # kv transports it can use
     # the salt of its prefix block keys (common.prefix_hash), for the index
     kv_salt: Annotated[bytes, Meta(max_length=256)] = b""
@@ -158,34 +164,6 @@ class Heartbeat(msgspec.Struct, tag="heartbeat", forbid_unknown_fields=True):
     loop_count: int = -1
 
 
-class KVEvents(msgspec.Struct, tag="kv_events", forbid_unknown_fields=True):
-    """Worker -> router: prefix block keys that became reusable (`stored`) or were evicted, in
-    one `tier` of the worker: its KV cache ("device"), or the tier its evicted blocks fall to
-    (common.engine.kv_tier): host RAM ("cpu") or local disk ("disk"). A key may be in several.
-
-    `seq` counts a worker's KVEvents from 0 without gaps (all tiers together): a gap means a
-    message was lost and the router asks for `KVResync`. With `reset` the message starts a full
-    snapshot of its tier: `stored` replaces what the router knew of that tier; a snapshot of many
-    keys goes on in messages without `reset` (the router bounds a message's size by the worker's
-    block count), and a resync sends one for every tier the worker has, even an empty one. The
-    two lists are disjoint (the net effect since the previous message), so their order of
-    application does not matter.
-    """
-
-    worker_id: Name
-    seq: int
-    stored: list[Annotated[bytes, Meta(max_length=64)]]
-    evicted: list[Annotated[bytes, Meta(max_length=64)]]
-    reset: bool = False
-    tier: Literal["device", "cpu", "disk"] = "device"
-
-
-class KVResync(msgspec.Struct, tag="kv_resync", forbid_unknown_fields=True):
-    """Router -> worker: send a full `KVEvents` snapshot (reset=True) next."""
-
-    reason: str = ""
-
-
 class Reserve(msgspec.Struct, tag="reserve", forbid_unknown_fields=True):
     """Router -> decode: hold blocks for this prompt before its prefill starts."""
 
@@ -202,19 +180,6 @@ class ReserveReply(msgspec.Struct, tag="reserve_reply", forbid_unknown_fields=Tr
     ok: bool
     num_cached_tokens: int = 0  # leading prompt tokens the decode worker already holds
     reason: str = ""
-
-
-class PeerHint(msgspec.Struct, forbid_unknown_fields=True):
-    """Inside a `Prefill` (or a `Generate`): a live peer holds the prompt's leading `num_blocks`
-    blocks (in its cache or its KV tier, by the router's index) that the chosen worker lacks. The
-    worker may pull them from the peer's `kv_address` (`KVFetch`) instead of computing them, when
-    its measured rates say that is cheaper; no answer within `timeout_s` means it computes them."""
-
-    worker_id: Name
-    kv_address: KVAddress
-    num_blocks: Annotated[int, Meta(ge=1, le=MAX_FETCH_BLOCKS)]
-    transport: Literal["tcp", "shm"]  # shm: the two workers run on one host
-    timeout_s: Annotated[float, Meta(gt=0, le=600)]
 
 
 class Prefill(msgspec.Struct, tag="prefill", forbid_unknown_fields=True):
@@ -354,25 +319,6 @@ class KVAck(msgspec.Struct, tag="kv_ack", forbid_unknown_fields=True):
     # The KV arrived damaged (checksum, truncation) and the receiver computes it itself instead:
     # the request goes on there, so the sender reports no failure to the router.
     recompute: bool = False
-
-
-class KVFetch(msgspec.Struct, tag="kv_fetch", forbid_unknown_fields=True):
-    """Worker -> peer worker's kv socket: push me the leading run of these blocks you hold.
-
-    `keys[i]` is the prefix key (common.prefix_hash) of block `start_block + i` of a prompt and
-    `token_ids` those blocks' tokens (compared before a block is sent, as the block pool does).
-    The peer answers with a `KVHeader` (request_id = `fetch_id`, `start_block`, the number of
-    leading blocks it found, 0 if none) pushed to `reply_address` over `transport`, or not at
-    all when it is gone: the asker stops waiting after its own timeout.
-    """
-
-    fetch_id: Name
-    start_block: Count
-    keys: Annotated[list[Annotated[bytes, Meta(max_length=64)]], Meta(max_length=MAX_FETCH_BLOCKS)]
-    token_ids: Annotated[list[int], Meta(max_length=MAX_FETCH_TOKENS)]
-    reply_address: KVAddress
-    transport: Literal["tcp", "shm"]
-    deadline_s: Annotated[float, Meta(gt=0, le=600)]  # seconds from receipt: later is no use
 
 
 ControlMessage = (

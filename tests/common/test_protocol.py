@@ -1,4 +1,5 @@
-"""common/protocol.py: every message round-trips through encode/decode, bad frames are refused.
+"""common/protocol.py and common/protocol_kv.py (whose messages protocol.py re-exports): every
+message round-trips through encode/decode, bad frames are refused.
 
 The sample of each message is built from its declared field types (msgspec.inspect), with every
 field set to a value other than its default, so a message or field added later is covered without
@@ -14,20 +15,26 @@ import msgspec
 import msgspec.inspect as mi
 import pytest
 
-from common import protocol
+from common import protocol, protocol_kv
 from common.sampling_params import SamplingParams
 
 CONTROL = typing.get_args(protocol.ControlMessage)
 KV = typing.get_args(protocol.KVMessage)
-# Every tagged Struct the module declares is a message; untagged ones (HistogramSnapshot) nest.
-MESSAGES = [
-    cls
-    for cls in vars(protocol).values()
-    if isinstance(cls, type)
-    and issubclass(cls, msgspec.Struct)
-    and cls.__module__ == protocol.__name__
-    and mi.type_info(cls).tag is not None
-]
+
+
+def tagged_structs(module) -> list[type]:
+    """Every tagged Struct `module` declares: a message (untagged ones, HistogramSnapshot, nest)."""
+    return [
+        cls
+        for cls in vars(module).values()
+        if isinstance(cls, type)
+        and issubclass(cls, msgspec.Struct)
+        and cls.__module__ == module.__name__
+        and mi.type_info(cls).tag is not None
+    ]
+
+
+MESSAGES = tagged_structs(protocol) + tagged_structs(protocol_kv)
 
 
 def sample(t: mi.Type, salt: int = 0):
@@ -77,6 +84,14 @@ def test_every_message_is_in_exactly_one_union_with_a_unique_tag() -> None:
     assert not set(CONTROL) & set(KV)
     tags = [mi.type_info(cls).tag for cls in MESSAGES]
     assert len(tags) == len(set(tags))
+
+
+def test_the_kv_messages_are_reexported_by_protocol() -> None:
+    """common.protocol_kv's names import from common.protocol too (existing imports work)."""
+    public = [name for name in vars(protocol_kv) if not name.startswith("_")]
+    for name in public:
+        if name not in ("annotations", "Annotated", "Literal", "Meta", "msgspec"):
+            assert getattr(protocol, name) is getattr(protocol_kv, name), name
 
 
 @pytest.mark.parametrize("cls", MESSAGES, ids=lambda cls: cls.__name__)
