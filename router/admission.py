@@ -129,16 +129,23 @@ class WaitingLine:
     """Places in a line by arrival: only the first may act, the others sleep until their turn.
 
     A place is its arrival number. `leave` takes a place out (the flight is trying a worker, or
-    is done); `rejoin` puts it back where it was, ahead of everyone who came later.
+    is done); `rejoin` puts it back where it was, ahead of everyone who came later. Every call
+    is O(log n) amortized at most: a place that leaves stays in the heap as a stale entry until
+    it reaches the top (or a rebuild, once stale entries outnumber the places in line), so the
+    heap's first entry is always the first place in line.
     """
 
     def __init__(self) -> None:
-        self._heap: list[int] = []
+        self._heap: list[int] = []  # places in line, and stale entries of places that left
+        self._members: set[int] = set()  # the places in line
         self._arrivals = itertools.count()
         self._turns: dict[int, asyncio.Event] = {}  # set when the sleeping place becomes first
 
     def __len__(self) -> int:
-        return len(self._heap)
+        return len(self._members)
+
+    def __contains__(self, place: int) -> bool:
+        return place in self._members
 
     def join(self) -> int:
         place = next(self._arrivals)
@@ -146,14 +153,27 @@ class WaitingLine:
         return place
 
     def rejoin(self, place: int) -> None:
+        """Back in line at `place` (a place already in line stays as it is)."""
+        if place in self._members:
+            return
+        self._members.add(place)
         heapq.heappush(self._heap, place)
+        self._compact()
         self._wake_first()
 
     def leave(self, place: int) -> None:
-        if place in self._heap:
-            self._heap.remove(place)
-            heapq.heapify(self._heap)
-            self._wake_first()
+        if place not in self._members:
+            return
+        self._members.discard(place)
+        heap, members = self._heap, self._members
+        while heap and heap[0] not in members:  # the first entry stays a place in line
+            heapq.heappop(heap)
+        self._compact()
+        self._wake_first()
+
+    def _compact(self) -> None:
+        if len(self._heap) > 2 * len(self._members) + 64:  # mostly stale: start afresh
+            self._heap = sorted(self._members)  # a sorted list is a heap
 
     def first(self, place: int) -> bool:
         return bool(self._heap) and self._heap[0] == place

@@ -6,6 +6,7 @@ dispatcher's line, through a real router and fake workers.
 from __future__ import annotations
 
 import asyncio
+import random
 import threading
 import time
 
@@ -122,6 +123,57 @@ def test_waiting_line_order() -> None:
         return order
 
     assert asyncio.run(run()) == [0, 1, 2, 3, 4]
+
+
+def test_waiting_line_matches_a_sorted_list() -> None:
+    """Random joins, leaves and rejoins: the line's first place, length and members are those
+    of a plain sorted list of the places in line, and the heap behind it stays within twice
+    the places in line (plus a constant) however many leave from its middle."""
+    rng = random.Random(7)
+    line = WaitingLine()
+    model: list[int] = []  # the places in line, sorted
+    out: list[int] = []  # places that left and may come back
+    for _ in range(20_000):
+        op = rng.random()
+        if op < 0.35 or not model:
+            model.append(line.join())
+        elif op < 0.7:
+            place = rng.choice(model)
+            line.leave(place)
+            line.leave(place)  # a second leave changes nothing
+            model.remove(place)
+            out.append(place)
+        elif out:
+            place = out.pop(rng.randrange(len(out)))
+            line.rejoin(place)
+            model.append(place)
+        model.sort()
+        assert len(line) == len(model)
+        if model:
+            assert line.first(model[0]) and not any(line.first(p) for p in model[1:3])
+        assert all(p in line for p in model[:3]) and not any(p in line for p in out[:3])
+        assert len(line._heap) <= 2 * len(model) + 65
+    for place in list(model):
+        line.leave(place)
+    assert len(line) == 0 and not line.first(model[0])
+
+
+def test_waiting_line_wakes_the_next_when_the_first_leaves() -> None:
+    async def run() -> None:
+        line = WaitingLine()
+        first, second, third = line.join(), line.join(), line.join()
+        woken = asyncio.ensure_future(line.wait_turn(second, 10.0))
+        later = asyncio.ensure_future(line.wait_turn(third, 10.0))
+        await asyncio.sleep(0.01)
+        line.leave(third)  # a place behind the sleeper leaving wakes nobody
+        await asyncio.sleep(0.01)
+        assert not woken.done() and not later.done()
+        line.leave(first)
+        await asyncio.wait_for(woken, 1.0)
+        assert line.first(second) and not later.done()
+        later.cancel()
+
+    asyncio.run(run())
 
 
 def test_long_prompt_waits_for_room_while_decode_is_busy() -> None:
