@@ -28,7 +28,6 @@ import msgspec
 
 from common.aio import wait_for
 from common.api.requests import RequestError
-from common.prefix_hash import block_keys
 from common.protocol import (
     Abort,
     BlockBooksReply,
@@ -164,9 +163,8 @@ class Dispatcher:
         policy = self.prefill_policy
         if policy.routing == "prefix" and prefills_there:
             choice = pick_decode_by_prefix(
-                workers, self.clock(), flight.prompt_token_ids, self.prefix_index,
-                policy.params.decode_slack,
-            )  # fmt: skip
+                workers, self.clock(), flight.keys, self.prefix_index, policy.params.decode_slack
+            )
             return choice if choice is not None else (None, [])
         return pick_decode(workers, self.clock()), []
 
@@ -180,18 +178,17 @@ class Dispatcher:
 
     async def _start_on(self, flight: Flight, decode: Worker, keys: list[bytes]) -> bool:
         """Try one decode worker; False if it refused, did not answer or is unreachable.
-        `keys`: the prompt's block keys under its salt, if the choice computed them."""
+        `keys`: the prompt's block keys under its salt, if the choice looked at them."""
         flight.assign_decode(decode)
         if not self._remote_prefill(flight, decode):
             message = self.generate(flight)
             info = decode.info
             if self.peer_fetch and info.kv_salt:  # it prefills here: a peer may hold the prefix
-                keys = keys or block_keys(flight.prompt_token_ids, info.block_size, info.kv_salt)
+                keys = keys or flight.keys.get(info.block_size, info.kv_salt)
                 matched = self.prefix_index.match(decode.worker_id, keys) * info.block_size
                 message.peer = prefill_leg.peer_hint(
-                    self.registry, self.prefix_index, decode, flight.prompt_token_ids, matched,
-                    keys,
-                )  # fmt: skip
+                    self.registry, self.prefix_index, decode, flight.keys, matched, keys
+                )
             if self.send(decode, message):
                 return True
             self.refused(flight, decode, "unreachable")

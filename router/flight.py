@@ -1,7 +1,8 @@
 """`Flight`: one choice of one HTTP request while workers serve it, and the load it puts on them.
 
-Owns the flight's data (prompt, sampling parameters, the event buffer its tokens go to, where it
-runs now, what was relayed so far) and its share of its workers' load as the router counts it:
+Owns the flight's data (prompt and its block keys, hashed once whatever number of choices read
+them; sampling parameters, the event buffer its tokens go to, where it runs now, what was relayed
+so far) and its share of its workers' load as the router counts it:
 `assign_decode` / `release_decode` count it on a decode worker's `num_in_flight`, `release_prefill`
 takes it (and its queued prompt tokens) off its prefill worker. Also `FlightFailed`, the event a
 flight that cannot complete leaves for its reader, and `Event`, what a job's buffer holds.
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 
 from common.protocol import ReserveReply, TokenOutput
 from common.sampling_params import SamplingParams
+from router.policy import PromptKeys
 from router.registry import Worker
 from router.relay import EventBuffer
 
@@ -53,6 +55,10 @@ class Flight:
     finished: bool = False
     output_token_ids: list[int] = field(default_factory=list)  # relayed so far
     migrations: int = 0  # times it moved to another decode worker (its own died or stalled)
+    keys: PromptKeys = field(init=False, repr=False)  # the prompt's block keys, per salt
+
+    def __post_init__(self) -> None:
+        self.keys = PromptKeys(self.prompt_token_ids)
 
     @property
     def request_id(self) -> str:

@@ -53,6 +53,35 @@ ROUTING_POLICIES = ("round_robin", "least_loaded", "prefix")
 PEER_FETCH_WEIGHT = 0.8  # PrefixParams.fetch_weight with peer fetch on
 
 
+class PromptKeys:
+    """A prompt's token ids and its block keys (`common.prefix_hash`) under each (block size,
+    salt) asked for, each hashed on first use only."""
+
+    __slots__ = ("token_ids", "_keys")
+
+    def __init__(self, token_ids: Sequence[int]) -> None:
+        self.token_ids = token_ids
+        self._keys: dict[tuple[int, bytes], list[bytes]] = {}
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def get(self, block_size: int, salt: bytes) -> list[bytes]:
+        """The keys of the prompt's full blocks (do not modify)."""
+        keys = self._keys.get((block_size, salt))
+        if keys is None:
+            keys = self._keys[(block_size, salt)] = block_keys(self.token_ids, block_size, salt)
+        return keys
+
+
+Prompt = Sequence[int] | PromptKeys  # token ids, or those and their keys
+
+
+def as_keys(prompt: Prompt) -> PromptKeys:
+    """`prompt` as a `PromptKeys` (token ids get one of their own, hashing afresh)."""
+    return prompt if isinstance(prompt, PromptKeys) else PromptKeys(prompt)
+
+
 def pick_decode(workers: Iterable[Worker] | LiveWorkers, now_s: float) -> Worker | None:
     """The least loaded decode worker that has not refused recently; None if every one has.
     Ties go to the lowest worker id."""
@@ -62,7 +91,7 @@ def pick_decode(workers: Iterable[Worker] | LiveWorkers, now_s: float) -> Worker
 def pick_decode_by_prefix(
     workers: Iterable[Worker] | LiveWorkers,
     now_s: float,
-    prompt_token_ids: Sequence[int],
+    prompt: Prompt,
     index: PrefixIndex,
     slack: int,
 ) -> tuple[Worker, list[bytes]] | None:
@@ -76,11 +105,12 @@ def pick_decode_by_prefix(
         return None
     limit = least.decode_load + slack
     best, best_matched = least, 0
+    prompt_keys = as_keys(prompt)
     keys_by_salt: dict[bytes, list[bytes]] = {}
     for salt, block_size in list(live.salts):
         if not salt:
             continue  # a worker that reports no KV events
-        keys = keys_by_salt[salt] = block_keys(prompt_token_ids, block_size, salt)
+        keys = keys_by_salt[salt] = prompt_keys.get(block_size, salt)
         if not keys:
             continue
         holders = (live.get(worker_id) for worker_id in index.holders(keys[0]))
@@ -150,16 +180,16 @@ class PrefillPolicy:
     def pick(
         self,
         workers: Iterable[Worker] | LiveWorkers,
-        prompt_token_ids: Sequence[int],
+        prompt: Prompt,
         exclude: Collection[str] = (),
     ) -> Worker | None:
-        choice = self.choose(workers, prompt_token_ids, exclude)
+        choice = self.choose(workers, prompt, exclude)
         return choice.worker if choice is not None else None
 
     def choose(
         self,
         workers: Iterable[Worker] | LiveWorkers,
-        prompt_token_ids: Sequence[int],
+        prompt: Prompt,
         exclude: Collection[str] = (),
     ) -> PrefillChoice | None:
         """The worker for this prompt (None if no candidate), with what it already holds."""
@@ -181,12 +211,12 @@ class PrefillPolicy:
         bounds = live.load_range(exclude)
         if bounds is None:
             return None
-        return self._by_prefix(live, prompt_token_ids, exclude, bounds, next(self._turn))
+        return self._by_prefix(live, as_keys(prompt), exclude, bounds, next(self._turn))
 
     def _by_prefix(
         self,
         live: LiveWorkers,
-        prompt: Sequence[int],
+        prompt: PromptKeys,
         exclude: Collection[str],
         bounds: tuple[float, float],
         turn: int,
@@ -205,7 +235,7 @@ class PrefillPolicy:
         keys_by_salt: dict[bytes, list[bytes]] = {}
         fetchable_by_salt: dict[bytes, int] = {}  # tokens the best-stocked peer reported holding
         for salt, block_size in list(live.salts):
-            keys = keys_by_salt[salt] = block_keys(prompt, block_size, salt) if salt else []
+            keys = keys_by_salt[salt] = prompt.get(block_size, salt) if salt else []
             if not keys:
                 continue  # a worker that reports no KV events, or a prompt under one block
             fetchable = self._fetchable(keys, exclude) * block_size if p.fetch_weight else 0

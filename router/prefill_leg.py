@@ -24,10 +24,10 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from common.prefix_hash import block_keys
 from common.protocol import HEARTBEAT_INTERVAL_S, MAX_FETCH_BLOCKS, Abort, PeerHint, Prefill
 from kvtransfer import choose_transport
 from router.flight import Flight
+from router.policy import Prompt, as_keys
 
 if TYPE_CHECKING:
     from router.dispatch import Dispatcher
@@ -50,9 +50,7 @@ def send_prefill(d: Dispatcher, flight: Flight, exclude: frozenset[str] = frozen
     decode worker; with none left, the decode worker prefills."""
     decode = flight.decode
     assert decode is not None
-    choice = d.prefill_policy.choose(
-        d.registry.live_index("prefill"), flight.prompt_token_ids, exclude
-    )
+    choice = d.prefill_policy.choose(d.registry.live_index("prefill"), flight.keys, exclude)
     if choice is None:
         prefill_locally(d, flight)
         return
@@ -77,8 +75,8 @@ def send_prefill(d: Dispatcher, flight: Flight, exclude: frozenset[str] = frozen
             decode.info.transports,
         ),
         deadline_s=d.prefill_deadline_s,
-        peer=peer_hint(d.registry, d.prefix_index, prefill, flight.prompt_token_ids,
-                       choice.matched_tokens, choice.keys) if d.peer_fetch else None,
+        peer=peer_hint(d.registry, d.prefix_index, prefill, flight.keys, choice.matched_tokens,
+                       choice.keys) if d.peer_fetch else None,
     )  # fmt: skip
     if not d.send(prefill, message):
         flight.release_prefill()
@@ -100,21 +98,22 @@ def peer_hint(
     registry: Registry,
     index: PrefixIndex,
     worker: Worker,
-    prompt: list[int],
+    prompt: Prompt,
     matched_tokens: int,
     keys: list[bytes],
     timeout_s: float = PEER_FETCH_TIMEOUT_S,
 ) -> PeerHint | None:
     """The live peer holding the most of the prompt's leading blocks beyond the `matched_tokens`
     the chosen worker holds (by their reported KV events), as a hint for `worker`; None when no
-    peer holds more. `keys`: the prompt's block keys under the worker's salt ([]: computed here).
+    peer holds more. `keys`: the prompt's block keys under the worker's salt ([]: taken from
+    `prompt`, its token ids or its `PromptKeys`).
     Only workers holding the first block are looked at (`PrefixIndex.holders`), and only those
     whose heartbeats are on time."""
     info = worker.info
     if not info.kv_salt or not info.kv_address:
         return None  # reports no KV events, or cannot receive a peer's push
     if not keys:
-        keys = block_keys(prompt, info.block_size, info.kv_salt)
+        keys = as_keys(prompt).get(info.block_size, info.kv_salt)
     keys = keys[: min((len(prompt) - 1) // info.block_size, MAX_FETCH_BLOCKS)]
     if not keys:
         return None
