@@ -177,11 +177,9 @@ static inline __m128 reduce4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
 
 #define PREFETCH_AHEAD 16 /* tokens: see attend_part_avx2 */
 
-/* token tt's K and V rows of kv head h, asked for into L2 */
-static inline void prefetch_kv(const Job *j, const int32_t *table, int tt, int h, size_t esize,
-                               size_t row_bytes) {
-    const int bs = j->bs;
-    const long off = (((long)table[tt / bs] * bs + tt % bs) * j->Hkv + h) * j->D;
+/* the K and V rows of cache row `slot_row` (token slot * Hkv + kv head), asked for into L2 */
+static inline void prefetch_kv(const Job *j, long slot_row, size_t esize, size_t row_bytes) {
+    const long off = slot_row * j->D;
     for (size_t c = 0; c < row_bytes; c += 64) {
         _mm_prefetch((const char *)j->k_cache + off * esize + c, _MM_HINT_T1);
         _mm_prefetch((const char *)j->v_cache + off * esize + c, _MM_HINT_T1);
@@ -242,9 +240,18 @@ static inline void softmax_exp_avx2(float *restrict scores, int G, int n, const 
 static inline __attribute__((always_inline)) void attend_part_avx2(
     const Job *j, int b, int h, int t0, int t1, const int G, const int D, const int kvq,
     float *restrict scores, float *restrict qf, float *restrict acc, float *restrict m,
-    float *restrict l) {
+    float *restrict l, long *restrict srow) {
     const int bs = j->bs, Hkv = j->Hkv, n = t1 - t0, dtype = j->dtype;
     const int32_t *table = j->block_tables + (long)b * j->max_blocks;
+    /* every token's cache row (slot * Hkv + h), walked block by block once: the loops below
+     * index it instead of dividing by the block size per token (two integer divisions a token
+     * were a third of this function at 256 tokens) */
+    for (int t = t0; t < t1;) {
+        const int off = t % bs, run = bs - off < t1 - t ? bs - off : t1 - t;
+        const long base = (long)table[t / bs] * bs + off;
+        for (int i = 0; i < run; i++) srow[t - t0 + i] = (base + i) * Hkv + h;
+        t += run;
+    }
     /* Ask for K and V rows ahead of the loops: in a decode step the weights streamed since the
      * last layer have evicted the cache, and many misses in flight at once cost far less than
      * one at a time as the loops reach them (41 -> 23 us a layer at 256 tokens). The first
@@ -254,7 +261,7 @@ static inline __attribute__((always_inline)) void attend_part_avx2(
      * ends, so its rows are asked for at the same distance. */
     const size_t esize = kvq ? 1 : dtype == 0 ? 4 : 2, row_bytes = (size_t)D * esize;
     const int ahead = t0 + PREFETCH_AHEAD < t1 ? t0 + PREFETCH_AHEAD : t1;
-    for (int tt = t0; tt < ahead; tt++) prefetch_kv(j, table, tt, h, esize, row_bytes);
+    for (int tt = t0; tt < ahead; tt++) prefetch_kv(j, srow[tt - t0], esize, row_bytes);
     for (int g = 0; g < G; g++)
         load_row(j->q, b * j->q_stride + (long)(h * G + g) * D, D, dtype, qf + g * D);
     /* element offsets of each token's K/V row of this kv head */
@@ -267,13 +274,13 @@ static inline __attribute__((always_inline)) void attend_part_avx2(
         const int count = t1 - t < 4 ? t1 - t : 4;
         for (int i = 0; i < 4; i++) {
             const int ti = t + (i < count ? i : 0); /* a short tail repeats its first token */
-            const long slot_row = ((long)table[ti / bs] * bs + ti % bs) * Hkv + h;
+            const long slot_row = srow[ti - t0];
             rows[i] = slot_row * D;
             if (kvq) kscale[i] = j->k_scales[slot_row] * j->scale;
         }
         for (int i = 0; i < count; i++)
             if (t + i + PREFETCH_AHEAD < t1)
-                prefetch_kv(j, table, t + i + PREFETCH_AHEAD, h, esize, row_bytes);
+                prefetch_kv(j, srow[t + i + PREFETCH_AHEAD - t0], esize, row_bytes);
         __m256 a[4][4];
         for (int g = 0; g < G; g++)
             for (int i = 0; i < 4; i++) a[g][i] = _mm256_setzero_ps();
@@ -301,24 +308,18 @@ static inline __attribute__((always_inline)) void attend_part_avx2(
         __m256 v_acc[4][4];
         for (int g = 0; g < G; g++)
             for (int i = 0; i < 4; i++) v_acc[g][i] = _mm256_setzero_ps();
-        for (int tt = t0; tt < t1;) {
-            const int off = tt % bs, run = bs - off < t1 - tt ? bs - off : t1 - tt;
-            const long base = (long)table[tt / bs] * bs + off;
-            for (int r = 0; r < run; r++) {
-                const long row = ((base + r) * Hkv + h) * D + d0;
-                const int idx = tt - t0 + r;
-                const float vs = kvq ? j->v_scales[(base + r) * Hkv + h] : 1.f;
-                for (int i = 0; i < 4; i++) {
-                    const __m256 v = kvq ? load8_q(j->v_cache, row + 8 * i, j->kv_dtype)
-                                         : load8(j->v_cache, row + 8 * i, dtype);
-                    for (int g = 0; g < G; g++) {
-                        const __m256 p = kvq ? _mm256_set1_ps(scores[g * n + idx] * vs)
-                                             : _mm256_broadcast_ss(scores + g * n + idx);
-                        v_acc[g][i] = _mm256_fmadd_ps(p, v, v_acc[g][i]);
-                    }
+        for (int idx = 0; idx < n; idx++) {
+            const long row = srow[idx] * D + d0;
+            const float vs = kvq ? j->v_scales[srow[idx]] : 1.f;
+            for (int i = 0; i < 4; i++) {
+                const __m256 v = kvq ? load8_q(j->v_cache, row + 8 * i, j->kv_dtype)
+                                     : load8(j->v_cache, row + 8 * i, dtype);
+                for (int g = 0; g < G; g++) {
+                    const __m256 p = kvq ? _mm256_set1_ps(scores[g * n + idx] * vs)
+                                         : _mm256_broadcast_ss(scores + g * n + idx);
+                    v_acc[g][i] = _mm256_fmadd_ps(p, v, v_acc[g][i]);
                 }
             }
-            tt += run;
         }
         for (int g = 0; g < G; g++)
             for (int i = 0; i < 4; i++) _mm256_storeu_ps(acc + g * D + d0 + 8 * i, v_acc[g][i]);
@@ -327,10 +328,10 @@ static inline __attribute__((always_inline)) void attend_part_avx2(
 #endif
 
 static void attend_dispatch(const Job *j, int b, int h, int t0, int t1, float *scores,
-                            float *qf, float *acc, float *m, float *l, float *row) {
+                            float *qf, float *acc, float *m, float *l, float *row, long *srow) {
 #ifdef __AVX2__
     const int G = j->H / j->Hkv;
-#define PART(g, d, q) attend_part_avx2(j, b, h, t0, t1, g, d, q, scores, qf, acc, m, l)
+#define PART(g, d, q) attend_part_avx2(j, b, h, t0, t1, g, d, q, scores, qf, acc, m, l, srow)
 #define PARTS(q)                                                                                 \
     switch (G * 1000 + j->D) {                                                                   \
     case 1064: PART(1, 64, q); return;                                                           \
@@ -353,6 +354,7 @@ static void attend_dispatch(const Job *j, int b, int h, int t0, int t1, float *s
 #undef PARTS
 #undef PART
 #endif
+    (void)srow; /* the portable part walks the blocks itself */
     switch (j->D) {
     case 64: attend_part(j, b, h, t0, t1, 64, scores, qf, acc, m, l, row); break;
     case 128: attend_part(j, b, h, t0, t1, 128, scores, qf, acc, m, l, row); break;
@@ -405,11 +407,12 @@ int paged_decode_kv(const void *q, long q_stride, const void *k_cache, const voi
     const size_t stride = (size_t)G * (D + 2); /* one part's acc, m, l */
     float *partial = splits > 1 ? malloc(sizeof(float) * stride * parts) : NULL;
     if (splits > 1 && partial == NULL) return -2;
-    /* Every thread's scratch (scores, q, acc, one K/V row) in one allocation made before the
-     * threads start, so a failure returns here and no thread has a flag to share. Each share is
-     * padded to 64 bytes: no two threads write one cache line. */
+    /* Every thread's scratch (a part's cache rows, scores, q, acc, one K/V row) in one
+     * allocation made before the threads start, so a failure returns here and no thread has a
+     * flag to share. Each share is padded to 64 bytes: no two threads write one cache line. */
     const int most = chunk < max_len ? chunk : max_len;
-    const size_t share = ((size_t)G * most + 2 * (size_t)G * D + D + 15) & ~(size_t)15;
+    const size_t rows_f = (sizeof(long) / sizeof(float)) * (size_t)most; /* the rows, in floats */
+    const size_t share = (rows_f + (size_t)G * most + 2 * (size_t)G * D + D + 15) & ~(size_t)15;
     float *scratch = malloc(sizeof(float) * share * num_threads);
     if (scratch == NULL) {
         free(partial);
@@ -417,7 +420,8 @@ int paged_decode_kv(const void *q, long q_stride, const void *k_cache, const voi
     }
 #pragma omp parallel num_threads(num_threads)
     {
-        float *scores = scratch + share * thread_num(), *qf = scores + (size_t)G * most;
+        long *srow = (long *)(scratch + share * thread_num());
+        float *scores = (float *)srow + rows_f, *qf = scores + (size_t)G * most;
         float *acc = qf + (size_t)G * D, *row = acc + (size_t)G * D;
         float ml[128];
 #pragma omp for schedule(static)
@@ -434,7 +438,7 @@ int paged_decode_kv(const void *q, long q_stride, const void *k_cache, const voi
                 }
                 continue;
             }
-            attend_dispatch(&job, b, h, t0, t1, scores, qf, pa, pm, pl, row);
+            attend_dispatch(&job, b, h, t0, t1, scores, qf, pa, pm, pl, row, srow);
             if (splits == 1) write_out(&job, b, h, pa, pl);
         }
         /* the merge, in part order (the loop above ends with a barrier); in this thread's acc */
