@@ -211,11 +211,14 @@ class Registry:
     def has_live(self, role: Role) -> bool:
         return len(self._live[role]) > 0
 
-    def _changed(self, worker: Worker) -> None:
-        """A field of the worker's load or liveness changed: refile it in its role's index.
-        (A registered worker keeps its role: registering again under another is refused.)"""
+    def _changed(self, worker: Worker, load_only: bool = False) -> None:
+        """A field of the worker's load or liveness changed: refile it in its role's index
+        (`load_only`: under its new load, if it is there). (A registered worker keeps its role:
+        registering again under another is refused.)"""
         live = self._live[worker.role]
-        if (
+        if load_only:
+            live.refile(worker)
+        elif (
             self.workers.get(worker.worker_id) is worker
             and not worker.dead_reason
             and not worker.draining

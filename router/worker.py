@@ -24,84 +24,154 @@ import heapq
 import itertools
 from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Iterator
-from dataclasses import dataclass
 
 from common.protocol import Heartbeat, Register, Role
 
-# Fields that a worker's load or liveness is read from: setting one tells its watcher.
-WATCHED = frozenset({"num_in_flight", "queued_prefill_tokens", "heartbeat", "dead_reason", "info"})
 
-
-@dataclass
 class Worker:
-    """One registered worker, as the router sees it."""
+    """One registered worker, as the router sees it.
 
-    info: Register
-    identity: bytes  # the DEALER identity that registered: where commands go
-    last_seen_s: float
-    heartbeat: Heartbeat | None = None
-    progress_s: float = 0.0  # when its heartbeat's loop count last moved (or it registered)
-    dead_reason: str = ""  # set when found unreachable: removed at the next `expire`
-    num_in_flight: int = 0  # requests dispatched here, not yet finished (the router's count)
-    queued_prefill_tokens: int = 0  # prefill: prompt tokens dispatched, first token not yet seen
-    refused_until_s: float = 0.0  # decode: skipped for new requests until then (it refused one)
-    num_prefill_dispatched: int = 0  # prefill: prompts sent here (for /metrics)
-    prefix_matched_tokens: int = 0  # prefill: prompt tokens the index said it held at dispatch
+    The fields its load or liveness is read from (`num_in_flight`, `queued_prefill_tokens`,
+    `heartbeat`, `dead_reason`, `info`) are properties that tell the watcher (`watch`) when set;
+    the others are plain attributes, set at no extra cost (`last_seen_s` moves with every message).
+    """
 
-    def __setattr__(self, name: str, value: object) -> None:
-        object.__setattr__(self, name, value)
-        if name in WATCHED:
-            on_change = self.__dict__.get("_on_change")
-            if on_change is not None:
-                on_change(self)
+    __slots__ = (
+        "_info", "identity", "last_seen_s", "_heartbeat", "progress_s", "_dead_reason",
+        "_num_in_flight", "_queued_prefill_tokens", "refused_until_s", "num_prefill_dispatched",
+        "prefix_matched_tokens", "_on_change",
+    )  # fmt: skip
 
-    def watch(self, on_change: Callable[[Worker], None] | None) -> None:
-        """Call `on_change(self)` whenever a field in `WATCHED` is set (None: stop)."""
-        object.__setattr__(self, "_on_change", on_change)
+    def __init__(
+        self,
+        info: Register,
+        identity: bytes,  # the DEALER identity that registered: where commands go
+        last_seen_s: float,
+        heartbeat: Heartbeat | None = None,
+        progress_s: float = 0.0,  # when its heartbeat's loop count last moved (or it registered)
+        dead_reason: str = "",  # set when found unreachable: removed at the next `expire`
+        num_in_flight: int = 0,  # requests dispatched here, not yet finished (the router's count)
+        queued_prefill_tokens: int = 0,  # prefill: prompt tokens dispatched, no first token yet
+        refused_until_s: float = 0.0,  # decode: skipped for new requests until then (it refused)
+        num_prefill_dispatched: int = 0,  # prefill: prompts sent here (for /metrics)
+        prefix_matched_tokens: int = 0,  # prefill: prompt tokens the index said it held
+    ) -> None:
+        self._on_change: Callable[[Worker, bool], None] | None = None
+        self._info = info
+        self.identity = identity
+        self.last_seen_s = last_seen_s
+        self._heartbeat = heartbeat
+        self.progress_s = progress_s
+        self._dead_reason = dead_reason
+        self._num_in_flight = num_in_flight
+        self._queued_prefill_tokens = queued_prefill_tokens
+        self.refused_until_s = refused_until_s
+        self.num_prefill_dispatched = num_prefill_dispatched
+        self.prefix_matched_tokens = prefix_matched_tokens
+
+    def __repr__(self) -> str:
+        return f"Worker({self.role} {self.worker_id!r})"
+
+    def watch(self, on_change: Callable[[Worker, bool], None] | None) -> None:
+        """Call `on_change(self, load_only)` whenever a watched field is set (None: stop);
+        `load_only`: only its load may have changed (a count of the router's, or a heartbeat
+        that did not start or stop its drain), not whether it takes new work."""
+        self._on_change = on_change
+
+    def _changed(self, load_only: bool) -> None:
+        on_change = self._on_change
+        if on_change is not None:
+            on_change(self, load_only)
+
+    @property
+    def info(self) -> Register:
+        return self._info
+
+    @info.setter
+    def info(self, value: Register) -> None:
+        self._info = value
+        self._changed(False)
+
+    @property
+    def heartbeat(self) -> Heartbeat | None:
+        return self._heartbeat
+
+    @heartbeat.setter
+    def heartbeat(self, value: Heartbeat | None) -> None:
+        was_draining = self.draining
+        self._heartbeat = value
+        self._changed(self.draining == was_draining)  # mostly the load it reports
+
+    @property
+    def dead_reason(self) -> str:
+        return self._dead_reason
+
+    @dead_reason.setter
+    def dead_reason(self, value: str) -> None:
+        self._dead_reason = value
+        self._changed(False)
+
+    @property
+    def num_in_flight(self) -> int:
+        return self._num_in_flight
+
+    @num_in_flight.setter
+    def num_in_flight(self, value: int) -> None:
+        self._num_in_flight = value
+        self._changed(True)
+
+    @property
+    def queued_prefill_tokens(self) -> int:
+        return self._queued_prefill_tokens
+
+    @queued_prefill_tokens.setter
+    def queued_prefill_tokens(self, value: int) -> None:
+        self._queued_prefill_tokens = value
+        self._changed(True)
 
     @property
     def worker_id(self) -> str:
-        return self.info.worker_id
+        return self._info.worker_id
 
     @property
     def role(self) -> Role:
-        return self.info.role
+        return self._info.role
 
     @property
     def draining(self) -> bool:
-        return self.heartbeat is not None and self.heartbeat.draining
+        return self._heartbeat is not None and self._heartbeat.draining
 
     def sends_from(self, identity: bytes) -> bool:
         """Whether a message from this ZeroMQ identity may speak for this worker."""
         return identity == self.identity or (
-            bool(self.info.heartbeat_identity) and identity == self.info.heartbeat_identity
+            bool(self._info.heartbeat_identity) and identity == self._info.heartbeat_identity
         )
 
     def has_work(self) -> bool:
         """Requests dispatched here and not finished, or sequences it reports holding."""
-        hb = self.heartbeat
-        return self.num_in_flight > 0 or (hb is not None and hb.num_running + hb.num_waiting > 0)
+        hb = self._heartbeat
+        return self._num_in_flight > 0 or (hb is not None and hb.num_running + hb.num_waiting > 0)
 
     @property
     def decode_load(self) -> int:
         """Sequences running or reserved: the router's count, or the worker's if it knows more."""
-        hb = self.heartbeat
+        hb = self._heartbeat
         reported = hb.num_running + hb.num_waiting if hb is not None else 0
-        return max(self.num_in_flight, reported)
+        return max(self._num_in_flight, reported)
 
     @property
     def prefill_load(self) -> int:
         """Prompt tokens left to compute: the router's own count from dispatch until the first
         token (a heartbeat is up to a second old: a burst must not pile onto one worker before
         it reports), or the worker's, if it reports more (the load other routers placed)."""
-        hb = self.heartbeat
+        hb = self._heartbeat
         reported = hb.queued_prefill_tokens if hb is not None else 0
-        return max(self.queued_prefill_tokens, reported)
+        return max(self._queued_prefill_tokens, reported)
 
     @property
     def kv_cache_usage(self) -> float | None:
         """Fraction of KV blocks in use, from the last heartbeat."""
-        hb = self.heartbeat
+        hb = self._heartbeat
         if hb is None or hb.num_blocks <= 0:
             return None
         return 1.0 - hb.num_free_blocks / hb.num_blocks
@@ -154,24 +224,34 @@ class LiveWorkers:
 
     def add(self, worker: Worker) -> None:
         """File the worker under its load now (again, if it is here: its load changed)."""
+        worker_id = worker.worker_id
         salt = (worker.info.kv_salt, worker.info.block_size)
-        old = self.by_id.get(worker.worker_id)
-        if old is not worker or self._salt_of[worker.worker_id] != salt:
+        old = self.by_id.get(worker_id)
+        if old is not worker or self._salt_of[worker_id] != salt:
             if old is not None:
                 self.discard(old)
-            self.by_id[worker.worker_id] = worker
-            self._salt_of[worker.worker_id] = salt
+            self.by_id[worker_id] = worker
+            self._salt_of[worker_id] = salt
             self.salts[salt] += 1
             self._ids = None
+        self._file(worker, worker_id)
+
+    def refile(self, worker: Worker) -> None:
+        """The worker's load changed, nothing else: file it under the new one if it is here."""
+        worker_id = worker.worker_id
+        if self.by_id.get(worker_id) is worker:
+            self._file(worker, worker_id)
+
+    def _file(self, worker: Worker, worker_id: str) -> None:
         order = self.order(worker)
-        filed = self._filed.get(worker.worker_id)
+        filed = self._filed.get(worker_id)
         if filed == order:
             return  # filed under this load already (a heartbeat that changed nothing)
         if filed is None or filed[0] != order[0]:
             if filed is not None:
-                self._leave_load(worker.worker_id, filed[0])
-            self._join_load(worker.worker_id, order[0])
-        self._filed[worker.worker_id] = order
+                self._leave_load(worker_id, filed[0])
+            self._join_load(worker_id, order[0])
+        self._filed[worker_id] = order
         heapq.heappush(self._heap, (order, next(self._seq), worker))
         self._compact()
 

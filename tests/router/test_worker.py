@@ -129,6 +129,51 @@ def test_a_worker_leaves_the_index_when_it_drains_dies_or_expires() -> None:
     assert len(registry.live_index("decode")) == 0
 
 
+def test_a_worker_tells_its_watcher_what_changed() -> None:
+    """The load fields tell the watcher `load_only`; a heartbeat does too unless it starts or
+    stops a drain; liveness and registration do not; the other fields tell nothing."""
+    w = Worker(info=reg("d0"), identity=b"d0", last_seen_s=0.0)
+    seen: list[bool] = []
+    w.watch(lambda worker, load_only: seen.append(load_only) if worker is w else None)
+    w.num_in_flight += 1
+    w.queued_prefill_tokens = 64
+    w.heartbeat = hb("d0", 3)
+    w.heartbeat = hb("d0", 4)
+    assert seen == [True] * 4
+    w.heartbeat = hb("d0", 4, draining=True)
+    w.heartbeat = hb("d0", 4, draining=True)
+    w.heartbeat = hb("d0", 4)
+    w.dead_reason = "unreachable"
+    w.info = reg("d0")
+    assert seen[4:] == [False, True, False, False, False]
+    del seen[:]
+    w.last_seen_s, w.progress_s, w.refused_until_s = 1.0, 1.0, 1.0
+    w.num_prefill_dispatched += 1
+    w.prefix_matched_tokens += 16
+    assert seen == []
+    w.watch(None)
+    w.num_in_flight -= 1
+    assert seen == [] and w.num_in_flight == 0 and w.decode_load == 4
+
+
+def test_a_load_change_refiles_only_a_live_worker() -> None:
+    registry = Registry({"default"})
+    for wid in ("d0", "d1"):
+        registry.register(wid.encode(), reg(wid))
+    live = registry.live_index("decode")
+    d0, d1 = registry.get("d0"), registry.get("d1")
+    d0.num_in_flight = 2
+    assert pick_decode(live, 0.0) is d1
+    d1.num_in_flight = 3
+    assert pick_decode(live, 0.0) is d0 and live.load_range() == (2, 3)
+    registry.on_heartbeat(hb("d0", 1, draining=True))
+    d0.num_in_flight = 0  # a draining worker's request finished: still not taking new work
+    assert [w.worker_id for w in registry.live("decode")] == ["d1"]
+    assert live.load_range() == (3, 3) and pick_decode(live, 0.0) is d1
+    registry.on_heartbeat(hb("d0", 1))  # its drain called off: back, under its load now
+    assert pick_decode(live, 0.0) is d0 and live.load_range() == (1, 3)
+
+
 def test_prefill_least_loaded_from_the_index_with_exclusions() -> None:
     registry = Registry({"default"})
     for wid in ("p0", "p1", "p2"):
