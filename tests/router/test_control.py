@@ -1,0 +1,59 @@
+"""router/control.py's sends on a real ROUTER socket: a command reaches its worker whole, one to
+an identity no connection holds fails without leaving part of a message behind, and a worker a
+send cannot reach is marked dead."""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+import zmq
+
+from common.protocol import PROTOCOL_VERSION, Abort, Register, RegisterAck
+from router.control import ControlPlane
+from router.kv_index import PrefixIndex
+from router.registry import Registry
+
+
+def receive(sock: zmq.Socket, timeout_ms: int = 5000) -> list[bytes]:
+    assert sock.poll(timeout_ms), "nothing arrived"
+    return sock.recv_multipart()
+
+
+def test_sends_reach_the_worker_whole_and_unreachable_ones_fail_cleanly() -> None:
+    registry = Registry({"default"})
+    plane = ControlPlane(registry, PrefixIndex())
+    address = plane.bind("127.0.0.1", 0)
+    context = zmq.Context()
+    dealer = context.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.IDENTITY, b"d0")
+    dealer.setsockopt(zmq.LINGER, 0)
+    try:
+        dealer.connect(address)
+        dealer.send(b"hello")  # the ROUTER learns the identity from a first message
+        assert plane.sock is not None and plane.sock.poll(5000)
+        assert plane.sock.recv_multipart() == [b"d0", b"hello"]
+        registry.register(b"d0", Register(
+            PROTOCOL_VERSION, "decode", "d0", "default", 16, 100, 4096, "float32", "h",
+        ))  # fmt: skip
+        worker = registry.get("d0")
+        assert worker is not None
+
+        assert plane.send_to(b"nobody", RegisterAck(accepted=False, reason="x")) is False
+        assert plane.send(worker, Abort("r-1")) is True
+        (frame,) = receive(dealer)  # one frame: the identity frame was for the ROUTER socket
+        assert msgspec.msgpack.decode(frame)["request_id"] == "r-1"
+        assert not dealer.poll(100)  # nothing of the failed send arrived after it
+        assert not worker.dead_reason
+
+        dealer.close()
+        deadline = time.monotonic() + 5
+        while plane.send(worker, Abort("r-2")):  # until the socket sees the peer gone
+            assert time.monotonic() < deadline, "the closed connection stayed reachable"
+            time.sleep(0.05)
+        assert worker.dead_reason == "is unreachable"
+        assert worker not in registry.live_index("decode")
+    finally:
+        dealer.close()
+        plane.close()
+        context.term()
