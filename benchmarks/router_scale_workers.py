@@ -1,0 +1,119 @@
+"""The synthetic decode workers of `benchmarks/router_scale.py`: the real protocol, no model.
+
+`worker_proc` runs in its own process (the benchmark's `--worker-procs`): each of its worker ids
+registers with every router through the worker runtime's own code (`common.runtime.worker`:
+`ControlConnection`, `register`, `Heartbeater`) and answers each `Generate` with one token per
+stream per step, a step's tokens in one `TokenBatch` per router (or one `TokenOutput` each), and
+records when it sent each token, for the benchmark's added-latency figure.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+
+def worker_proc(
+    routers: list[str], worker_ids: list[str], token_id: int, step_s: float, relay: str,
+    stop, ready, results,
+) -> None:  # fmt: skip
+    """Run `worker_ids` as decode workers serving every router in `routers` (one control
+    connection and heartbeat thread per router, as the worker runtime's links) until `stop` is
+    set; put every request's token send times (monotonic seconds) on `results`."""
+    import zmq
+
+    from common import protocol
+    from common.protocol import Abort, Generate, Heartbeat, Register, TokenOutput
+    from common.runtime.worker import ControlConnection, Heartbeater, register
+
+    batch_cls = getattr(protocol, "TokenBatch", None)
+    if relay == "batch" and batch_cls is None:
+        relay = "tokens"
+    context = zmq.Context()
+    context.set(zmq.MAX_SOCKETS, 8 * len(worker_ids) * len(routers) + 64)
+    conns: list[list] = []  # per worker, per router
+    beaters, streams = [], []
+    for wid in worker_ids:
+        running: dict[str, list] = {}  # request id -> [tokens left, send times, router]
+
+        def beat(wid=wid, running=running) -> Heartbeat:
+            return Heartbeat(wid, len(running), 0, 100_000, 100_000)
+
+        conns.append([])
+        for address in routers:
+            conn = ControlConnection(address, wid, context)
+            hb = Heartbeater(address, wid, context, beat)
+            reg = Register(
+                version=protocol.PROTOCOL_VERSION, role="decode", worker_id=wid,
+                model="default", block_size=16, num_blocks=100_000, max_model_len=8192,
+                dtype="float32", host="bench", heartbeat_identity=hb.identity,
+            )  # fmt: skip
+            register(conn, reg)
+            hb.start()
+            conns[-1].append(conn)
+            beaters.append(hb)
+        streams.append(running)
+    ready.set()
+    done: dict[str, list[float]] = {}
+    poller = zmq.Poller()
+    by_sock = {}
+    for i, links in enumerate(conns):
+        for r, conn in enumerate(links):
+            poller.register(conn.sock, zmq.POLLIN)
+            by_sock[conn.sock] = (i, r)
+    phase = [time.monotonic() + step_s * i / len(conns) for i in range(len(conns))]
+    while not stop.is_set():
+        now = time.monotonic()
+        wait_ms = max(0, int(1000 * (min(phase) - now)))
+        for sock, _ in poller.poll(min(wait_ms, 5)):
+            i, r = by_sock[sock]
+            for msg in conns[i][r].poll():
+                if isinstance(msg, Generate):
+                    streams[i][msg.request_id] = [msg.params.max_tokens, [], r]
+                elif isinstance(msg, Abort):
+                    entry = streams[i].pop(msg.request_id, None)
+                    if entry is not None:
+                        done[msg.request_id] = entry[1]
+        now = time.monotonic()
+        for i, links in enumerate(conns):
+            if now < phase[i]:
+                continue
+            phase[i] = max(phase[i] + step_s, now - step_s)  # a late step does not pile up
+            running = streams[i]
+            if not running:
+                continue
+            by_router: list[list] = [[] for _ in links]  # one frame per router, as a worker
+            for rid, entry in list(running.items()):
+                entry[0] -= 1
+                finished = entry[0] <= 0
+                by_router[entry[2]].append((TokenOutput(
+                    rid, [token_id], [], [], finished, "length" if finished else None, 4, 0
+                ), entry[1]))  # fmt: skip
+                if finished:
+                    done[rid] = entry[1]
+                    del running[rid]
+            for conn, group in zip(links, by_router):
+                if not group:
+                    continue
+                if relay == "batch":
+                    conn.send(batch_cls([out for out, _ in group]))
+                    sent_s = time.monotonic()
+                for out, times in group:
+                    if relay != "batch":
+                        conn.send(out)
+                        sent_s = time.monotonic()
+                    times.append(sent_s)
+    for hb in beaters:
+        hb.stop()
+    for running in streams:
+        for rid, entry in running.items():
+            done[rid] = entry[1]
+    results.put(done)
+    for links in conns:
+        for conn in links:
+            conn.close()
