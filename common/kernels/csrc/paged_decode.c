@@ -2,7 +2,8 @@
  * block table (no gathered copy of the KV cache), float32 accumulation, OpenMP over
  * (sequence, kv head) pairs, and over token ranges of them when the pairs are too few for the
  * threads (see paged_decode); hand-vectorised with AVX2 for 1-4 query heads per kv head and head
- * dims 64 and 128 (attend_part_avx2). Compiled on first use by common/cpu_attention.py.
+ * dims 64 and 128 (attend_part_avx2; attend_part_avx512 in AVX-512 builds). Compiled on first
+ * use by common/cpu_attention.py.
  *
  * Layouts: q [B, H, D] with row stride q_stride (elements); k_cache, v_cache [N, bs, Hkv, D];
  * block_tables [B, max_blocks] int32; seq_lens [B] int32; out [B, H, D] contiguous.
@@ -327,11 +328,127 @@ static inline __attribute__((always_inline)) void attend_part_avx2(
 }
 #endif
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+/* ---- AVX-512, G = 1..4, D 64 or 128: attend_part_avx2's steps on 16 lanes. A K or V row is
+ * D / 16 vectors (half the loads, conversions and FMAs of 8 lanes), the 4 x G score sums are
+ * reduced by a 4-way transpose (one horizontal reduction per 4 scores), and with D = 64 a whole
+ * V row is one tile: the tokens are walked once, not D / 32 times. Same float32 arithmetic,
+ * another summation order than the AVX2 part's (each row's result still depends on that row
+ * alone: a row's bits do not change with the batch beside it). */
+
+static inline __m512 load16(const void *base, long idx, int dtype) {
+    if (dtype == 0) return _mm512_loadu_ps((const float *)base + idx);
+    const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + idx));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* 16 values of an 8-bit cache, not yet scaled: kvq 2 = int8, 3 = fp8 e4m3 */
+static inline __m512 load16_q(const void *base, long idx, int kvq) {
+    const __m128i b = _mm_loadu_si128((const __m128i *)((const int8_t *)base + idx));
+    if (kvq == 2) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+    return _mm512_i32gather_ps(_mm512_cvtepu8_epi32(b), fp8_table, 4);
+}
+
+/* the 4 sums of a0..a3's 16 lanes, as one vector */
+static inline __m128 reduce4_16(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+    const __m512 x01 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
+    const __m512 x23 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
+    /* per 128-bit lane: [a0 a1 a0 a1] + ... -> [a0 a1 a2 a3] */
+    const __m512 y = _mm512_add_ps(_mm512_shuffle_ps(x01, x23, 0x44),
+                                   _mm512_shuffle_ps(x01, x23, 0xEE));
+    const __m256 z = _mm256_add_ps(_mm512_castps512_ps256(y),
+                                   _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(y), 1)));
+    return _mm_add_ps(_mm256_castps256_ps128(z), _mm256_extractf128_ps(z, 1));
+}
+
+static inline __attribute__((always_inline)) void attend_part_avx512(
+    const Job *j, int b, int h, int t0, int t1, const int G, const int D, const int kvq,
+    float *restrict scores, float *restrict qf, float *restrict acc, float *restrict m,
+    float *restrict l, long *restrict srow) {
+    const int bs = j->bs, Hkv = j->Hkv, n = t1 - t0, dtype = j->dtype;
+    const int32_t *table = j->block_tables + (long)b * j->max_blocks;
+    for (int t = t0; t < t1;) { /* the part's cache rows, as in attend_part_avx2 */
+        const int off = t % bs, run = bs - off < t1 - t ? bs - off : t1 - t;
+        const long base = (long)table[t / bs] * bs + off;
+        for (int i = 0; i < run; i++) srow[t - t0 + i] = (base + i) * Hkv + h;
+        t += run;
+    }
+    const size_t esize = kvq ? 1 : dtype == 0 ? 4 : 2, row_bytes = (size_t)D * esize;
+    const int ahead = t0 + PREFETCH_AHEAD < t1 ? t0 + PREFETCH_AHEAD : t1;
+    for (int tt = t0; tt < ahead; tt++) prefetch_kv(j, srow[tt - t0], esize, row_bytes);
+    for (int g = 0; g < G; g++)
+        load_row(j->q, b * j->q_stride + (long)(h * G + g) * D, D, dtype, qf + g * D);
+    long rows[4];
+    float kscale[4] = {1.f, 1.f, 1.f, 1.f};
+    __m128 mx4[4];
+    for (int g = 0; g < G; g++) mx4[g] = _mm_set1_ps(-INFINITY);
+    int t = t0;
+    while (t < t1) {
+        const int count = t1 - t < 4 ? t1 - t : 4;
+        for (int i = 0; i < 4; i++) {
+            const long slot_row = srow[t + (i < count ? i : 0) - t0]; /* a tail repeats */
+            rows[i] = slot_row * D;
+            if (kvq) kscale[i] = j->k_scales[slot_row] * j->scale;
+        }
+        for (int i = 0; i < count; i++)
+            if (t + i + PREFETCH_AHEAD < t1)
+                prefetch_kv(j, srow[t + i + PREFETCH_AHEAD - t0], esize, row_bytes);
+        __m512 a[4][4];
+        for (int g = 0; g < G; g++)
+            for (int i = 0; i < 4; i++) a[g][i] = _mm512_setzero_ps();
+        for (int d = 0; d < D; d += 16) {
+            for (int i = 0; i < 4; i++) {
+                const __m512 k = kvq ? load16_q(j->k_cache, rows[i] + d, j->kv_dtype)
+                                     : load16(j->k_cache, rows[i] + d, dtype);
+                for (int g = 0; g < G; g++)
+                    a[g][i] = _mm512_fmadd_ps(_mm512_loadu_ps(qf + g * D + d), k, a[g][i]);
+            }
+        }
+        for (int g = 0; g < G; g++) {
+            float s4[4];
+            const __m128 sc = kvq ? _mm_loadu_ps(kscale) : _mm_set1_ps(j->scale);
+            const __m128 s = _mm_mul_ps(reduce4_16(a[g][0], a[g][1], a[g][2], a[g][3]), sc);
+            mx4[g] = _mm_max_ps(mx4[g], s);
+            _mm_storeu_ps(s4, s);
+            for (int i = 0; i < count; i++) scores[g * n + (t - t0) + i] = s4[i];
+        }
+        t += count;
+    }
+    for (int g = 0; g < G; g++) m[g] = hmax4(mx4[g]);
+    softmax_exp_avx2(scores, G, n, m, l);
+    for (int d0 = 0; d0 < D; d0 += 64) {
+        __m512 v_acc[4][4];
+        for (int g = 0; g < G; g++)
+            for (int i = 0; i < 4; i++) v_acc[g][i] = _mm512_setzero_ps();
+        for (int idx = 0; idx < n; idx++) {
+            const long row = srow[idx] * D + d0;
+            const float vs = kvq ? j->v_scales[srow[idx]] : 1.f;
+            for (int i = 0; i < 4; i++) {
+                const __m512 v = kvq ? load16_q(j->v_cache, row + 16 * i, j->kv_dtype)
+                                     : load16(j->v_cache, row + 16 * i, dtype);
+                for (int g = 0; g < G; g++) {
+                    const __m512 p = _mm512_set1_ps(kvq ? scores[g * n + idx] * vs
+                                                        : scores[g * n + idx]);
+                    v_acc[g][i] = _mm512_fmadd_ps(p, v, v_acc[g][i]);
+                }
+            }
+        }
+        for (int g = 0; g < G; g++)
+            for (int i = 0; i < 4; i++)
+                _mm512_storeu_ps(acc + g * D + d0 + 16 * i, v_acc[g][i]);
+    }
+}
+#endif
+
 static void attend_dispatch(const Job *j, int b, int h, int t0, int t1, float *scores,
                             float *qf, float *acc, float *m, float *l, float *row, long *srow) {
 #ifdef __AVX2__
     const int G = j->H / j->Hkv;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define PART(g, d, q) attend_part_avx512(j, b, h, t0, t1, g, d, q, scores, qf, acc, m, l, srow)
+#else
 #define PART(g, d, q) attend_part_avx2(j, b, h, t0, t1, g, d, q, scores, qf, acc, m, l, srow)
+#endif
 #define PARTS(q)                                                                                 \
     switch (G * 1000 + j->D) {                                                                   \
     case 1064: PART(1, 64, q); return;                                                           \
