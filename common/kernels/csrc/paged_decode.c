@@ -176,6 +176,20 @@ static inline __m128 reduce4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
     return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
+/* every token's cache row (slot * Hkv + h) of part [t0, t1), walked block by block once: the
+ * vectorised parts index it instead of dividing by the block size per token (two integer
+ * divisions a token were a third of the AVX2 part's time at 256 tokens) */
+static inline void part_rows(const Job *j, int b, int h, int t0, int t1, long *restrict srow) {
+    const int bs = j->bs, Hkv = j->Hkv;
+    const int32_t *table = j->block_tables + (long)b * j->max_blocks;
+    for (int t = t0; t < t1;) {
+        const int off = t % bs, run = bs - off < t1 - t ? bs - off : t1 - t;
+        const long base = (long)table[t / bs] * bs + off;
+        for (int i = 0; i < run; i++) srow[t - t0 + i] = (base + i) * Hkv + h;
+        t += run;
+    }
+}
+
 #define PREFETCH_AHEAD 16 /* tokens: see attend_part_avx2 */
 
 /* the K and V rows of cache row `slot_row` (token slot * Hkv + kv head), asked for into L2 */
@@ -242,17 +256,8 @@ static inline __attribute__((always_inline)) void attend_part_avx2(
     const Job *j, int b, int h, int t0, int t1, const int G, const int D, const int kvq,
     float *restrict scores, float *restrict qf, float *restrict acc, float *restrict m,
     float *restrict l, long *restrict srow) {
-    const int bs = j->bs, Hkv = j->Hkv, n = t1 - t0, dtype = j->dtype;
-    const int32_t *table = j->block_tables + (long)b * j->max_blocks;
-    /* every token's cache row (slot * Hkv + h), walked block by block once: the loops below
-     * index it instead of dividing by the block size per token (two integer divisions a token
-     * were a third of this function at 256 tokens) */
-    for (int t = t0; t < t1;) {
-        const int off = t % bs, run = bs - off < t1 - t ? bs - off : t1 - t;
-        const long base = (long)table[t / bs] * bs + off;
-        for (int i = 0; i < run; i++) srow[t - t0 + i] = (base + i) * Hkv + h;
-        t += run;
-    }
+    const int n = t1 - t0, dtype = j->dtype;
+    part_rows(j, b, h, t0, t1, srow);
     /* Ask for K and V rows ahead of the loops: in a decode step the weights streamed since the
      * last layer have evicted the cache, and many misses in flight at once cost far less than
      * one at a time as the loops reach them (41 -> 23 us a layer at 256 tokens). The first
@@ -365,14 +370,8 @@ static inline __attribute__((always_inline)) void attend_part_avx512(
     const Job *j, int b, int h, int t0, int t1, const int G, const int D, const int kvq,
     float *restrict scores, float *restrict qf, float *restrict acc, float *restrict m,
     float *restrict l, long *restrict srow) {
-    const int bs = j->bs, Hkv = j->Hkv, n = t1 - t0, dtype = j->dtype;
-    const int32_t *table = j->block_tables + (long)b * j->max_blocks;
-    for (int t = t0; t < t1;) { /* the part's cache rows, as in attend_part_avx2 */
-        const int off = t % bs, run = bs - off < t1 - t ? bs - off : t1 - t;
-        const long base = (long)table[t / bs] * bs + off;
-        for (int i = 0; i < run; i++) srow[t - t0 + i] = (base + i) * Hkv + h;
-        t += run;
-    }
+    const int n = t1 - t0, dtype = j->dtype;
+    part_rows(j, b, h, t0, t1, srow);
     const size_t esize = kvq ? 1 : dtype == 0 ? 4 : 2, row_bytes = (size_t)D * esize;
     const int ahead = t0 + PREFETCH_AHEAD < t1 ? t0 + PREFETCH_AHEAD : t1;
     for (int tt = t0; tt < ahead; tt++) prefetch_kv(j, srow[tt - t0], esize, row_bytes);
