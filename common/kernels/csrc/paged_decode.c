@@ -361,8 +361,8 @@ static inline __m128 reduce4_16(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
     /* per 128-bit lane: [a0 a1 a0 a1] + ... -> [a0 a1 a2 a3] */
     const __m512 y = _mm512_add_ps(_mm512_shuffle_ps(x01, x23, 0x44),
                                    _mm512_shuffle_ps(x01, x23, 0xEE));
-    const __m256 z = _mm256_add_ps(_mm512_castps512_ps256(y),
-                                   _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(y), 1)));
+    const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(y), 1));
+    const __m256 z = _mm256_add_ps(_mm512_castps512_ps256(y), hi);
     return _mm_add_ps(_mm256_castps256_ps128(z), _mm256_extractf128_ps(z, 1));
 }
 

@@ -18,10 +18,10 @@
  * so one 512-bit load holds 4 (int4: 8) consecutive codes of 16 columns, and a broadcast of 4
  * bytes of one x row feeds a dpbusd into that row's 16 column sums: no horizontal sums, and each
  * unpacked weight vector is used by MR rows of x (register blocking). OpenMP over panels.
- * ISA sections: AVX-512 VNNI (8 rows x 16 columns; from 32 rows on, 6 rows x 32 columns: two
- * panels per x broadcast), AVX-VNNI / AVX2 (4 rows x 8 columns, half a panel; AVX2 sums u8 x s8
- * pairs with maddubs, int8 weights through |w| and sign(x, w) so the int16 pair sums cannot
- * saturate), portable C.
+ * ISA sections: AVX-512 VNNI (6 rows x 32 columns: two panels per x broadcast; the last
+ * panel of an odd count, and a partial one, 8 rows x 16 columns), AVX-VNNI / AVX2 (4 rows x 8
+ * columns, half a panel; AVX2 sums u8 x s8 pairs with maddubs, int8 weights through |w| and
+ * sign(x, w) so the int16 pair sums cannot saturate), portable C.
  *
  * Layouts: x [M, K] float32 (xdtype 0) or bfloat16 (1) with row stride; out [M, N] in x's dtype,
  * contiguous. Non-finite x gives a NaN row.
@@ -157,9 +157,12 @@ static inline void store_row(const float *f, int nc, void *out, long off, int xd
 #define ISA 3
 #define MR 8
 #define MR2 6 /* rows of the two-panel tile: 24 accumulators */
-/* from this many rows on, panels go two at a time (measured on an AVX-512 VNNI host, 2 threads:
- * 1.1-1.25x at 64 and 256 rows on the default model's shapes, 0.85-1.05x at 8 and 16) */
-#define PAIR_MIN_ROWS 32
+/* from this many rows on, panels go two at a time. Measured, 1 thread, the default model's four
+ * projection shapes, pairs against one panel at a time: an AVX-512 VNNI Intel host (2 threads),
+ * when the last M % 6 rows still went one panel at a time: 1.1-1.25x at 64 and 256 rows,
+ * 0.85-1.05x at 8 and 16; an AMD EPYC (Zen 5) host with those rows in a smaller pair tile as now:
+ * 1.03-1.1x at 1-2 rows, 1.1-1.5x at 3-16 (but 0.93x once at 5), 1.02-1.1x at 32-64. */
+#define PAIR_MIN_ROWS 1
 /* rows m0..m0+mr of x times panel p; mr is a constant after inlining, so the 2 * mr
  * accumulators stay in registers */
 static inline __attribute__((always_inline)) void tile(int mr, const acts *a, int m0, int bits,
@@ -313,24 +316,24 @@ static void panel(const acts *a, int M, int bits, int bpg, const uint8_t *wp, co
     }
 }
 
-/* two whole adjacent panels (columns n0..n0+32) over all M rows, MR2 rows at a time; the last
- * M % MR2 rows go through the one-panel tiles, each panel on its own */
+/* two whole adjacent panels (columns n0..n0+32) over all M rows, MR2 rows at a time, the last
+ * M % MR2 rows in one smaller two-panel tile (per row the same sums as tile's: the same bits) */
 static void panel_pair(const acts *a, int M, int bits, int bpg, const uint8_t *wp, long pw,
                        const float *sp, const float *zp, long ps, void *out, long N, long n0,
                        int xdtype) {
     int m0 = 0;
     for (; m0 + MR2 <= M; m0 += MR2)
         tile2(MR2, a, m0, bits, bpg, wp, pw, sp, zp, ps, out, N, n0, xdtype);
-    if (m0 == M) return;
-    acts rest = *a;
-    rest.xq += (long)m0 * a->K;
-    rest.xs += (long)m0 * a->KB;
-    rest.xo += (long)m0 * a->KB;
-    rest.xsg += (long)m0 * a->G;
-    char *o = (char *)out + (long)m0 * N * (xdtype == 0 ? 4 : 2);
-    panel(&rest, M - m0, bits, bpg, wp, sp, zp, o, N, n0, PANEL, xdtype);
-    panel(&rest, M - m0, bits, bpg, wp + pw, sp + ps, zp ? zp + ps : NULL, o, N, n0 + PANEL,
-          PANEL, xdtype);
+#define TILE2(r) tile2(r, a, m0, bits, bpg, wp, pw, sp, zp, ps, out, N, n0, xdtype)
+    switch (M - m0) { /* constant row counts for the tail */
+    case 5: TILE2(5); break;
+    case 4: TILE2(4); break;
+    case 3: TILE2(3); break;
+    case 2: TILE2(2); break;
+    case 1: TILE2(1); break;
+    default: break;
+    }
+#undef TILE2
 }
 
 #elif defined(__AVX2__)
