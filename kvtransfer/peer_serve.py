@@ -5,10 +5,12 @@ with the leading run of them it holds, in its cache or its KV tier, pushed throu
 to the asker's receiver; 0 blocks when it holds none, so that the asker need not wait for its
 timeout. An answer can be thousands of blocks (hundreds of MB), so `FetchServer` copies it into
 its payload in slices, at most `SERVE_BYTES_PER_TURN` a worker turn (`KVSender.stage`, then
-`send_staged` once full), and the worker's own steps run between slices. Meanwhile the answer's
-cache blocks are pinned (a placeholder sequence in `engine.held`, so the block books count them)
-and its RAM-tier blocks referenced; disk-tier blocks are read when their slice is copied. The
-worker (`common.runtime.worker_kv`) calls `add` for each fetch and `step` once a turn.
+`send_staged` once full), and the worker's own steps run between slices; an otherwise idle
+worker does not wait between them (`common.runtime.worker_kv.WorkerKV.serving_peers`).
+Meanwhile the answer's cache blocks are pinned (a placeholder sequence in `engine.held`, so the
+block books count them) and its RAM-tier blocks referenced; disk-tier blocks are read when their
+slice is copied. The worker (`common.runtime.worker_kv`) calls `add` for each fetch and `step`
+once a turn.
 """
 
 from __future__ import annotations

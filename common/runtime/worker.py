@@ -277,12 +277,13 @@ class WorkerBase(WorkerKV):
         """One turn of the main loop: routers come and go, their messages, one step, KV events."""
         self._watch_routers()
         # Nothing to compute (maybe KV or acks in flight): wait briefly instead of spinning,
-        # so a worker waiting for a transfer leaves the cores to the others.
-        wait_ms = 0 if self.engine.has_unfinished() else (10 if self.is_idle() else 2)
+        # so a worker waiting for a transfer leaves the cores to the others. A peer's fetch being
+        # answered is work (a slice a turn): waiting between its slices would pace it at 10 ms.
+        if not self.engine.has_unfinished() and not self.serving_peers():
+            self._wait(10 if self.is_idle() else 2)
         for link in list(self.links.values()):
-            for message in link.control.poll(timeout_ms=wait_ms):
+            for message in link.control.poll(timeout_ms=0):
                 self._dispatch(link, message)
-            wait_ms = 0
         self.step()
         self.publish_kv_events()
         # A turn with no work counts, and so does one spent waiting for KV still on its way
@@ -290,6 +291,16 @@ class WorkerBase(WorkerKV):
         # its reservation expires). Turns while work waits and nothing runs do not.
         if not self.engine.has_unfinished() or self.engine.reserved:
             self.loop_count += 1
+
+    def _wait(self, timeout_ms: int) -> None:
+        """Up to `timeout_ms`, or until a command comes from any router or a message reaches the
+        kv socket (a transfer, a peer's fetch): either is handled this turn, not after the wait."""
+        poller = zmq.Poller()
+        for link in self.links.values():
+            poller.register(link.control.sock, zmq.POLLIN)
+        if self.receiver is not None:
+            poller.register(self.receiver.socket, zmq.POLLIN)
+        poller.poll(timeout_ms)
 
     def _watch_routers(self) -> None:
         """Re-register where a router forgot us; abort the requests of a router whose connection

@@ -5,7 +5,8 @@ touches kvtransfer.
 `sender`, `receiver`, `fetcher`, `deferred`, `peer_served_tokens`, `draining`) and which provides
 `handle` and `abort`. It binds the worker's KV address (`attach_kv`), polls both KV sockets once
 per turn (`poll_kv`: the worker's own transfers, peers' fetches answered a slice a turn through
-`kvtransfer.peer_serve.FetchServer`, fetch answers settled), starts the fetch a dispatch's
+`kvtransfer.peer_serve.FetchServer`, fetch answers settled; `serving_peers` keeps the loop from
+waiting between an answer's slices), starts the fetch a dispatch's
 `PeerHint` offers (`_fetch_first`: the dispatch waits in `deferred`, then is handled as if it came
 now) and counts what was fetched and served.
 """
@@ -83,6 +84,12 @@ class WorkerKV:
             if message is not None:
                 self.handle(msgspec.structs.replace(message, peer=None))
         return received, sent
+
+    def serving_peers(self) -> bool:
+        """Peers' fetches with blocks still to copy here: work for the next turn (a slice a turn,
+        `FetchServer.step`), so the loop must not wait between turns while this holds."""
+        server = getattr(self, "fetch_server", None)  # set by attach_kv
+        return server is not None and server.busy()
 
     def _resolve_kv(self, header: protocol.KVHeader) -> list[int] | None:
         assert self.fetcher is not None
