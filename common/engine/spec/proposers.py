@@ -23,11 +23,11 @@ draft in the step's one target forward and verifies them (`common.engine.spec.ve
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Callable
 
 import numpy as np
 import torch
-from numpy.lib.stride_tricks import sliding_window_view
 
 from common.config import EngineConfig
 from common.engine.sampler import Sampler
@@ -40,18 +40,29 @@ RowBuilder = Callable[[list[Row]], tuple[torch.Tensor, torch.Tensor, AttentionMe
 
 
 def ngram_propose(token_ids: list[int], k: int, min_n: int, max_n: int) -> list[int]:
-    """Up to k tokens that followed the latest earlier occurrence of the last n tokens."""
+    """Up to k tokens that followed the latest earlier occurrence of the last n tokens.
+
+    The tokens as 8-byte integers, searched from the end with `bytes.rfind` (C's substring
+    search): a hit at an offset that is not a whole token is skipped. About 10 us at 400 tokens,
+    where windows compared in numpy took 0.4 ms a sequence and step."""
     num = len(token_ids)
     if k <= 0 or num <= min_n:
         return []
-    arr = np.asarray(token_ids, dtype=np.int64)
+    data = array("q", token_ids).tobytes()
+    width = 8
     for n in range(min(max_n, num - 1), min_n - 1, -1):
-        # windows start at 0 .. num-1-n: each is followed by at least one token, none is the suffix
-        windows = sliding_window_view(arr[: num - 1], n)
-        hits = np.flatnonzero((windows == arr[num - n :]).all(axis=1))
-        if len(hits):
-            start = int(hits[-1]) + n
-            return token_ids[start : start + k]
+        # occurrences that start at 0 .. num-1-n: each is followed by at least one token, none is
+        # the suffix itself
+        needle = data[(num - n) * width :]
+        end = (num - 1) * width
+        while True:
+            hit = data.rfind(needle, 0, end)
+            if hit < 0:
+                break
+            if hit % width == 0:
+                start = hit // width + n
+                return token_ids[start : start + k]
+            end = hit + len(needle) - 1  # the next candidate starts before this one
     return []
 
 

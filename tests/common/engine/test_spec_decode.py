@@ -7,6 +7,7 @@ KV of rejected drafts is rolled back.
 from __future__ import annotations
 
 import math
+import random
 import time
 
 import pytest
@@ -106,6 +107,33 @@ def test_ngram_propose_finds_latest_longest_match():
     assert ngram_propose([1, 2, 3, 4], 4, 1, 3) == []
     assert ngram_propose([7, 7], 3, 1, 1) == [7]
     assert ngram_propose([1, 2, 1, 2], 0, 1, 2) == []
+
+
+def _ngram_reference(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
+    """The definition, token by token: the latest earlier occurrence of the longest suffix."""
+    num = len(tokens)
+    if k <= 0 or num <= min_n:
+        return []
+    for n in range(min(max_n, num - 1), min_n - 1, -1):
+        for start in range(num - 1 - n, -1, -1):
+            if tokens[start : start + n] == tokens[num - n :]:
+                return tokens[start + n : start + n + k]
+    return []
+
+
+def test_ngram_propose_equals_the_definition_on_random_and_byte_aligned_traps():
+    rng = random.Random(0)
+    cases = []
+    for _ in range(400):
+        vocab = rng.choice([3, 5, 50, 1 << 20])
+        cases.append([rng.randrange(vocab) for _ in range(rng.randrange(1, 60))])
+    # tokens whose 8-byte forms overlap: a byte-level match across token boundaries must not count
+    cases.append([1 << 8, 1, 0, 1 << 8, 1, 1 << 8, 1])
+    cases.append([0, 1 << 56, 0, 1, 1 << 56, 1])
+    cases.append([2**40 + 7, 7, 2**40 + 7, 7])
+    for tokens in cases:
+        for k, lo, hi in ((4, 2, 4), (3, 1, 3), (1, 1, 1), (8, 2, 2)):
+            assert ngram_propose(tokens, k, lo, hi) == _ngram_reference(tokens, k, lo, hi), tokens
 
 
 def test_greedy_accept_longest_matching_prefix_plus_one():
