@@ -6,7 +6,8 @@ sequence's KV blocks into a padded copy first (several times the bytes attention
 first use into `$PDSERVE_CACHE/kernels/` and called through ctypes (which releases the GIL);
 where no C compiler is found, `available()` is False and the torch path is used. An 8-bit cache
 (int8 / fp8 e4m3 with a float32 scale per (token, KV head), common.kernels.kv_quant) is read as
-such and dequantized in registers. Called by common.kernels.attention.
+such and dequantized in registers, and a float16 cache beside bfloat16 or float32 activations is
+converted in registers. Called by common.kernels.attention.
 """
 
 from __future__ import annotations
@@ -52,14 +53,15 @@ def available() -> bool:
 def supports(
     q: torch.Tensor, k_cache: torch.Tensor, k_scales: torch.Tensor | None = None
 ) -> bool:
-    """True when the kernel takes this query and cache (a 16/32-bit cache of q's dtype, or an
-    8-bit one with its scales)."""
+    """True when the kernel takes this query and cache (a 16/32-bit cache of q's dtype, a
+    float16 one, or an 8-bit one with its scales)."""
     same = k_cache.dtype == q.dtype and k_scales is None
+    half = k_cache.dtype == torch.float16 and k_scales is None
     return (
         enabled
         and q.device.type == "cpu"
         and q.dtype in _DTYPES
-        and (same or (k_cache.dtype in _KV_DTYPES and k_scales is not None))
+        and (same or half or (k_cache.dtype in _KV_DTYPES and k_scales is not None))
         and k_cache.is_contiguous()
         and q.stride(2) == 1
         and q.stride(1) == q.shape[2]
@@ -86,6 +88,16 @@ def paged_decode_attention(
     tables = block_tables.to(torch.int32).contiguous()
     lens = seq_lens.to(torch.int32).contiguous()
     out = torch.empty(batch, num_heads, head_dim, dtype=q.dtype)
+    if k_scales is None and k_cache.dtype == torch.float16:  # converted in registers
+        rc = _LIB.get().paged_decode_kv(
+            q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), None, None,
+            tables.data_ptr(), lens.data_ptr(), out.data_ptr(), batch, num_heads, num_kv_heads,
+            head_dim, block_size, tables.shape[1], scale, _DTYPES[q.dtype], 4,
+            torch.get_num_threads(),
+        )  # fmt: skip
+        if rc != 0:
+            raise ValueError("shape not supported by the CPU decode kernel")
+        return out
     if k_scales is not None:
         if not (
             v_scales is not None

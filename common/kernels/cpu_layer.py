@@ -200,7 +200,11 @@ def _make_plan(layer: LayerWeights, x: torch.Tensor, panels: list) -> _Layer | N
         cpu_ops.available()
         and layer.torch_attention
         and k_cache.dim() == 4
-        and (k_cache.dtype == x.dtype or (kv8 and k_cache.dtype in cpu_attention._KV_DTYPES))
+        and (
+            k_cache.dtype == x.dtype
+            or (kv8 and k_cache.dtype in cpu_attention._KV_DTYPES)
+            or (k_cache.dtype == torch.float16 and k_scales is None)  # converted in the C code
+        )
         and (not kv8 or (k_scales.is_contiguous() and v_scales.is_contiguous()))
         and k_cache.is_contiguous()
         and layer.v_cache.is_contiguous()
@@ -226,7 +230,8 @@ def _make_plan(layer: LayerWeights, x: torch.Tensor, panels: list) -> _Layer | N
         layer.head_dim, layer.intermediate, k_cache.shape[1], k_cache.data_ptr(),
         layer.v_cache.data_ptr(), k_cache.numel() // (layer.num_kv_heads * layer.head_dim),
         k_scales.data_ptr() if kv8 else None, v_scales.data_ptr() if kv8 else None,
-        cpu_attention._KV_DTYPES[k_cache.dtype] if kv8 else _DTYPES[x.dtype],
+        cpu_attention._KV_DTYPES[k_cache.dtype] if kv8
+        else 4 if k_cache.dtype != x.dtype else _DTYPES[x.dtype],
     )  # fmt: skip
 
 

@@ -67,7 +67,7 @@ typedef struct {
     void *k_cache, *v_cache; /* [blocks, block_size, kv_heads, head_dim], contiguous */
     long num_slots;
     float *k_scales, *v_scales; /* [blocks, block_size, kv_heads]: 8-bit caches only */
-    int kv_dtype;               /* dtype, or 2 = int8, 3 = fp8 e4m3 */
+    int kv_dtype;               /* dtype, or 2 = int8, 3 = fp8 e4m3, 4 = float16 */
 } Layer;
 
 /* What every layer of one step shares. */
@@ -93,6 +93,23 @@ static inline uint8_t f32_to_e4m3(float y) {
     return sign | (uint8_t)(r - (120u << 3));
 }
 
+/* float32 -> IEEE float16, round to nearest even (torch's cast); overflow to infinity. */
+static inline uint16_t f32_to_f16(float f) {
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    const uint16_t sign = (x >> 16) & 0x8000;
+    const uint32_t a = x & 0x7fffffffu;
+    if (a >= 0x7f800000u) return sign | 0x7c00 | (a > 0x7f800000u ? 0x200 : 0); /* inf, NaN */
+    if (a >= 0x477ff000u) return sign | 0x7c00; /* 65520 and up round to infinity */
+    if (a < 0x38800000u) {                      /* below 2^-14: subnormal, steps of 2^-24 */
+        float v;
+        memcpy(&v, &a, 4);
+        return sign | (uint16_t)rintf(v * 16777216.f);
+    }
+    const uint32_t r = (a + 0xfffu + ((a >> 13) & 1)) >> 13; /* 10 mantissa bits, ties even */
+    return sign | (uint16_t)(r - (112u << 10));
+}
+
 /* The rotated k heads and the v heads of qkv [T, width] quantized into their slots of an 8-bit
  * cache, one scale per (token, kv head); negative slots are padding. 3 for a slot past the
  * cache, checked before anything is written. */
@@ -113,6 +130,12 @@ static int store_kv_8bit(const Layer *L, const Step *s, const void *qkv, int wid
                 for (int d = 0; d < D; d++)
                     row[d] = s->dtype == 0 ? ((const float *)qkv)[idx + d]
                                            : bf16_to_f32(((const uint16_t *)qkv)[idx + d]);
+                const long slot_row16 = slot * Hkv + j;
+                if (L->kv_dtype == 4) { /* float16: converted, no scale */
+                    uint16_t *dst16 = (uint16_t *)(void *)cache + slot_row16 * D;
+                    for (int d = 0; d < D; d++) dst16[d] = f32_to_f16(row[d]);
+                    continue;
+                }
                 float amax = 0.f;
                 for (int d = 0; d < D; d++) amax = fabsf(row[d]) > amax ? fabsf(row[d]) : amax;
                 const float scale = amax / qmax, div = scale > FLT_MIN ? scale : FLT_MIN;
@@ -193,7 +216,8 @@ static int decode_layer(const Layer *L, const Step *s, const void *x, void *resi
         }
         if (rc) { stage = 30; goto done; }
     }
-    const int kv8 = L->kv_dtype != s->dtype; /* an 8-bit cache: quantized here, not in rope_qk */
+    /* an 8-bit or float16 cache: stored here (quantized or converted), not in rope_qk */
+    const int kv8 = L->kv_dtype != s->dtype;
     rc = rope_qk(qkv, width, s->positions, s->cos, s->sin, s->max_pos, T, H, Hkv, D,
                  kv8 ? NULL : L->k_cache, kv8 ? NULL : L->v_cache, s->slot_mapping, L->num_slots,
                  s->dtype);

@@ -10,7 +10,8 @@
  * dtype: 0 = float32, 1 = bfloat16. The cache may instead be 8-bit (paged_decode_kv, kv_dtype
  * 2 = int8, 3 = float8 e4m3) with float32 scales k_scales, v_scales [N, bs, Hkv], one per (token,
  * kv head): a row is dequantized in registers as value * scale (K's scale folded into the score,
- * V's into the softmax weight), never written back as floats.
+ * V's into the softmax weight), never written back as floats. kv_dtype 4 = float16 (no scales):
+ * a float16 cache beside bfloat16 or float32 activations, converted in registers (F16C).
  */
 #include <math.h>
 #include <stdint.h>
@@ -29,7 +30,7 @@ typedef struct {
     int B, H, Hkv, D, bs, max_blocks, dtype;
     long q_stride;
     float scale;
-    int kv_dtype; /* dtype for a 16/32-bit cache, 2 = int8, 3 = fp8 e4m3 */
+    int kv_dtype; /* dtype for a cache of q's dtype, 2 = int8, 3 = fp8 e4m3, 4 = float16 */
     const float *k_scales, *v_scales; /* 8-bit caches only */
 } Job;
 
@@ -58,11 +59,30 @@ static inline void load_row(const void *restrict base, long idx, int D, int dtyp
     }
 }
 
+/* IEEE float16 -> float32, exactly (a float16 cache beside bfloat16/float32 activations). */
+static inline float f16_to_f32(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 31, m = h & 0x3ff;
+    if (e == 0) { /* zero or subnormal: m * 2^-24, exact in float32 */
+        const float v = (float)m * 5.9604644775390625e-8f;
+        return sign ? -v : v;
+    }
+    const uint32_t mag = e == 31 ? 0x7f800000u : (e + 112) << 23; /* inf/NaN, or rebiased */
+    const uint32_t bits = sign | mag | (m << 13);
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
 /* K or V row `row` (= token slot * Hkv + kv head) of a cache as floats, dequantized when 8-bit. */
 static inline void load_kv(const void *restrict base, const float *restrict scales, long row,
                            int D, int kv_dtype, float *restrict dst) {
     if (kv_dtype < 2) {
         load_row(base, row * D, D, kv_dtype, dst);
+        return;
+    }
+    if (kv_dtype == 4) {
+        const uint16_t *restrict src = (const uint16_t *)base + row * D;
+        for (int d = 0; d < D; d++) dst[d] = f16_to_f32(src[d]);
         return;
     }
     const float s = scales[row];
@@ -163,6 +183,11 @@ static inline __m256 load8(const void *base, long idx, int dtype) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
+/* 8 values of a float16 cache at element idx as floats (F16C: the AVX2 level builds with it) */
+static inline __m256 load8_h(const void *base, long idx) {
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)base + idx)));
+}
+
 /* 8 values of an 8-bit cache at element idx as floats, not yet scaled: kvq 2 = int8, 3 = fp8 */
 static inline __m256 load8_q(const void *base, long idx, int kvq) {
     const __m128i b = _mm_loadl_epi64((const __m128i *)((const int8_t *)base + idx));
@@ -250,8 +275,8 @@ static inline void softmax_exp_avx2(float *restrict scores, int G, int n, const 
     }
 }
 
-/* kvq: 0 for a cache of q's dtype, 1 for an 8-bit one (a constant in every copy; int8 or fp8 is
- * told apart per load, one well-predicted branch, to keep the copies few) */
+/* kvq: 0 for a cache of q's dtype, 1 for an 8-bit one, 2 for float16 (a constant in every copy;
+ * int8 or fp8 is told apart per load, one well-predicted branch, to keep the copies few) */
 static inline __attribute__((always_inline)) void attend_part_avx2(
     const Job *j, int b, int h, int t0, int t1, const int G, const int D, const int kvq,
     float *restrict scores, float *restrict qf, float *restrict acc, float *restrict m,
@@ -265,7 +290,8 @@ static inline __attribute__((always_inline)) void attend_part_avx2(
      * tokens ahead of it: asking for a whole part's rows at once stalled on the full fill
      * buffers (a fifth of a batch-64 step's attention). V is not read until the score loop
      * ends, so its rows are asked for at the same distance. */
-    const size_t esize = kvq ? 1 : dtype == 0 ? 4 : 2, row_bytes = (size_t)D * esize;
+    const size_t esize = kvq == 1 ? 1 : kvq == 2 ? 2 : dtype == 0 ? 4 : 2;
+    const size_t row_bytes = (size_t)D * esize;
     const int ahead = t0 + PREFETCH_AHEAD < t1 ? t0 + PREFETCH_AHEAD : t1;
     for (int tt = t0; tt < ahead; tt++) prefetch_kv(j, srow[tt - t0], esize, row_bytes);
     for (int g = 0; g < G; g++)
@@ -282,7 +308,7 @@ static inline __attribute__((always_inline)) void attend_part_avx2(
             const int ti = t + (i < count ? i : 0); /* a short tail repeats its first token */
             const long slot_row = srow[ti - t0];
             rows[i] = slot_row * D;
-            if (kvq) kscale[i] = j->k_scales[slot_row] * j->scale;
+            if (kvq == 1) kscale[i] = j->k_scales[slot_row] * j->scale;
         }
         for (int i = 0; i < count; i++)
             if (t + i + PREFETCH_AHEAD < t1)
@@ -292,15 +318,16 @@ static inline __attribute__((always_inline)) void attend_part_avx2(
             for (int i = 0; i < 4; i++) a[g][i] = _mm256_setzero_ps();
         for (int d = 0; d < D; d += 8) {
             for (int i = 0; i < 4; i++) {
-                const __m256 k = kvq ? load8_q(j->k_cache, rows[i] + d, j->kv_dtype)
-                                     : load8(j->k_cache, rows[i] + d, dtype);
+                const __m256 k = kvq == 1 ? load8_q(j->k_cache, rows[i] + d, j->kv_dtype)
+                                 : kvq == 2 ? load8_h(j->k_cache, rows[i] + d)
+                                            : load8(j->k_cache, rows[i] + d, dtype);
                 for (int g = 0; g < G; g++)
                     a[g][i] = _mm256_fmadd_ps(_mm256_loadu_ps(qf + g * D + d), k, a[g][i]);
             }
         }
         for (int g = 0; g < G; g++) {
             float s4[4];
-            const __m128 sc = kvq ? _mm_loadu_ps(kscale) : _mm_set1_ps(j->scale);
+            const __m128 sc = kvq == 1 ? _mm_loadu_ps(kscale) : _mm_set1_ps(j->scale);
             const __m128 s = _mm_mul_ps(reduce4(a[g][0], a[g][1], a[g][2], a[g][3]), sc);
             mx4[g] = _mm_max_ps(mx4[g], s); /* a short tail's repeats change no maximum */
             _mm_storeu_ps(s4, s);
@@ -316,12 +343,13 @@ static inline __attribute__((always_inline)) void attend_part_avx2(
             for (int i = 0; i < 4; i++) v_acc[g][i] = _mm256_setzero_ps();
         for (int idx = 0; idx < n; idx++) {
             const long row = srow[idx] * D + d0;
-            const float vs = kvq ? j->v_scales[srow[idx]] : 1.f;
+            const float vs = kvq == 1 ? j->v_scales[srow[idx]] : 1.f;
             for (int i = 0; i < 4; i++) {
-                const __m256 v = kvq ? load8_q(j->v_cache, row + 8 * i, j->kv_dtype)
-                                     : load8(j->v_cache, row + 8 * i, dtype);
+                const __m256 v = kvq == 1 ? load8_q(j->v_cache, row + 8 * i, j->kv_dtype)
+                                 : kvq == 2 ? load8_h(j->v_cache, row + 8 * i)
+                                            : load8(j->v_cache, row + 8 * i, dtype);
                 for (int g = 0; g < G; g++) {
-                    const __m256 p = kvq ? _mm256_set1_ps(scores[g * n + idx] * vs)
+                    const __m256 p = kvq == 1 ? _mm256_set1_ps(scores[g * n + idx] * vs)
                                          : _mm256_broadcast_ss(scores + g * n + idx);
                     v_acc[g][i] = _mm256_fmadd_ps(p, v, v_acc[g][i]);
                 }
@@ -345,6 +373,10 @@ static inline __m512 load16(const void *base, long idx, int dtype) {
     if (dtype == 0) return _mm512_loadu_ps((const float *)base + idx);
     const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + idx));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+static inline __m512 load16_h(const void *base, long idx) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)base + idx)));
 }
 
 /* 16 values of an 8-bit cache, not yet scaled: kvq 2 = int8, 3 = fp8 e4m3 */
@@ -372,7 +404,8 @@ static inline __attribute__((always_inline)) void attend_part_avx512(
     float *restrict l, long *restrict srow) {
     const int n = t1 - t0, dtype = j->dtype;
     part_rows(j, b, h, t0, t1, srow);
-    const size_t esize = kvq ? 1 : dtype == 0 ? 4 : 2, row_bytes = (size_t)D * esize;
+    const size_t esize = kvq == 1 ? 1 : kvq == 2 ? 2 : dtype == 0 ? 4 : 2;
+    const size_t row_bytes = (size_t)D * esize;
     const int ahead = t0 + PREFETCH_AHEAD < t1 ? t0 + PREFETCH_AHEAD : t1;
     for (int tt = t0; tt < ahead; tt++) prefetch_kv(j, srow[tt - t0], esize, row_bytes);
     for (int g = 0; g < G; g++)
@@ -387,7 +420,7 @@ static inline __attribute__((always_inline)) void attend_part_avx512(
         for (int i = 0; i < 4; i++) {
             const long slot_row = srow[t + (i < count ? i : 0) - t0]; /* a tail repeats */
             rows[i] = slot_row * D;
-            if (kvq) kscale[i] = j->k_scales[slot_row] * j->scale;
+            if (kvq == 1) kscale[i] = j->k_scales[slot_row] * j->scale;
         }
         for (int i = 0; i < count; i++)
             if (t + i + PREFETCH_AHEAD < t1)
@@ -397,15 +430,16 @@ static inline __attribute__((always_inline)) void attend_part_avx512(
             for (int i = 0; i < 4; i++) a[g][i] = _mm512_setzero_ps();
         for (int d = 0; d < D; d += 16) {
             for (int i = 0; i < 4; i++) {
-                const __m512 k = kvq ? load16_q(j->k_cache, rows[i] + d, j->kv_dtype)
-                                     : load16(j->k_cache, rows[i] + d, dtype);
+                const __m512 k = kvq == 1 ? load16_q(j->k_cache, rows[i] + d, j->kv_dtype)
+                                 : kvq == 2 ? load16_h(j->k_cache, rows[i] + d)
+                                            : load16(j->k_cache, rows[i] + d, dtype);
                 for (int g = 0; g < G; g++)
                     a[g][i] = _mm512_fmadd_ps(_mm512_loadu_ps(qf + g * D + d), k, a[g][i]);
             }
         }
         for (int g = 0; g < G; g++) {
             float s4[4];
-            const __m128 sc = kvq ? _mm_loadu_ps(kscale) : _mm_set1_ps(j->scale);
+            const __m128 sc = kvq == 1 ? _mm_loadu_ps(kscale) : _mm_set1_ps(j->scale);
             const __m128 s = _mm_mul_ps(reduce4_16(a[g][0], a[g][1], a[g][2], a[g][3]), sc);
             mx4[g] = _mm_max_ps(mx4[g], s);
             _mm_storeu_ps(s4, s);
@@ -421,12 +455,13 @@ static inline __attribute__((always_inline)) void attend_part_avx512(
             for (int i = 0; i < 4; i++) v_acc[g][i] = _mm512_setzero_ps();
         for (int idx = 0; idx < n; idx++) {
             const long row = srow[idx] * D + d0;
-            const float vs = kvq ? j->v_scales[srow[idx]] : 1.f;
+            const float vs = kvq == 1 ? j->v_scales[srow[idx]] : 1.f;
             for (int i = 0; i < 4; i++) {
-                const __m512 v = kvq ? load16_q(j->v_cache, row + 16 * i, j->kv_dtype)
-                                     : load16(j->v_cache, row + 16 * i, dtype);
+                const __m512 v = kvq == 1 ? load16_q(j->v_cache, row + 16 * i, j->kv_dtype)
+                                 : kvq == 2 ? load16_h(j->v_cache, row + 16 * i)
+                                            : load16(j->v_cache, row + 16 * i, dtype);
                 for (int g = 0; g < G; g++) {
-                    const __m512 p = _mm512_set1_ps(kvq ? scores[g * n + idx] * vs
+                    const __m512 p = _mm512_set1_ps(kvq == 1 ? scores[g * n + idx] * vs
                                                         : scores[g * n + idx]);
                     v_acc[g][i] = _mm512_fmadd_ps(p, v, v_acc[g][i]);
                 }
@@ -463,6 +498,8 @@ static void attend_dispatch(const Job *j, int b, int h, int t0, int t1, float *s
     if (j->D == 64 || j->D == 128) {
         if (j->kv_dtype < 2) {
             PARTS(0)
+        } else if (j->kv_dtype == 4) {
+            PARTS(2)
         } else {
             PARTS(1)
         }
@@ -505,7 +542,9 @@ int paged_decode_kv(const void *q, long q_stride, const void *k_cache, const voi
                     const int32_t *seq_lens, void *out, int B, int H, int Hkv, int D, int bs,
                     int max_blocks, float scale, int dtype, int kv_dtype, int num_threads) {
     if (H % Hkv != 0 || H / Hkv > 64 || bs < 1 || B < 1) return -1;
-    if (kv_dtype != dtype && (kv_dtype < 2 || kv_dtype > 3 || !k_scales || !v_scales)) return -1;
+    if (kv_dtype != dtype && kv_dtype != 4 &&
+        (kv_dtype < 2 || kv_dtype > 3 || !k_scales || !v_scales))
+        return -1;
     Job job = {q, k_cache, v_cache, block_tables, seq_lens, out, B, H, Hkv, D, bs, max_blocks,
                dtype, q_stride, scale, kv_dtype, k_scales, v_scales};
     const int G = H / Hkv, pairs = B * Hkv;

@@ -19,19 +19,21 @@ def torch_reference(q, k_cache, v_cache, meta, scale):
         cpu_attention.enabled = True
 
 
+@pytest.mark.parametrize("cache_dtype", [None, torch.float16])  # None: q's dtype
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     "heads,kv_heads,head_dim",
     [(4, 4, 64), (8, 2, 64), (9, 3, 64), (6, 1, 32), (4, 2, 128), (6, 2, 128), (10, 2, 64)],
 )
 @pytest.mark.parametrize("block_size", [4, 16])
-def test_decode_kernel_matches_torch(dtype, heads, kv_heads, head_dim, block_size):
+def test_decode_kernel_matches_torch(cache_dtype, dtype, heads, kv_heads, head_dim, block_size):
     g = torch.Generator().manual_seed(heads * 7 + head_dim + block_size)
     seq_lens = [1, block_size - 1, block_size, block_size + 1, 3 * block_size + 2, 50]
     max_blocks = max(-(-n // block_size) for n in seq_lens)
     num_blocks = len(seq_lens) * max_blocks + 3
-    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
-    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
+    cache_dtype = cache_dtype or dtype
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(cache_dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(cache_dtype)
     perm = torch.randperm(num_blocks, generator=g)
     tables = perm[: len(seq_lens) * max_blocks].view(len(seq_lens), max_blocks).int()
     # q as a strided view of a fused projection, the way the model hands it over

@@ -112,6 +112,23 @@ def test_decode_layer_with_8bit_kv_equals_per_op_path(
     assert torch.equal(runner.kv_scales, saved[1])
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_decode_layer_with_float16_kv_equals_per_op_path(tiny_llama, dtype, monkeypatch) -> None:
+    """A float16 cache beside other activations: the C layers convert new K/V themselves (round
+    to nearest even, as torch's cast) and read it converting in registers."""
+    hf_model, _ = tiny_llama
+    monkeypatch.setenv("PDSERVE_CPU_QUANT_KERNEL", "c")
+    runner = _runner(hf_model, "int8", dtype, "float16")
+    inputs = _prefill_then_decode_inputs(runner)
+    per_op = _forward(runner, inputs, False, monkeypatch)
+    saved = runner.kv_cache.clone()
+    runner.kv_cache.flatten(2, 3)[:, :, inputs[2].slot_mapping] = 0  # the C layers write them
+    fused = _forward(runner, inputs, True, monkeypatch)
+    assert _stack_in_use(runner)
+    assert torch.equal(fused, per_op), (fused.float() - per_op.float()).abs().max()
+    assert torch.equal(runner.kv_cache.view(torch.int16), saved.view(torch.int16))
+
+
 def _attns(runner):
     return [layer.self_attn for layer in runner.model.layers]
 
