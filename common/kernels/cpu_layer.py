@@ -52,9 +52,14 @@ MAX_STACKS = 64  # (layers run, batch size, dtype) kept per model: batch sizes a
 MAX_MULTI_ROWS = 16
 # ... and a step of at most VERIFY_QUERY_LEN new tokens per sequence (verifying k <= 7 drafts) up
 # to MAX_VERIFY_ROWS rows. Measured (default model, bfloat16, 2 threads, 256 tokens of context):
-# 4 x 5 rows 45 ms here vs 101 ms per-op, 12 x 5 118 vs 247; but one sequence's 64-token chunk at
-# 1,024 tokens of context 246 vs 169 (each row rereads the sequence's KV), hence the two limits.
-VERIFY_QUERY_LEN, MAX_VERIFY_ROWS = 8, 64
+# 4 x 5 rows 45 ms here vs 101 ms per-op, 12 x 5 118 vs 247, 16 x 5 40 vs 92, 32 x 5 83 vs 198,
+# 64 x 5 152 vs 371; but one sequence's 64-token chunk at 1,024 tokens of context 246 vs 169
+# (each row rereads the sequence's KV), hence the two limits.
+VERIFY_QUERY_LEN, MAX_VERIFY_ROWS = 8, 512
+# Decode steps of up to this many sequences keep the C layers: the dense path (which they cannot
+# run) serves only larger batches (common.model.model_runner; cpu_quant.set_dense_weights). A
+# verify step of more rows runs here where the tune put c or a8 first at its size.
+DENSE_FLOOR_ROWS = 64
 _FUSED_PATHS = ("c", "a8")  # the cpu_quant paths the C layers run a projection through
 _p, _i, _f, _l = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_long
 

@@ -61,7 +61,7 @@ def allow_dense_weights(budget: str, weights: list, dtype: torch.dtype) -> bool:
     else:
         limit, what = parse_size(budget), f"--dense-weight-memory {budget}"
     allowed = 0 < need <= limit
-    # Batches the C decode layers run (decode and verify steps up to MAX_VERIFY_ROWS rows) stay
+    # Batches the C decode layers run (decode steps up to DENSE_FLOOR_ROWS sequences) stay
     # on c / a8, which those layers need: measured on the default model (bfloat16, 2 threads),
     # 64 x 320-token decode steps took 139 ms through them against 150 ms through the dense
     # per-op path, although a dense matmul alone is faster there (the tune times matmuls only).
@@ -77,7 +77,7 @@ def allow_dense_weights(budget: str, weights: list, dtype: torch.dtype) -> bool:
 def _c_layer_rows() -> int:
     from common.kernels import cpu_layer
 
-    return cpu_layer.MAX_VERIFY_ROWS if cpu_layer.enabled and cpu_layer.available() else 0
+    return cpu_layer.DENSE_FLOOR_ROWS if cpu_layer.enabled and cpu_layer.available() else 0
 
 
 def available_memory_bytes(root: str = "/") -> int:
