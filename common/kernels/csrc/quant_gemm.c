@@ -157,11 +157,12 @@ static inline void store_row(const float *f, int nc, void *out, long off, int xd
 #define ISA 3
 #define MR 8
 #define MR2 6 /* rows of the two-panel tile: 24 accumulators */
-/* from this many rows on, panels go two at a time. Measured, 1 thread, the default model's four
+/* from this many rows on, panels go two at a time. Measured on the default model's four
  * projection shapes, pairs against one panel at a time: an AVX-512 VNNI Intel host (2 threads),
  * when the last M % 6 rows still went one panel at a time: 1.1-1.25x at 64 and 256 rows,
- * 0.85-1.05x at 8 and 16; an AMD EPYC (Zen 5) host with those rows in a smaller pair tile as now:
- * 1.03-1.1x at 1-2 rows, 1.1-1.5x at 3-16 (but 0.93x once at 5), 1.02-1.1x at 32-64. */
+ * 0.85-1.05x at 8 and 16; an AMD EPYC (Zen 5) host (1 thread) with those rows in a smaller pair
+ * tile as now: 1.03-1.1x at 1-2 rows, 1.1-1.5x at 3-16 (0.93x once at 5), 1.02-1.1x at 32-64.
+ * Not yet chosen by the tune: one host's measurement. */
 #define PAIR_MIN_ROWS 1
 /* rows m0..m0+mr of x times panel p; mr is a constant after inlining, so the 2 * mr
  * accumulators stay in registers */
