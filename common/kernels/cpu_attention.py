@@ -42,6 +42,7 @@ _LIB = CLibrary(
 )
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _KV_DTYPES = {torch.int8: 2, **({kv_quant.FP8: 3} if kv_quant.FP8 is not None else {})}
+KV_FLOAT16 = 4  # the C code of a float16 cache beside activations of another dtype (no scales)
 enabled = os.environ.get("PDSERVE_CPU_KERNELS", "1") != "0"  # tests flip it to reach the torch path
 
 
@@ -88,18 +89,9 @@ def paged_decode_attention(
     tables = block_tables.to(torch.int32).contiguous()
     lens = seq_lens.to(torch.int32).contiguous()
     out = torch.empty(batch, num_heads, head_dim, dtype=q.dtype)
-    if k_scales is None and k_cache.dtype == torch.float16:  # converted in registers
-        rc = _LIB.get().paged_decode_kv(
-            q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), None, None,
-            tables.data_ptr(), lens.data_ptr(), out.data_ptr(), batch, num_heads, num_kv_heads,
-            head_dim, block_size, tables.shape[1], scale, _DTYPES[q.dtype], 4,
-            torch.get_num_threads(),
-        )  # fmt: skip
-        if rc != 0:
-            raise ValueError("shape not supported by the CPU decode kernel")
-        return out
-    if k_scales is not None:
-        if not (
+    half = k_scales is None and k_cache.dtype == torch.float16  # converted in registers
+    if k_scales is not None or half:
+        if k_scales is not None and not (
             v_scales is not None
             and k_scales.dtype == v_scales.dtype == torch.float32
             and k_scales.is_contiguous()
@@ -109,10 +101,10 @@ def paged_decode_attention(
             raise ValueError("8-bit KV needs contiguous float32 k_scales and v_scales")
         rc = _LIB.get().paged_decode_kv(
             q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
-            k_scales.data_ptr(), v_scales.data_ptr(), tables.data_ptr(), lens.data_ptr(),
-            out.data_ptr(), batch, num_heads, num_kv_heads, head_dim, block_size,
-            tables.shape[1], scale, _DTYPES[q.dtype], _KV_DTYPES[k_cache.dtype],
-            torch.get_num_threads(),
+            None if half else k_scales.data_ptr(), None if half else v_scales.data_ptr(),
+            tables.data_ptr(), lens.data_ptr(), out.data_ptr(), batch, num_heads, num_kv_heads,
+            head_dim, block_size, tables.shape[1], scale, _DTYPES[q.dtype],
+            KV_FLOAT16 if half else _KV_DTYPES[k_cache.dtype], torch.get_num_threads(),
         )  # fmt: skip
         if rc != 0:
             raise ValueError("shape not supported by the CPU decode kernel")

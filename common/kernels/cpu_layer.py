@@ -236,7 +236,7 @@ def _make_plan(layer: LayerWeights, x: torch.Tensor, panels: list) -> _Layer | N
         layer.v_cache.data_ptr(), k_cache.numel() // (layer.num_kv_heads * layer.head_dim),
         k_scales.data_ptr() if kv8 else None, v_scales.data_ptr() if kv8 else None,
         cpu_attention._KV_DTYPES[k_cache.dtype] if kv8
-        else 4 if k_cache.dtype != x.dtype else _DTYPES[x.dtype],
+        else cpu_attention.KV_FLOAT16 if k_cache.dtype != x.dtype else _DTYPES[x.dtype],
     )  # fmt: skip
 
 

@@ -110,10 +110,11 @@ static inline uint16_t f32_to_f16(float f) {
     return sign | (uint16_t)(r - (112u << 10));
 }
 
-/* The rotated k heads and the v heads of qkv [T, width] quantized into their slots of an 8-bit
- * cache, one scale per (token, kv head); negative slots are padding. 3 for a slot past the
- * cache, checked before anything is written. */
-static int store_kv_8bit(const Layer *L, const Step *s, const void *qkv, int width) {
+/* The rotated k heads and the v heads of qkv [T, width] into their slots of a cache not in the
+ * activations' dtype: an 8-bit one (quantized, one scale per (token, kv head)) or a float16 one
+ * (converted); negative slots are padding. 3 for a slot past the cache, checked before anything
+ * is written. */
+static int store_kv_converted(const Layer *L, const Step *s, const void *qkv, int width) {
     const int T = s->tokens, H = L->heads, Hkv = L->kv_heads, D = L->head_dim;
     const float qmax = L->kv_dtype == 2 ? 127.f : 448.f;
     for (int t = 0; t < T; t++)
@@ -130,16 +131,15 @@ static int store_kv_8bit(const Layer *L, const Step *s, const void *qkv, int wid
                 for (int d = 0; d < D; d++)
                     row[d] = s->dtype == 0 ? ((const float *)qkv)[idx + d]
                                            : bf16_to_f32(((const uint16_t *)qkv)[idx + d]);
-                const long slot_row16 = slot * Hkv + j;
+                const long slot_row = slot * Hkv + j;
                 if (L->kv_dtype == 4) { /* float16: converted, no scale */
-                    uint16_t *dst16 = (uint16_t *)(void *)cache + slot_row16 * D;
+                    uint16_t *dst16 = (uint16_t *)(part ? L->v_cache : L->k_cache) + slot_row * D;
                     for (int d = 0; d < D; d++) dst16[d] = f32_to_f16(row[d]);
                     continue;
                 }
                 float amax = 0.f;
                 for (int d = 0; d < D; d++) amax = fabsf(row[d]) > amax ? fabsf(row[d]) : amax;
                 const float scale = amax / qmax, div = scale > FLT_MIN ? scale : FLT_MIN;
-                const long slot_row = slot * Hkv + j;
                 scales[slot_row] = scale;
                 uint8_t *dst = cache + slot_row * D;
                 for (int d = 0; d < D; d++) {
@@ -217,11 +217,11 @@ static int decode_layer(const Layer *L, const Step *s, const void *x, void *resi
         if (rc) { stage = 30; goto done; }
     }
     /* an 8-bit or float16 cache: stored here (quantized or converted), not in rope_qk */
-    const int kv8 = L->kv_dtype != s->dtype;
+    const int converted = L->kv_dtype != s->dtype;
     rc = rope_qk(qkv, width, s->positions, s->cos, s->sin, s->max_pos, T, H, Hkv, D,
-                 kv8 ? NULL : L->k_cache, kv8 ? NULL : L->v_cache, s->slot_mapping, L->num_slots,
-                 s->dtype);
-    if (rc == 0 && kv8) rc = store_kv_8bit(L, s, qkv, width);
+                 converted ? NULL : L->k_cache, converted ? NULL : L->v_cache, s->slot_mapping,
+                 L->num_slots, s->dtype);
+    if (rc == 0 && converted) rc = store_kv_converted(L, s, qkv, width);
     if (rc) { stage = 40; goto done; }
     rc = paged_decode_kv(qkv, width, L->k_cache, L->v_cache, L->k_scales, L->v_scales,
                          s->block_tables, s->seq_lens, attn, T, H, Hkv, D, L->block_size,

@@ -218,8 +218,9 @@ static inline void part_rows(const Job *j, int b, int h, int t0, int t1, long *r
 #define PREFETCH_AHEAD 16 /* tokens: see attend_part_avx2 */
 
 /* the K and V rows of cache row `slot_row` (token slot * Hkv + kv head), asked for into L2 */
-static inline void prefetch_kv(const Job *j, long slot_row, size_t esize, size_t row_bytes) {
+static inline void prefetch_kv(const Job *j, long slot_row, size_t esize) {
     const long off = slot_row * j->D;
+    const size_t row_bytes = (size_t)j->D * esize;
     for (size_t c = 0; c < row_bytes; c += 64) {
         _mm_prefetch((const char *)j->k_cache + off * esize + c, _MM_HINT_T1);
         _mm_prefetch((const char *)j->v_cache + off * esize + c, _MM_HINT_T1);
@@ -230,6 +231,54 @@ static inline float hmax4(__m128 v) {
     v = _mm_max_ps(v, _mm_movehl_ps(v, v));
     v = _mm_max_ss(v, _mm_shuffle_ps(v, v, 1));
     return _mm_cvtss_f32(v);
+}
+
+/* A vectorised part's start: its cache rows (part_rows), the K/V rows of its first
+ * PREFETCH_AHEAD tokens asked for, q's G heads of kv head h as floats in qf. Returns the bytes of
+ * one cache element. Ask for K and V rows ahead of the loops: in a decode step the weights
+ * streamed since the last layer have evicted the cache, and many misses in flight at once cost
+ * far less than one at a time as the loops reach them (41 -> 23 us a layer at 256 tokens). The
+ * first PREFETCH_AHEAD tokens' rows now, the rest from inside the score loop (block_rows),
+ * PREFETCH_AHEAD tokens ahead of it: asking for a whole part's rows at once stalled on the full
+ * fill buffers (a fifth of a batch-64 step's attention). V is not read until the score loop
+ * ends, so its rows are asked for at the same distance. */
+static inline __attribute__((always_inline)) size_t part_start(const Job *j, int b, int h,
+                                                               int t0, int t1, int G, int D,
+                                                               int kvq, long *restrict srow,
+                                                               float *restrict qf) {
+    part_rows(j, b, h, t0, t1, srow);
+    const size_t esize = kvq == 1 ? 1 : kvq == 2 ? 2 : j->dtype == 0 ? 4 : 2;
+    const int ahead = t0 + PREFETCH_AHEAD < t1 ? t0 + PREFETCH_AHEAD : t1;
+    for (int tt = t0; tt < ahead; tt++) prefetch_kv(j, srow[tt - t0], esize);
+    for (int g = 0; g < G; g++)
+        load_row(j->q, b * j->q_stride + (long)(h * G + g) * D, D, j->dtype, qf + g * D);
+    return esize;
+}
+
+/* The score loop's 4 tokens from t (count of them real; a short tail repeats its first token):
+ * their K/V rows' element offsets, K's scale times the softmax scale for an 8-bit cache, and the
+ * rows PREFETCH_AHEAD tokens on asked for. */
+static inline __attribute__((always_inline)) void block_rows(const Job *j,
+                                                             const long *restrict srow, int t,
+                                                             int t0, int t1, int count, int D,
+                                                             int kvq, size_t esize, long *rows,
+                                                             float *kscale) {
+    for (int i = 0; i < 4; i++) {
+        const long slot_row = srow[t + (i < count ? i : 0) - t0];
+        rows[i] = slot_row * D;
+        if (kvq == 1) kscale[i] = j->k_scales[slot_row] * j->scale;
+    }
+    for (int i = 0; i < count; i++)
+        if (t + i + PREFETCH_AHEAD < t1) prefetch_kv(j, srow[t + i + PREFETCH_AHEAD - t0], esize);
+}
+
+/* 4 scores s of one query head: the first count stored at dst, all in the running maximum mx
+ * (a short tail's repeats change no maximum) */
+static inline void keep_scores(__m128 s, __m128 *mx, float *restrict dst, int count) {
+    float s4[4];
+    *mx = _mm_max_ps(*mx, s);
+    _mm_storeu_ps(s4, s);
+    for (int i = 0; i < count; i++) dst[i] = s4[i];
 }
 
 /* exp_approx (vecmath.h) on 8 lanes: the same steps */
@@ -282,20 +331,7 @@ static inline __attribute__((always_inline)) void attend_part_avx2(
     float *restrict scores, float *restrict qf, float *restrict acc, float *restrict m,
     float *restrict l, long *restrict srow) {
     const int n = t1 - t0, dtype = j->dtype;
-    part_rows(j, b, h, t0, t1, srow);
-    /* Ask for K and V rows ahead of the loops: in a decode step the weights streamed since the
-     * last layer have evicted the cache, and many misses in flight at once cost far less than
-     * one at a time as the loops reach them (41 -> 23 us a layer at 256 tokens). The first
-     * PREFETCH_AHEAD tokens' rows now, the rest from inside the score loop, PREFETCH_AHEAD
-     * tokens ahead of it: asking for a whole part's rows at once stalled on the full fill
-     * buffers (a fifth of a batch-64 step's attention). V is not read until the score loop
-     * ends, so its rows are asked for at the same distance. */
-    const size_t esize = kvq == 1 ? 1 : kvq == 2 ? 2 : dtype == 0 ? 4 : 2;
-    const size_t row_bytes = (size_t)D * esize;
-    const int ahead = t0 + PREFETCH_AHEAD < t1 ? t0 + PREFETCH_AHEAD : t1;
-    for (int tt = t0; tt < ahead; tt++) prefetch_kv(j, srow[tt - t0], esize, row_bytes);
-    for (int g = 0; g < G; g++)
-        load_row(j->q, b * j->q_stride + (long)(h * G + g) * D, D, dtype, qf + g * D);
+    const size_t esize = part_start(j, b, h, t0, t1, G, D, kvq, srow, qf);
     /* element offsets of each token's K/V row of this kv head */
     long rows[4];
     float kscale[4] = {1.f, 1.f, 1.f, 1.f};
@@ -304,15 +340,7 @@ static inline __attribute__((always_inline)) void attend_part_avx2(
     int t = t0;
     while (t < t1) {
         const int count = t1 - t < 4 ? t1 - t : 4;
-        for (int i = 0; i < 4; i++) {
-            const int ti = t + (i < count ? i : 0); /* a short tail repeats its first token */
-            const long slot_row = srow[ti - t0];
-            rows[i] = slot_row * D;
-            if (kvq == 1) kscale[i] = j->k_scales[slot_row] * j->scale;
-        }
-        for (int i = 0; i < count; i++)
-            if (t + i + PREFETCH_AHEAD < t1)
-                prefetch_kv(j, srow[t + i + PREFETCH_AHEAD - t0], esize, row_bytes);
+        block_rows(j, srow, t, t0, t1, count, D, kvq, esize, rows, kscale);
         __m256 a[4][4];
         for (int g = 0; g < G; g++)
             for (int i = 0; i < 4; i++) a[g][i] = _mm256_setzero_ps();
@@ -325,14 +353,10 @@ static inline __attribute__((always_inline)) void attend_part_avx2(
                     a[g][i] = _mm256_fmadd_ps(_mm256_loadu_ps(qf + g * D + d), k, a[g][i]);
             }
         }
-        for (int g = 0; g < G; g++) {
-            float s4[4];
-            const __m128 sc = kvq == 1 ? _mm_loadu_ps(kscale) : _mm_set1_ps(j->scale);
-            const __m128 s = _mm_mul_ps(reduce4(a[g][0], a[g][1], a[g][2], a[g][3]), sc);
-            mx4[g] = _mm_max_ps(mx4[g], s); /* a short tail's repeats change no maximum */
-            _mm_storeu_ps(s4, s);
-            for (int i = 0; i < count; i++) scores[g * n + (t - t0) + i] = s4[i];
-        }
+        const __m128 sc = kvq == 1 ? _mm_loadu_ps(kscale) : _mm_set1_ps(j->scale);
+        for (int g = 0; g < G; g++)
+            keep_scores(_mm_mul_ps(reduce4(a[g][0], a[g][1], a[g][2], a[g][3]), sc), &mx4[g],
+                        scores + g * n + (t - t0), count);
         t += count;
     }
     for (int g = 0; g < G; g++) m[g] = hmax4(mx4[g]);
@@ -403,13 +427,7 @@ static inline __attribute__((always_inline)) void attend_part_avx512(
     float *restrict scores, float *restrict qf, float *restrict acc, float *restrict m,
     float *restrict l, long *restrict srow) {
     const int n = t1 - t0, dtype = j->dtype;
-    part_rows(j, b, h, t0, t1, srow);
-    const size_t esize = kvq == 1 ? 1 : kvq == 2 ? 2 : dtype == 0 ? 4 : 2;
-    const size_t row_bytes = (size_t)D * esize;
-    const int ahead = t0 + PREFETCH_AHEAD < t1 ? t0 + PREFETCH_AHEAD : t1;
-    for (int tt = t0; tt < ahead; tt++) prefetch_kv(j, srow[tt - t0], esize, row_bytes);
-    for (int g = 0; g < G; g++)
-        load_row(j->q, b * j->q_stride + (long)(h * G + g) * D, D, dtype, qf + g * D);
+    const size_t esize = part_start(j, b, h, t0, t1, G, D, kvq, srow, qf);
     long rows[4];
     float kscale[4] = {1.f, 1.f, 1.f, 1.f};
     __m128 mx4[4];
@@ -417,14 +435,7 @@ static inline __attribute__((always_inline)) void attend_part_avx512(
     int t = t0;
     while (t < t1) {
         const int count = t1 - t < 4 ? t1 - t : 4;
-        for (int i = 0; i < 4; i++) {
-            const long slot_row = srow[t + (i < count ? i : 0) - t0]; /* a tail repeats */
-            rows[i] = slot_row * D;
-            if (kvq == 1) kscale[i] = j->k_scales[slot_row] * j->scale;
-        }
-        for (int i = 0; i < count; i++)
-            if (t + i + PREFETCH_AHEAD < t1)
-                prefetch_kv(j, srow[t + i + PREFETCH_AHEAD - t0], esize, row_bytes);
+        block_rows(j, srow, t, t0, t1, count, D, kvq, esize, rows, kscale);
         __m512 a[4][4];
         for (int g = 0; g < G; g++)
             for (int i = 0; i < 4; i++) a[g][i] = _mm512_setzero_ps();
@@ -437,14 +448,10 @@ static inline __attribute__((always_inline)) void attend_part_avx512(
                     a[g][i] = _mm512_fmadd_ps(_mm512_loadu_ps(qf + g * D + d), k, a[g][i]);
             }
         }
-        for (int g = 0; g < G; g++) {
-            float s4[4];
-            const __m128 sc = kvq == 1 ? _mm_loadu_ps(kscale) : _mm_set1_ps(j->scale);
-            const __m128 s = _mm_mul_ps(reduce4_16(a[g][0], a[g][1], a[g][2], a[g][3]), sc);
-            mx4[g] = _mm_max_ps(mx4[g], s);
-            _mm_storeu_ps(s4, s);
-            for (int i = 0; i < count; i++) scores[g * n + (t - t0) + i] = s4[i];
-        }
+        const __m128 sc = kvq == 1 ? _mm_loadu_ps(kscale) : _mm_set1_ps(j->scale);
+        for (int g = 0; g < G; g++)
+            keep_scores(_mm_mul_ps(reduce4_16(a[g][0], a[g][1], a[g][2], a[g][3]), sc), &mx4[g],
+                        scores + g * n + (t - t0), count);
         t += count;
     }
     for (int g = 0; g < G; g++) m[g] = hmax4(mx4[g]);
