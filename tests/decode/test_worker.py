@@ -12,6 +12,7 @@ import time
 
 import msgspec
 import pytest
+import torch
 import zmq
 
 from common import protocol
@@ -29,6 +30,7 @@ from common.sampling_params import SamplingParams
 from decode.worker import DecodeWorker
 from kvtransfer import KVSender, kv_layout
 from tests.common.engine.test_engine import GREEDY, make_engine, prompts
+from tests.common.engine.test_kv_cache_dtype import agreement
 from tests.kvtransfer import damage_on_the_way, poll_until
 
 
@@ -414,26 +416,42 @@ def test_a_worker_in_a_long_step_is_not_declared_dead(tiny_llama) -> None:
             ctx.term()
 
 
-@pytest.mark.parametrize("transport", ["tcp", "shm"])
-def test_int8_kv_travels_with_its_scales(tiny_llama, transport) -> None:
-    # 1P1D with --kv-cache-dtype int8 on both: the blocks and their scales cross over kvtransfer
-    # and the decode worker continues with exactly one int8 engine's tokens
+EIGHT_BIT_CASES = [("int8", "tcp", False), ("int8", "shm", True)]
+if hasattr(torch, "float8_e4m3fn"):
+    EIGHT_BIT_CASES += [("fp8", "tcp", False), ("fp8", "shm", True)]
+NGRAM = dict(speculative="ngram", num_speculative_tokens=3, prompt_lookup_min=1,
+             speculative_disable_by_batch_size=0, speculative_adaptive=False)  # fmt: skip
+
+
+@pytest.mark.parametrize(("kv_dtype", "transport", "spec"), EIGHT_BIT_CASES)
+def test_8bit_kv_travels_with_its_scales(tiny_llama, kv_dtype, transport, spec) -> None:
+    """1P1D with --kv-cache-dtype int8|fp8 on both (the decode worker speculating with ngram in
+    half the cases): the blocks and their scales cross over kvtransfer and the decode worker
+    continues with exactly one 8-bit engine's tokens. Against the 32-bit KV reference the output
+    keeps the first token (computed from unrounded K/V) and, on this random tiny model whose
+    logits are near ties, the agreement measured for a single engine
+    (test_kv_cache_dtype.test_greedy_agrees_with_float_kv: int8 >= 0.8, fp8 >= 0.2)."""
     hf_model, _ = tiny_llama
+    spec_args = NGRAM if spec else {}
     ctx = zmq.Context()
     router = FakeRouter(ctx)
-    decode_engine = make_engine(hf_model, kv_cache_dtype="int8")
+    decode_engine = make_engine(hf_model, kv_cache_dtype=kv_dtype, **spec_args)
     worker = DecodeWorker(
         decode_engine, router.address, "decode-t", "tcp://127.0.0.1:*", context=ctx
     )
     thread = threading.Thread(target=worker.run, daemon=True)
     thread.start()
-    prefill_engine = make_engine(hf_model, kv_cache_dtype="int8")
+    prefill_engine = make_engine(hf_model, kv_cache_dtype=kv_dtype)
     runner = prefill_engine.runner
     sender = KVSender(runner.kv_cache, context=ctx, kv_scales=runner.kv_scales)
     try:
-        assert router.recv(protocol.Register).dtype == "int8"
-        p = prompts(1, seed=11, lengths=(29,))[0]
-        expected = make_engine(hf_model, kv_cache_dtype="int8").generate([p], GREEDY)[0]
+        registered = router.recv(protocol.Register).dtype
+        assert registered == {"int8": "int8", "fp8": "float8_e4m3fn"}[kv_dtype]
+        # a prompt that repeats itself gives ngram drafts to verify
+        p = [5, 6, 7, 8] * 7 + [5] if spec else prompts(1, seed=11, lengths=(29,))[0]
+        single = make_engine(hf_model, kv_cache_dtype=kv_dtype, **spec_args)
+        expected = single.generate([p], GREEDY)[0]
+        reference = make_engine(hf_model).generate([p], GREEDY)[0].output_token_ids
         reserve(router, "q", p)
         seq = prefill(prefill_engine, "q", p)
         header = header_for(prefill_engine, "q", seq, transport)
@@ -445,6 +463,10 @@ def test_int8_kv_travels_with_its_scales(tiny_llama, transport) -> None:
             if out.finished:
                 break
         assert tokens == expected.output_token_ids
+        assert tokens[0] == reference[0]
+        assert agreement([reference], [tokens]) >= (0.8 if kv_dtype == "int8" else 0.2)
+        if spec:
+            assert decode_engine.num_draft_tokens > 0  # it did verify drafts
         results = []
         while not results:
             results = sender.poll()

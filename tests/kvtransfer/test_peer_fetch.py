@@ -188,6 +188,61 @@ def test_a_peer_that_dies_while_asked_is_noticed_by_its_lost_connection(pair, ti
     pair.assert_all_free()
 
 
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_a_peer_killed_mid_answer_means_computing_with_the_same_greedy_output(
+    pair, tiny_llama, transport
+) -> None:
+    """The peer has begun its answer (some blocks copied into the payload, the rest still to
+    come, a block a turn) when its process dies: b notices the lost connection, computes the
+    whole prompt itself, and decoding from what it computed gives HF's greedy output."""
+    pair.prefill(pair.a, "r1")
+    pair.run_until(lambda: len(pair.headers) == 1)
+    pair.run_until(lambda: not pair.a.sender.num_pending())
+    pair.a.fetch_server.bytes_per_turn = 1  # one block a turn: the answer takes 7 turns
+    started = time.monotonic()
+    pair.prefill(pair.b, "r2", pair.hint(transport, timeout_s=20.0))
+    assert "r2" in pair.b.deferred
+    assert pair.a.receiver.socket.poll(5000)  # the fetch reached a
+    deadline = time.monotonic() + 10
+    answer = pair.a.fetch_server._active
+    while answer is None or answer.filled < 2:
+        assert time.monotonic() < deadline, "timed out"
+        pair.a.step()
+        answer = pair.a.fetch_server._active
+    assert 2 <= answer.filled < len(answer.sources) == 7  # mid-answer: nothing sent yet
+    # a's process dies: its kernel closes its connections (and its shm segments go with it)
+    pair.a.receiver.socket.close(linger=0)
+    pair.a.sender.close()
+    dst = list(range(64))
+    while len(pair.headers) < 2:  # a is gone: only b and the decode side run
+        assert time.monotonic() < deadline, "timed out"
+        pair.b.step()
+        for r in pair.decode.poll(lambda h: dst[: h.num_blocks]):
+            assert r.ok, r.reason
+            pair.headers.append(r.header)
+        time.sleep(0.001)
+    assert time.monotonic() - started < 10  # the lost connection, not the 20 s timeout
+    assert pair.b.engine.num_prefill_tokens == len(PROMPT)  # computed it all
+    stats = pair.b.peer_fetch_counters()
+    assert stats["kv_peer_fetch_failures_total"] == 1
+    assert stats["kv_peer_fetched_tokens_total"] == 0
+    expected = hf_greedy(tiny_llama[0], PROMPT, GREEDY.max_tokens)
+    assert pair.headers[1].first_token_id == expected[0]
+    while pair.b.sender.num_pending():
+        assert time.monotonic() < deadline, "timed out"
+        pair.b.step()
+        pair.decode.poll(lambda h: dst[: h.num_blocks])
+    books = pair.b.engine.block_books()
+    assert books.ok and books.free + books.cached == books.total, books
+    assert not pair.b.deferred and not pair.b.engine.reserved and pair.b.is_idle()
+    # decoding greedily from the blocks b computed (its prefix hit now) gives HF's output
+    (seq,) = pair.b.engine.generate([PROMPT], GREEDY)
+    assert seq.num_cached_tokens == 7 * BLOCK_SIZE
+    assert seq.output_token_ids == expected
+    books = pair.b.engine.block_books()
+    assert books.ok and books.free + books.cached == books.total, books
+
+
 def test_a_peer_address_where_nothing_listens_means_computing_at_once(pair) -> None:
     gone = pair.ctx.socket(zmq.ROUTER)  # a port that was a worker's, now closed
     gone.bind("tcp://127.0.0.1:*")
