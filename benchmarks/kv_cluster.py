@@ -37,10 +37,20 @@ requests; token ids from the stream's logprobs with `return_tokens_as_token_ids`
 (b): the same KV dtype, so a baseline of how much greedy output moves from run to run when
 prompts are computed in other splits and batches.
 
+Bytes moved, (b) against (a): the workload's bytes differ between settings in the tokens sent as
+well as in the bytes per token (a prompt's blocks the decode worker already caches are not sent,
+and an int8 cache holds more of them), so the same-token comparison is measured apart: after the
+workload, (a) and (b) each send the same `--probe-prompts` prompts of `--probe-tokens` random ids
+(never seen by any cache, so every block is sent), one at a time, and the prefill workers' own
+`kv_transfer_bytes_total` over exactly those transfers (`kv_transfer_seconds_count` counts them)
+gives the bytes for the same tokens and the bytes per prompt token of each setting. The
+workload's "KV tokens sent" is its bytes over the workers' `kv_cache_bytes_per_token` gauge.
+
     python benchmarks/kv_cluster.py [--model default] [--dtype bfloat16] [--tenants 16]
         [--prefix-tokens 1500] [--turns 3] [--turn-words 16] [--output-tokens 16]
         [--concurrency 3] [--cache-fraction 0.25] [--prefill 2] [--decode 1]
-        [--settings a,b,c,d] [--num-threads N] [--seed 0] [--quick] [--json PATH]
+        [--settings a,b,c,d] [--num-threads N] [--seed 0] [--probe-prompts 2]
+        [--probe-tokens 512] [--quick] [--json PATH]
 
 `--quick`: 8 tenants, 300-token prefixes, 2 turns, 8 output tokens (5-8 minutes on a loaded
 2-core machine, most of it starting the three clusters; to check that it runs). Result: a
@@ -327,9 +337,56 @@ def run_setting(
             time.sleep(0.5)
         time.sleep(args.heartbeat_wait_s)  # the decode worker's counters too
         after = snapshot(cluster)
+        probe = same_token_probe(cluster, args, setting) if setting in ("a", "b") else None
     delta = {k: v - before.get(k, 0.0) for k, v in after.items()}
     gauges = {k: v for k, v in after.items() if k[0] == "kv_cache_bytes_per_token"}
-    return summarize(setting, results, seconds, delta, gauges)
+    out = summarize(setting, results, seconds, delta, gauges)
+    out["probe"] = probe
+    return out
+
+
+def probe_prompts(args: argparse.Namespace) -> list[list[int]]:
+    """The same-token probe's prompts: random ids no cache holds, whole blocks."""
+    rng = random.Random(args.seed + 2)
+    n = max(BLOCK_SIZE, args.probe_tokens // BLOCK_SIZE * BLOCK_SIZE)
+    return [[rng.randrange(1000, 20000) for _ in range(n)] for _ in range(args.probe_prompts)]
+
+
+def same_token_probe(cluster: LocalCluster, args: argparse.Namespace, setting: str) -> dict | None:
+    """KV bytes the prefill workers send for the probe prompts (the same in every setting), one
+    at a time, counted over exactly their transfers (see the module docstring)."""
+    prompts = probe_prompts(args)
+    if not prompts:
+        return None
+    before = snapshot(cluster)
+    log(f"({setting}): same-token probe, {len(prompts)} x {len(prompts[0])} tokens")
+    saved = args.concurrency
+    args.concurrency = 1
+    try:
+        results, _ = asyncio.run(
+            run_load(cluster.url, args.model, prompts, args, f"{setting} probe")
+        )
+    finally:
+        args.concurrency = saved
+    errors = [r.error for r in results if r.error]
+    deadline = time.monotonic() + 30
+    while True:  # counters come with heartbeats: until every probe transfer is counted
+        time.sleep(0.5)
+        after = snapshot(cluster)
+        delta = {k: v - before.get(k, 0.0) for k, v in after.items()}
+        transfers = total(delta, "kv_transfer_seconds_count", "prefill")
+        if transfers >= len(prompts) or time.monotonic() > deadline:
+            break
+    tokens = sum(len(q) for q in prompts)
+    nbytes = total(delta, "kv_transfer_bytes_total", "prefill")
+    return {
+        "prompts": len(prompts),
+        "tokens": tokens,
+        "transfers": transfers,
+        "errors": errors,
+        "kv_bytes_sent": nbytes,
+        "bytes_per_token": nbytes / tokens,
+    }
 
 
 def summarize(
@@ -482,6 +539,25 @@ def print_report(args, workload: Workload, sizes: dict, results: dict, notes: li
         extra.append(f"prompts per prefill worker {s['dispatched']}")
         extra.append(f"kv_cache_bytes_per_token {s['kv_bytes_per_token']}")
         print(f"({s['setting']}): " + "; ".join(extra))
+    probed = [s for s in results.values() if s.get("probe")]
+    if probed:
+        print(
+            "\nsame tokens, same (empty) cache state: the probe prompts' KV as each setting sends "
+            "it\n\n| setting | prompts x tokens | transfers counted | KV bytes sent "
+            "| bytes per prompt token | x (a) |\n|---|---:|---:|---:|---:|---:|"
+        )
+        a_probe = (results.get("a") or {}).get("probe")
+        for s in probed:
+            pr = s["probe"]
+            ratio = pr["kv_bytes_sent"] / a_probe["kv_bytes_sent"] if a_probe and a_probe[
+                "kv_bytes_sent"] else None  # fmt: skip
+            err = f" ({len(pr['errors'])} failed)" if pr["errors"] else ""
+            print(
+                f"| ({s['setting']}) {s['label']} | {pr['prompts']} x "
+                f"{pr['tokens'] // max(1, pr['prompts'])}{err} | {pr['transfers']:.0f} "
+                f"| {pr['kv_bytes_sent']:.0f} | {pr['bytes_per_token']:.1f} "
+                f"| {fmt(ratio, '{:.3f}x')} |"
+            )
     print("\ntargets:")
     for line in targets(results, minimum):
         print(f"- {line}")
@@ -510,15 +586,27 @@ def targets(results: dict, minimum: int) -> list[str]:
         if a and a["ttft_p50_ms"] and d["ttft_p50_ms"]:
             r = a["ttft_p50_ms"] / d["ttft_p50_ms"]
             lines.append(f"(d) TTFT p50 >= 3x better than (a): {r:.2f}x, {verdict(r >= 3)}")
+    # int8 with its scales is 12,240 / 23,040 = 0.53 of bf16 on the default model: "half" read
+    # as at most 0.55.
+    pa, pb = (a or {}).get("probe"), (b or {}).get("probe")
+    if pa and pb and pa["kv_bytes_sent"] and not pa["errors"] and not pb["errors"]:
+        r = pb["kv_bytes_sent"] / pa["kv_bytes_sent"]
+        lines.append(
+            f"(b) moves half the bytes of (a), same tokens (the probe, {pa['tokens']} tokens "
+            f"in all): {pb['kv_bytes_sent']:.0f} / {pa['kv_bytes_sent']:.0f} bytes = {r:.3f}x, "
+            f"{verdict(r <= 0.55)} ({pa['bytes_per_token']:.1f} vs {pb['bytes_per_token']:.1f} "
+            "bytes per prompt token)"
+        )
+    else:
+        lines.append("(b) moves half the bytes of (a), same tokens: n/a (no probe of both)")
     if a and b and a["kv_bytes_sent"]:
         r = b["kv_bytes_sent"] / a["kv_bytes_sent"]
-        # int8 with its scales is 12,240 / 23,040 = 0.53 of bf16 on the default model: "half"
-        # read as at most 0.55.
-        lines.append(f"(b) moves half the bytes of (a): {r:.2f}x, {verdict(r <= 0.55)}")
-        per_token = [s["kv_bytes_per_token"] for s in (a, b)]
+        ta, tb = sent_tokens(a), sent_tokens(b)
         lines.append(
-            f"   (KV bytes per token (a) {per_token[0]}, (b) {per_token[1]}; the tokens sent "
-            "differ too: a prompt's blocks the decode worker has cached are not sent)"
+            f"   on the workload, not the same tokens: (b) sent {r:.2f}x (a)'s bytes, "
+            f"{fmt(ta, '{:.0f}')} vs {fmt(tb, '{:.0f}')} tokens' worth at "
+            f"{a['kv_bytes_per_token']} vs {b['kv_bytes_per_token']} bytes per token (a "
+            "prompt's blocks the decode worker caches are not sent, and int8 caches hold more)"
         )
     if b and b.get("agreement_with_a") is not None:
         g = b["agreement_with_a"]
@@ -560,6 +648,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--request-timeout-s", type=float, default=1800.0)
     p.add_argument("--heartbeat-wait-s", type=float, default=2.5,
                    help="wait for the workers' counters to reach the router")  # fmt: skip
+    p.add_argument("--probe-prompts", type=int, default=2,
+                   help="(a) and (b): prompts of the same-token bytes probe (0: none)")  # fmt: skip
+    p.add_argument("--probe-tokens", type=int, default=512,
+                   help="tokens per probe prompt (whole blocks)")  # fmt: skip
     p.add_argument("--quick", action="store_true",
                    help="8 tenants, 300-token prefixes, 2 turns, 8 output tokens")  # fmt: skip
     p.add_argument("--json", type=Path, default=None)
@@ -578,6 +670,8 @@ def main(argv: list[str] | None = None) -> int:
     workload = build_workload(args, Tokenizer.from_source(source))
     longest = max(len(workload.prompt(i)) for i in range(len(workload.requests)))
     max_model_len = math.ceil((longest + args.output_tokens + 1) / BLOCK_SIZE) * BLOCK_SIZE
+    # the probe's prompts fit in a request the workers take
+    args.probe_tokens = min(args.probe_tokens, max_model_len - args.output_tokens - 1)
     bpt16 = kv_bytes_per_token(source.hf_config, "bfloat16")
     bpt8 = kv_bytes_per_token(source.hf_config, "int8")
     # A quarter of the prefixes, but never less than one whole request (the engine refuses a

@@ -20,10 +20,11 @@ first one the reference). For each:
     best of `--repeats`, the dtypes timed in turns so that a busy moment hits each alike; and
     the KV bytes a step reads there.
 Targets (issue "KV as a cluster resource", setting (b)): int8 perplexity within 1% of 16-bit,
-greedy agreement >= 95% of tokens (read here as the teacher-forced figure; both are printed), the
-4,000-token decode step no slower than 16-bit. The reference row's teacher-forced agreement with
-its own generated outputs is a self-check of the teacher-forced path (100% unless batching alone
-moves an argmax).
+greedy agreement >= 95% of tokens (judged here on the teacher-forced figure; the free-running
+ones are printed beside it, each named), the 4,000-token decode step no slower than 16-bit; a
+"targets" list after the table says met or missed for each 8-bit row. The reference row's
+teacher-forced agreement with its own generated outputs is a self-check of the teacher-forced
+path (100% unless batching alone moves an argmax).
 
     python benchmarks/kv_quality.py [--kv-dtypes auto,float16,int8,fp8] [--ppl-tokens 2048]
         [--chunk 64] [--agree-prompts 16] [--agree-prompt-len 64] [--agree-tokens 64]
@@ -148,6 +149,34 @@ def decode_step_ms(engine: Engine, context: int, iters: int) -> float:
     return (time.perf_counter() - start) / iters * 1e3
 
 
+def targets(rows: dict[str, dict], ref: str, context: int) -> list[str]:
+    """The issue's accuracy and long-context targets for each 8-bit row, met or missed; the
+    greedy-agreement target is judged on the teacher-forced figure, the free-running ones are
+    printed beside it."""
+    lines = []
+    for kv, r in rows.items():
+        if kv == ref or r["kv_dtype"] not in ("int8", "float8_e4m3fn"):
+            continue
+        verdict = {True: "met", False: "missed"}
+        lines.append(
+            f"{kv}: perplexity within 1% of {ref}: {r['ppl_vs_ref']:+.2%}, "
+            f"{verdict[abs(r['ppl_vs_ref']) <= 0.01]}"
+        )
+        lines.append(
+            f"{kv}: greedy agreement >= 95% of tokens (teacher-forced, the measure judged): "
+            f"{r['forced_agreement']:.1%}, {verdict[r['forced_agreement'] >= 0.95]}; free-running "
+            f"(not judged: after a first flip the texts differ): same token at the same position "
+            f"{r['same_positions']:.1%}, tokens before the first divergence {r['agreement']:.1%}, "
+            f"equal outputs {r['equal_outputs']:.0%}"
+        )
+        ratio = r["step_ms_at_context"] / rows[ref]["step_ms_at_context"]
+        lines.append(
+            f"{kv}: decode step at {context} tokens of context no slower than {ref}: "
+            f"{ratio:.2f}x, {verdict[ratio <= 1.0]}"
+        )
+    return lines
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--kv-dtypes", default="auto,int8")
@@ -262,6 +291,9 @@ def main() -> int:
             if r["ref_gap_at_flips_median"] is not None
         )
     )
+    print("\ntargets (setting (b) of the issue: int8 KV against the 16-bit reference):")
+    for line in targets(rows, ref, args.context):
+        print(f"- {line}")
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
     return 0
