@@ -332,6 +332,13 @@ class KVSender:
     def num_pending(self) -> int:
         return len(self._pending)
 
+    def ack_sockets(self) -> list[zmq.Socket]:
+        """The sockets of peers with a transfer in flight: where its ack will come. A worker
+        waiting for acks polls them with its other sockets (`poll` reads every one each turn,
+        so none stays readable across turns)."""
+        addresses = {t.address for t in self._pending.values()}
+        return [self._peers[a] for a in addresses if a in self._peers]
+
     def _finish(
         self, request_id: str, ok: bool, reason: str, replied: bool = False, recompute: bool = False
     ) -> None:

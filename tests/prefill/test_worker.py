@@ -10,6 +10,7 @@ the blocks released and, where the router must hear of it, one RequestFailed.
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from collections.abc import Callable
 
@@ -244,4 +245,84 @@ def test_abort_during_transfer_ends_it_without_a_failure_report(harness) -> None
     harness.worker.step()  # collects the sender's "aborted" result
     assert harness.router_messages() == []
     assert harness.worker.kv_failures == 0 and harness.worker.kv_bytes == 0
+    harness.assert_all_released()
+
+
+def test_a_worker_waiting_for_acks_sleeps_until_one_comes(tiny_llama) -> None:
+    """With nothing to compute and transfers waiting for their acks, the loop (`run`, in a
+    thread) waits on the sender's sockets too: it turns about once per 10 ms wait, not every
+    2 ms, and an ack ends the wait at once (its blocks released within a few ms, where a
+    10 ms wait the ack cannot end would take 5 ms in the median)."""
+    from tests.decode.test_worker import FakeRouter
+
+    ctx = zmq.Context()
+    router = FakeRouter(ctx)
+    engine = make_engine(tiny_llama[0])
+    worker = PrefillWorker(engine, router.address, "prefill-t", ctx)
+    receiver = KVReceiver(torch.zeros_like(engine.runner.kv_cache), context=ctx)
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    dst = list(range(16))
+    try:
+        router.recv(protocol.Register)
+        time.sleep(0.3)
+        latencies, rates = [], []
+        for i, prompt in enumerate(prompts(5, seed=21, lengths=(40,) * 5)):
+            rid = f"r{i}"
+            router.send(Prefill(
+                request_id=rid, prompt_token_ids=prompt, params=GREEDY,
+                decode_worker_id="decode-t", decode_kv_address=receiver.address,
+                num_decode_cached_tokens=0, transport="tcp", deadline_s=30.0,
+            ))  # fmt: skip
+            assert receiver.socket.poll(20000)  # its KV came: the worker waits for the ack
+            time.sleep(0.05)
+            turns, started = worker.loop_count, time.monotonic()
+            time.sleep(0.3)
+            rates.append((worker.loop_count - turns) / (time.monotonic() - started))
+            assert rid in worker.jobs  # still waiting: the ack is not sent yet
+            (got,) = receiver.poll(lambda h: dst[: h.num_blocks])  # writes it and acks
+            acked = time.monotonic()
+            assert got.ok, got.reason
+            while rid in worker.jobs:
+                assert time.monotonic() - acked < 5, "the ack was never settled"
+                time.sleep(0.0001)
+            latencies.append(time.monotonic() - acked)
+        latencies.sort()
+        rates.sort()
+        print(f"ack settled in {', '.join(f'{t * 1e3:.2f}' for t in latencies)} ms; "
+              f"turns/s while waiting {', '.join(f'{r:.0f}' for r in rates)}")  # fmt: skip
+        assert rates[2] < 150, rates  # the median: a 2 ms wait would turn ~500 times a second
+        assert latencies[2] < 0.003, latencies
+        assert worker.kv_bytes > 0 and worker.kv_failures == 0
+        deadline = time.monotonic() + 10
+        while not worker.is_idle() or engine.pool.num_free != engine.pool.num_blocks:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        books = engine.block_books()
+        assert books.ok and books.free + books.cached == books.total, books
+    finally:
+        worker.running = False
+        thread.join(10)
+        worker.close()
+        receiver.close()
+        router.sock.close(0)
+        ctx.term()
+
+
+def test_an_ack_ends_the_loops_wait(harness) -> None:
+    """The wait itself: asked to wait 2 s with a transfer waiting for its ack, the worker wakes
+    when the ack comes (50 ms in), not when the 2 s are up."""
+    harness.dispatch("r1", prompts(1, seed=22, lengths=(30,))[0])
+    harness.run_until(lambda: harness.receiver.socket.poll(0))  # its KV came, no ack yet
+    dst = list(range(16))
+    got = []
+    acker = threading.Timer(0.05, lambda: got.extend(harness.receiver.poll(blocks_from(dst))))
+    started = time.monotonic()
+    acker.start()
+    harness.worker._wait(2000)
+    waited = time.monotonic() - started
+    acker.join()
+    assert got and got[0].ok
+    assert 0.04 < waited < 1.0, waited
+    harness.run_until(lambda: not harness.worker.jobs)
     harness.assert_all_released()
