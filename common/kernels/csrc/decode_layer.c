@@ -48,12 +48,13 @@ int quant_matmul(const void *x_in, long x_stride, int xdtype, int M, int K, int 
                  int gs, const void *qweight, const void *scale, const void *zero, int sdtype,
                  void *out_, int nthreads);
 int qgemm_a8(const void *x_in, long x_stride, int xdtype, int M, int K, int N, int bits, int gs,
-             const uint8_t *codes, const float *scale, const float *zero, void *out,
+             const uint8_t *codes, const void *scale, const void *zero, int half, void *out,
              int nthreads);
 
 /* A quantized projection [n, k]; zero and bias may be NULL. bias has the activations' dtype.
  * a8 = 0: quant_matmul's format (float activations); a8 = 1: quant_gemm.c's panels (qweight the
- * codes, scale and zero float32), activations quantized to int8 per row and block of 32. */
+ * codes; scale and zero float32, or with sdtype 1 float16 scale and minimum), activations
+ * quantized to int8 per row and block of 32. */
 typedef struct {
     const void *qweight, *scale, *zero, *bias;
     int bits, group_size, sdtype, n, k, a8;
@@ -169,7 +170,7 @@ static void add_bias(void *out, const void *bias, int T, int n, int dtype) {
 
 static int project(const Proj *p, const Step *s, const void *x, void *out) {
     int rc = p->a8 ? qgemm_a8(x, p->k, s->dtype, s->tokens, p->k, p->n, p->bits, p->group_size,
-                              p->qweight, p->scale, p->zero, out, s->threads)
+                              p->qweight, p->scale, p->zero, p->sdtype, out, s->threads)
                    : quant_matmul(x, p->k, s->dtype, s->tokens, p->k, p->n, p->bits,
                                   p->group_size, p->qweight, p->scale, p->zero, p->sdtype, out,
                                   s->threads);

@@ -59,20 +59,6 @@ static inline void load_row(const void *restrict base, long idx, int D, int dtyp
     }
 }
 
-/* IEEE float16 -> float32, exactly (a float16 cache beside bfloat16/float32 activations). */
-static inline float f16_to_f32(uint16_t h) {
-    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 31, m = h & 0x3ff;
-    if (e == 0) { /* zero or subnormal: m * 2^-24, exact in float32 */
-        const float v = (float)m * 5.9604644775390625e-8f;
-        return sign ? -v : v;
-    }
-    const uint32_t mag = e == 31 ? 0x7f800000u : (e + 112) << 23; /* inf/NaN, or rebiased */
-    const uint32_t bits = sign | mag | (m << 13);
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
 /* K or V row `row` (= token slot * Hkv + kv head) of a cache as floats, dequantized when 8-bit. */
 static inline void load_kv(const void *restrict base, const float *restrict scales, long row,
                            int D, int kv_dtype, float *restrict dst) {

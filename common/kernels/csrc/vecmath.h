@@ -1,7 +1,7 @@
 /* Float helpers shared by the C kernels (included, so each file inlines them): bfloat16
- * conversions as torch rounds, and an exp that vectorises. Part of every kernel's build key
- * (common/kernels/cbuild.py hashes every .h next to the sources) and of its ISA level choice (an
- * __AVX512VNNI__ test here would count for every source).
+ * conversions as torch rounds, float16 to float32, and an exp that vectorises. Part of every
+ * kernel's build key (common/kernels/cbuild.py hashes every .h next to the sources) and of its ISA
+ * level choice (an __AVX512VNNI__ test here would count for every source).
  */
 #ifndef PDSERVE_VECMATH_H
 #define PDSERVE_VECMATH_H
@@ -14,6 +14,20 @@ static inline float bf16_to_f32(uint16_t h) {
     uint32_t u = ((uint32_t)h) << 16;
     float f;
     memcpy(&f, &u, 4);
+    return f;
+}
+
+/* IEEE float16 -> float32, exactly (a float16 KV cache, float16 weight scales). */
+static inline float f16_to_f32(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 31, m = h & 0x3ff;
+    if (e == 0) { /* zero or subnormal: m * 2^-24, exact in float32 */
+        const float v = (float)m * 5.9604644775390625e-8f;
+        return sign ? -v : v;
+    }
+    const uint32_t mag = e == 31 ? 0x7f800000u : (e + 112) << 23; /* inf/NaN, or rebiased */
+    const uint32_t bits = sign | mag | (m << 13);
+    float f;
+    memcpy(&f, &bits, 4);
     return f;
 }
 

@@ -222,6 +222,29 @@ def test_a8_projections_run_inside_the_c_layers(tiny_llama, mode, dtype, monkeyp
     assert torch.equal(fused, per_op), (fused.float() - per_op.float()).abs().max()
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_half_scale_a8_panels_inside_the_c_layers(tiny_llama, dtype, monkeypatch) -> None:
+    """Scales and zeros as a GGUF Q4_1 weight has them (float16 scale and minimum): the a8
+    panels keep them in float16 and the C layers read them so, bit-identical to the per-op path."""
+    hf_model, _ = tiny_llama
+    runner = _runner(hf_model, "int4", dtype, kernel="a8", activations="int8")
+    with torch.no_grad():
+        for module in runner.model.modules():
+            zero = getattr(module, "zero", None)
+            if isinstance(zero, torch.Tensor) and getattr(module, "bits", None) == 4:
+                scale = module.scale.float().half().float()
+                low = (zero.float() - 8 * module.scale.float()).half().float()
+                module.scale.copy_(scale)
+                module.zero.copy_(low + 8 * scale)
+    inputs = _prefill_then_decode_inputs(runner)
+    per_op = _forward(runner, inputs, False, monkeypatch)
+    fused = _forward(runner, inputs, True, monkeypatch)
+    assert _stack_in_use(runner)
+    proj = runner.model.layers[0].self_attn.o_proj
+    assert cpu_quant.a8_weights(proj.kernel_weight()).half
+    assert torch.equal(fused, per_op), (fused.float() - per_op.float()).abs().max()
+
+
 def test_the_c_layers_keep_the_a8_panels_they_point_into(tiny_llama, monkeypatch) -> None:
     """A weight written in place gets new a8 panels (its derived copy is keyed by the tensors'
     versions) and drops the old ones: the C structs made earlier point into those, so they keep

@@ -162,3 +162,62 @@ def test_bfloat16_scales_are_read_exactly():
     x = activations(7, torch.float32)
     ref = QuantizedTensor(4, 64, qt.qweight, qt16.scale.float(), qt16.zero.float(), qt.shape)
     assert torch.equal(cpu_qgemm.matmul_a8(x, pack(qt16)), cpu_qgemm.matmul_a8(x, pack(ref)))
+
+
+def gguf_like(qt: QuantizedTensor) -> QuantizedTensor:
+    """`qt` with float16 scales and (int4) zero = a float16 minimum + 8 * scale in float32, as
+    common/model/weights.py makes a GGUF Q4_1 weight's (Q4_0 / Q8_0: no zero)."""
+    scale = qt.scale.to(torch.float16).to(torch.float32)
+    if qt.zero is not None:
+        low = (qt.zero - 8 * qt.scale).to(torch.float16).to(torch.float32)
+        qt.zero = low + 8 * scale
+    qt.scale = scale
+    return qt
+
+
+def float32_panels(qt: QuantizedTensor) -> cpu_qgemm.PackedWeight:
+    """The same weight with its float32 scales and zeros in the panel layout (`half` False)."""
+    half = pack(qt)
+    panels = half.codes.shape[0]
+
+    def per_panel(t: torch.Tensor) -> torch.Tensor:
+        t = torch.nn.functional.pad(t.float(), (0, 0, 0, panels * cpu_qgemm.PANEL - qt.shape[0]))
+        return t.view(panels, cpu_qgemm.PANEL, -1).permute(0, 2, 1).contiguous()
+
+    zero = None if qt.zero is None else per_panel(qt.zero)
+    return cpu_qgemm.PackedWeight(
+        half.bits, half.group_size, half.n, half.k, half.codes, per_panel(qt.scale), zero
+    )
+
+
+@pytest.mark.parametrize("level", SECTIONS)
+@pytest.mark.parametrize("bits,group,zero", [(4, 32, True), (4, 64, False), (8, 32, False)])
+def test_half_scales_give_the_same_bits(level, bits, group, zero, monkeypatch):
+    # float16 scales and minimums stream 2.5 bytes a block of 32 weights fewer; where they give
+    # back every float32 scale and zero (a GGUF weight), the results equal the float32 panels'
+    monkeypatch.setenv("PDSERVE_CPU_ISA", level)
+    lib = cpu_qgemm.new_library()
+    if not lib.available() or cpu_qgemm.isa(lib) != SECTIONS[level]:
+        pytest.skip(f"no {level} build on this host")
+    qt = gguf_like(weight(bits, group, zero))
+    half, full = pack(qt), float32_panels(qt)
+    assert half.half and half.scale.dtype == torch.float16
+    assert half.nbytes < full.nbytes
+    for m in ROWS:
+        for dtype in (torch.float32, torch.bfloat16):
+            x = activations(m, dtype)
+            out = cpu_qgemm.matmul_a8(x, half, lib)
+            assert torch.equal(out, cpu_qgemm.matmul_a8(x, full, lib)), (m, dtype)
+            check(out, x, qt)
+
+
+def test_half_scales_only_where_exact():
+    qt = weight(4, 32, True)  # round-to-nearest scales: not float16 values
+    assert cpu_qgemm.half_scales(qt.kernel_weight()) is None and not pack(qt).half
+    qt = gguf_like(weight(4, 32, True))
+    assert pack(qt).half
+    qt.zero[0, 0] += 2.0**-20  # one zero no float16 minimum gives back
+    assert not pack(qt).half
+    qt = gguf_like(weight(8, 32, False))
+    qt.zero = 0.01 * torch.ones_like(qt.scale)  # an int8 zero has no minimum form
+    assert not pack(qt).half
