@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from common.bench.limits import Limits
-from common.kernels import cpu_gemm, cpu_quant
+from common.kernels import cpu_gemm, cpu_qgemm, cpu_quant
 from common.model.layers import Linear
 from common.model.model_runner import kv_bytes_per_block
 from common.model.quant import QuantEmbedding, QuantLinear
@@ -48,7 +48,16 @@ def linears(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def weight_bytes(module: nn.Module) -> int:
-    return module.qt.nbytes if isinstance(module, QuantLinear) else module.weight.nbytes
+    """The bytes a step streams for this layer's weight: a quantized one's codes, scales and
+    zeros, the scales and zeros at 2 bytes where the int8-activation panels keep them in float16
+    (cpu_qgemm.half_scales: a GGUF weight's), the smallest form a kernel here reads."""
+    if not isinstance(module, QuantLinear):
+        return module.weight.nbytes
+    qt = module.qt
+    if cpu_qgemm.half_scales(qt.kernel_weight()) is None:
+        return qt.nbytes
+    scales = qt.scale.numel() + (0 if qt.zero is None else qt.zero.numel())
+    return qt.qweight.nbytes + 2 * scales
 
 
 def decode_read_bytes(model: nn.Module, hf_config, batch: int, context: int, kv_dtype) -> int:

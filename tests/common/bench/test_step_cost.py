@@ -59,6 +59,17 @@ def test_decode_read_bytes():
     assert step_cost.decode_read_bytes(model, CONFIG, 3, 10, torch.bfloat16) == expected
 
 
+def test_float16_scales_count_two_bytes():
+    # a GGUF-like int4 weight (float16 scale, zero = a float16 minimum + 8 scale): the a8
+    # panels stream its scales and zeros at 2 bytes, and so does the read floor
+    qt = quantize_rtn(torch.randn(128, 64, generator=torch.Generator().manual_seed(0)), 4, 32)
+    assert step_cost.weight_bytes(QuantLinear(qt)) == qt.nbytes  # float32 scales: as stored
+    scale = qt.scale.half().float()
+    qt.zero = (qt.zero - 8 * qt.scale).half().float() + 8 * scale
+    qt.scale = scale
+    assert step_cost.weight_bytes(QuantLinear(qt)) == 128 * 32 + 2 * 2 * 128 * 2
+
+
 def test_dense_16_bit_layers_compute_in_float32_from_the_tile_batch():
     layer = Linear(64, 128, bias=False).to(torch.bfloat16)
     assert step_cost.compute_dtype(layer, 1, torch.bfloat16) == "bfloat16"
