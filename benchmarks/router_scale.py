@@ -38,6 +38,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -57,11 +58,14 @@ from router_scale_workers import worker_proc  # noqa: E402
 
 
 # The router under cProfile timing CPU seconds, not wall seconds: on a shared host the wall clock
-# charges a function for the time other processes held the core.
+# charges a function for the time other processes held the core. Only the relay phase: SIGUSR1
+# (sent as it starts) turns the profiler on, SIGUSR2 (as it ends) off and writes the stats.
 CPU_PROFILE = (
-    "import cProfile, sys, time; from common.cli import main; sys.argv[0] = 'pdserve'; "
-    "p = cProfile.Profile(time.process_time); p.enable(); "
-    "rc = main(sys.argv[2:]); p.disable(); p.dump_stats(sys.argv[1]); sys.exit(rc)"
+    "import cProfile, signal, sys, time; from common.cli import main; sys.argv[0] = 'pdserve'; "
+    "p = cProfile.Profile(time.process_time); "
+    "signal.signal(signal.SIGUSR1, lambda *a: p.enable()); "
+    "signal.signal(signal.SIGUSR2, lambda *a: (p.disable(), p.dump_stats(sys.argv[1]))); "
+    "sys.exit(main(sys.argv[2:]))"
 )
 
 
@@ -120,8 +124,8 @@ def main() -> None:
                     "scrape renders every worker's series in the loop, which itself delays "
                     "tokens: tens of ms at 100 workers)")  # fmt: skip
     ap.add_argument("--json", default="", help="also write the figures here")
-    ap.add_argument("--profile", default="", help="run the router under cProfile (CPU time), "
-                    "stats here")  # fmt: skip
+    ap.add_argument("--profile", default="", help="profile the router's relay phase with "
+                    "cProfile (CPU time), stats here")  # fmt: skip
     ap.add_argument("--max-loop-lag-s", type=float, default=0.0, help="the router's (0: off, "
                     "the default here: this measures what a router can do, and the synthetic "
                     "workers and clients share its host; on a loaded host its loop runs late and "
@@ -195,9 +199,15 @@ def main() -> None:
                             pids, sample_rss=False, duration_s=args.duration)  # fmt: skip
         ok_routes = sum(1 for s in route["results"] if s == 200)
         time.sleep(1.0)
+        if args.profile:
+            for router in routers:
+                router.send_signal(signal.SIGUSR1)
         relayed = run_clients(ctx, ports, "stream", args.streams, args.client_procs,
                               args.tokens, pids, sample_rss=True,
                               duration_s=args.duration, lag_every_s=args.lag_every_s)  # fmt: skip
+        if args.profile:
+            for router in routers:
+                router.send_signal(signal.SIGUSR2)
         stop.set()
         sent: dict[str, list[float]] = {}
         for _ in workers:

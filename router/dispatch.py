@@ -232,8 +232,7 @@ class Dispatcher:
         """A `TokenBatch`, `TokenOutput`, `ReserveReply` or `RequestFailed` from a registered
         worker."""
         if isinstance(msg, TokenBatch):
-            for out in msg.outputs:
-                self._on_tokens(worker, out)
+            self.on_token_batch(worker, msg)
         elif isinstance(msg, ReserveReply):
             flight = self.flights.get(msg.request_id)
             future = (
@@ -251,6 +250,12 @@ class Dispatcher:
             self.registry.on_block_books(worker, msg)
         else:
             log.warning("unexpected %s from worker %s", type(msg).__name__, worker.worker_id)
+
+    def on_token_batch(self, worker: Worker, msg: TokenBatch) -> None:
+        """A decode step's tokens from `worker`: each output to its flight's event buffer."""
+        on_tokens = self._on_tokens
+        for out in msg.outputs:
+            on_tokens(worker, out)
 
     def _on_tokens(self, worker: Worker, msg: TokenOutput) -> None:
         flight = self.flights.get(msg.request_id)

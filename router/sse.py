@@ -12,14 +12,20 @@ connection's transport, whenever the client's socket is not paused for back-pres
 flow control). `expose_http_cycle` (the outermost ASGI layer, wrapped around the app by
 `router.server`) puts uvicorn's per-request cycle into the scope, where `direct_writer` finds
 the transport, the flow control and the framing; under any other server there is none and the
-stream's task writes through `send` as usual.
+stream's task writes through `send` as usual. And `FlushQueue`: the streams whose chunks wait
+to be written, all written by one loop callback once the callbacks running now are done (the
+control plane's read of a batch of worker messages), not one callback per stream.
 
 Used by `router.streaming`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -28,6 +34,8 @@ from common.api.choice import Choice, Delta
 from common.api.requests import GenerationRequest
 from common.api.responses import delta_chunk, sse
 from common.api.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
 
 HTTP_CYCLE = "pdserve.http_cycle"  # the scope key `expose_http_cycle` sets
 _TEXT = "pdserve-text-3b9e1f"  # stands for the text in a template; JSON-encodes as itself
@@ -111,3 +119,40 @@ def direct_writer(scope: Scope) -> DirectWriter | None:
     if chunked is None:
         chunked = scope.get("http_version") == "1.1"
     return DirectWriter(cycle, bool(chunked))
+
+
+class FlushQueue:
+    """Flushes waiting for the loop's next turn, run together by one callback, in order."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.due: list[Callable[[], None]] = []
+
+    def add(self, flush: Callable[[], None]) -> None:
+        """Run `flush` once the callbacks running now are done (add it once per write due)."""
+        due = self.due
+        due.append(flush)
+        if len(due) == 1:
+            self.loop.call_soon(self.run)
+
+    def run(self) -> None:
+        due, self.due = self.due, []
+        for flush in due:
+            try:
+                flush()
+            except Exception:  # one stream's failure must not keep the others' bytes back
+                log.exception("writing a stream's chunks failed")
+
+
+_flush_queues: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, FlushQueue] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def flush_queue() -> FlushQueue:
+    """The running loop's `FlushQueue`."""
+    loop = asyncio.get_running_loop()
+    queue = _flush_queues.get(loop)
+    if queue is None:
+        queue = _flush_queues[loop] = FlushQueue(loop)
+    return queue

@@ -27,7 +27,7 @@ from router.feed import ChoiceFeed
 from router.flight import Event
 from router.job import Job
 from router.metrics import RequestTimer
-from router.sse import ChunkTemplates, DirectWriter, direct_writer
+from router.sse import ChunkTemplates, DirectWriter, FlushQueue, direct_writer, flush_queue
 
 
 class _ClientGone(Exception):
@@ -68,10 +68,12 @@ class SSEResponse(Response):
         self._busy = False  # the task is sending, or `_on_put` is running: no direct writes
         self._out: list[bytes] = []  # chunks applied, for `_flush` to write together
         self._flush_due = False
+        self._flushes: FlushQueue | None = None  # the loop's, once the response runs
 
     def event(self, choice: Choice, delta: Delta) -> bytes:
         """The SSE event of one delta, or b'' when it shows nothing."""
-        if ChunkTemplates.applies(choice, delta):
+        # ChunkTemplates.applies, inline: this runs once per token
+        if not (choice.want_logprobs or delta.finish_reason or delta.tool_calls or delta.echo):
             return self.templates.text_chunk(choice, delta.text) if delta.text else b""
         new_tokens = len(choice.token_ids) > delta.first_token
         # A delta with no text still carries its tokens' logprobs when they were asked for
@@ -101,6 +103,7 @@ class SSEResponse(Response):
                 )
                 await _body(send, head)
             self.writer = direct_writer(scope)
+            self._flushes = flush_queue()
             job.events.on_put = self._on_put
             await self._relay(send, gone)
             await _body(send, self._take_out())
@@ -167,24 +170,35 @@ class SSEResponse(Response):
     def _on_put(self, event: Event) -> bool:
         """An event for this stream: applied and its chunk written now (True) when nothing waits
         before it and the socket takes it; else left to be buffered (False) for the task, which
-        is woken. The task is woken too when the stream ends here."""
-        if self.error is None and not self.feed.done and self.job.events.empty() and self._direct():
-            assert self.writer is not None
+        is woken. The task is woken too when the stream ends here.
+
+        The chunk goes out with the others of the messages read together with this one: every
+        token they brought this stream in one write (`_flush`, from the loop's `FlushQueue`)."""
+        writer = self.writer
+        if (
+            self.error is None
+            and not self._busy
+            and writer is not None
+            and writer.ready()
+            and self.feed.remaining
+            and self.job.events.empty()
+        ):
             self._busy = True
             try:
                 data, error = self.feed.apply_one(event, self.event)
                 if data:
                     self._out.append(data)
-                    if not self._flush_due:  # once the messages read with this one are applied
+                    if not self._flush_due:
                         self._flush_due = True
-                        asyncio.get_running_loop().call_soon(self._flush)
+                        assert self._flushes is not None
+                        self._flushes.add(self._flush)
                 if error is not None:
                     self.error = error
             except Exception as e:  # fails this stream, in its task; never the control plane
                 self.error = e
             finally:
                 self._busy = False
-            if self.error is None and not self.feed.done:
+            if self.error is None and self.feed.remaining:
                 return True
             self._wake_task()
             return True
@@ -214,10 +228,13 @@ class SSEResponse(Response):
         read together brought this stream (one socket write per stream and wake-up, not per
         token, when the router runs behind)."""
         self._flush_due = False
-        if self._out:
+        out = self._out
+        if out:
             if self._direct():
                 assert self.writer is not None
-                self.writer.write(self._take_out())
+                data = out[0] if len(out) == 1 else b"".join(out)
+                out.clear()
+                self.writer.write(data)
             else:
                 self._wake_task()  # it writes them, waiting for the socket
 

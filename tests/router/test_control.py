@@ -1,6 +1,7 @@
-"""router/control.py's sends on a real ROUTER socket: a command reaches its worker whole, one to
-an identity no connection holds fails without leaving part of a message behind, and a worker a
-send cannot reach is marked dead."""
+"""router/control.py on a real ROUTER socket: a command reaches its worker whole, one to an
+identity no connection holds fails without leaving part of a message behind, and a worker a send
+cannot reach is marked dead; reading, a message of more than one frame is dropped whole and the
+ones around it handled, each in order."""
 
 from __future__ import annotations
 
@@ -9,7 +10,16 @@ import time
 import msgspec
 import zmq
 
-from common.protocol import PROTOCOL_VERSION, Abort, Register, RegisterAck
+from common.protocol import (
+    PROTOCOL_VERSION,
+    Abort,
+    Heartbeat,
+    Register,
+    RegisterAck,
+    TokenBatch,
+    TokenOutput,
+    encode,
+)
 from router.control import ControlPlane
 from router.kv_index import PrefixIndex
 from router.registry import Registry
@@ -53,6 +63,59 @@ def test_sends_reach_the_worker_whole_and_unreachable_ones_fail_cleanly() -> Non
             time.sleep(0.05)
         assert worker.dead_reason == "is unreachable"
         assert worker not in registry.live_index("decode")
+    finally:
+        dealer.close()
+        plane.close()
+        context.term()
+
+
+class Recorder:
+    """Stands in for the dispatcher: records the token batches and other messages it is given."""
+
+    def __init__(self) -> None:
+        self.got: list[tuple[str, object]] = []
+
+    def on_token_batch(self, worker, msg) -> None:
+        self.got.append((worker.worker_id, msg))
+
+    def on_message(self, worker, msg) -> None:
+        self.got.append((worker.worker_id, msg))
+
+
+def test_a_message_of_several_frames_is_dropped_whole_and_the_rest_read_in_order() -> None:
+    registry = Registry({"default"})
+    plane = ControlPlane(registry, PrefixIndex())
+    recorder = Recorder()
+    plane.dispatcher = recorder  # type: ignore[assignment]
+    address = plane.bind("127.0.0.1", 0)
+    registry.register(b"d0", Register(
+        PROTOCOL_VERSION, "decode", "d0", "default", 16, 100, 4096, "float32", "h",
+    ))  # fmt: skip
+    context = zmq.Context()
+    dealer = context.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.IDENTITY, b"d0")
+    dealer.setsockopt(zmq.LINGER, 0)
+
+    def batch(i: int) -> TokenBatch:
+        return TokenBatch([TokenOutput(f"r-{i}", [i], [], [], False, None, 3, 0)])
+
+    try:
+        dealer.connect(address)
+        dealer.send(encode(batch(1)))
+        dealer.send_multipart([encode(batch(2)), encode(batch(3)), b"junk"])  # not a message
+        dealer.send(b"\xc1 not msgpack")  # dropped with a warning
+        dealer.send(encode(batch(4)))
+        dealer.send(encode(Heartbeat("d0", 0, 0, 100, 100)))  # to the registry
+        dealer.send(encode(batch(5)))
+        assert plane.sock is not None
+        deadline = time.monotonic() + 5
+        while len(recorder.got) < 3:
+            assert time.monotonic() < deadline, f"only {recorder.got} arrived"
+            plane.sock.poll(100)
+            plane._drain()
+        tokens = [msg.outputs[0].token_ids[0] for _, msg in recorder.got]
+        assert tokens == [1, 4, 5] and all(w == "d0" for w, _ in recorder.got)
+        assert registry.get("d0").heartbeat.num_free_blocks == 100  # type: ignore[union-attr]
     finally:
         dealer.close()
         plane.close()

@@ -565,3 +565,85 @@ def test_a_client_that_leaves_closes_the_job(tok: Tokenizer) -> None:
 
     asyncio.run(run())
     assert job.closed and job.events.empty()
+
+
+def test_streams_fed_in_bursts_through_the_control_plane_get_every_token_in_order(
+    tok: Tokenizer,
+) -> None:
+    """Real control plane and dispatcher: `TokenBatch` frames for three streams arrive in bursts
+    (several read in one wake-up, a stream's tokens spread over them, one stream's socket paused
+    for a while): each stream's bytes are its tokens' events in order, then [DONE]; with the
+    direct writer each burst is one write per stream."""
+    from common.protocol import PROTOCOL_VERSION, Register, TokenBatch, encode
+    from router.control import ControlPlane
+    from router.dispatch import Dispatcher
+    from router.job import Job
+    from router.kv_index import PrefixIndex
+    from router.registry import Registry
+
+    words = ids(tok, " alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu")
+    n = len(words)
+    assert n > 10
+    registry = Registry({"default"}, timeout_s=3600.0)
+    control = ControlPlane(registry, PrefixIndex())
+    dispatcher = Dispatcher(registry, lambda worker, msg: True)
+    control.dispatcher = dispatcher
+    registry.register(b"d0", Register(
+        PROTOCOL_VERSION, "decode", "d0", "default", 16, 100, 4096, "float32", "h",
+    ))  # fmt: skip
+    metrics = RouterMetrics(Clock())
+
+    async def run() -> list[PausingCycle]:
+        cycles, tasks, rids = [], [], []
+        for s in range(3):
+            request, choices, prompt_tokens = setup(
+                tok, "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": n, "stream": True}
+            )
+            job = Job(dispatcher, f"cmpl-{s}", [(choices[0].prompt_token_ids, choices[0].params)])
+            flight = job.flights[0]
+            flight.assign_decode(registry.workers["d0"])
+            dispatcher.flights[flight.request_id] = flight
+            rids.append(flight.request_id)
+            response = SSEResponse(request, f"cmpl-{s}", 1700, job, choices, tok, prompt_tokens,
+                                   60.0, metrics.start_request())  # fmt: skip
+
+            async def receive() -> dict:
+                await asyncio.Event().wait()
+                return {"type": "http.disconnect"}
+
+            cycle = PausingCycle()
+            cycles.append(cycle)
+            tasks.append(asyncio.ensure_future(response({"type": "http", HTTP_CYCLE: cycle},
+                                                        receive, cycle.send)))  # fmt: skip
+        await asyncio.sleep(0.01)
+
+        def frame(step: int, streams: list[int]) -> list[bytes]:
+            last = step == n - 1
+            outputs = [tokens([words[step]], "length" if last else None) for _ in streams]
+            for out, s in zip(outputs, streams):
+                out.request_id = rids[s]
+            return [b"d0", encode(TokenBatch(outputs))]
+
+        step = 0
+        for burst in (1, 3, 2, 4, n - 10):  # steps read together in one wake-up
+            if step == 4:
+                cycles[1].pause(True)  # stream 1's client stops reading for a while
+            writes = [len(c.body) for c in cycles]
+            for i in range(burst):
+                control._receive(frame(step + i, [0, 1, 2] if i % 2 else [2, 1, 0]))
+            step += burst
+            await asyncio.sleep(0)  # the flush after the burst
+            for s in (0, 2):
+                assert len(cycles[s].body) == writes[s] + 1, "one write per stream and burst"
+            if step == 6:
+                cycles[1].pause(False)
+            await asyncio.sleep(0.01)
+        assert step == n
+        await asyncio.wait_for(asyncio.gather(*tasks), 5)
+        return cycles
+
+    for cycle in asyncio.run(run()):
+        events = parse_sse(b"".join(cycle.body).decode())
+        assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "length"
+        assert "".join(e["choices"][0]["text"] for e in events[:-1]) == tok.decode(words)
+    assert not dispatcher.flights or all(f.finished for f in dispatcher.flights.values())
