@@ -23,6 +23,8 @@
 #include <omp.h>
 #endif
 
+#define GROUP_ROWS 8 /* rows of one sequence attended together (attend_group_avx512) */
+
 typedef struct {
     const void *q, *k_cache, *v_cache;
     const int32_t *block_tables, *seq_lens;
@@ -465,6 +467,91 @@ static inline __attribute__((always_inline)) void attend_part_avx512(
                 _mm512_storeu_ps(acc + g * D + d0 + 16 * i, v_acc[g][i]);
     }
 }
+
+/* Rows b0..b0+R-1 (R <= GROUP_ROWS) of one sequence (a verify step's, or a short prefill's:
+ * the same block table, lengths one apart), kv head h, D = 64: each row's tokens [t0, t1s[r])
+ * (t1s increasing). Each 4 tokens' K rows are loaded (and converted) once into registers and
+ * serve every row's G heads; each row's softmax and V sum are as attend_part_avx512's. Per
+ * (row, head) the same operations in the same order as that row alone there: for a row whose
+ * last 4 tokens are fewer than the longest row's, the lanes past its tokens take its first
+ * lane's score, which is what the repeated token gives alone. So the bits do not change.
+ * scores [R][G * (t1s[R-1] - t0)], qf and acc [R][G * 64], m and l [R][G]. */
+static inline __attribute__((always_inline)) void attend_group_avx512(
+    const Job *j, int b0, int R, int h, int t0, const int *t1s, const int G, const int kvq,
+    float *restrict scores, float *restrict qf, float *restrict acc, float *restrict m,
+    float *restrict l, long *restrict srow) {
+    const int D = 64, dtype = j->dtype, t1 = t1s[R - 1], most = t1 - t0;
+    const size_t esize = part_start(j, b0 + R - 1, h, t0, t1, G, D, kvq, srow,
+                                    qf + (size_t)(R - 1) * G * D);
+    for (int r = 0; r < R - 1; r++)
+        for (int g = 0; g < G; g++)
+            load_row(j->q, (b0 + r) * j->q_stride + (long)(h * G + g) * D, D, dtype,
+                     qf + ((size_t)r * G + g) * D);
+    long rows[4];
+    float kscale[4] = {1.f, 1.f, 1.f, 1.f};
+    __m128 mx4[GROUP_ROWS][4];
+    for (int r = 0; r < R; r++)
+        for (int g = 0; g < G; g++) mx4[r][g] = _mm_set1_ps(-INFINITY);
+    int t = t0;
+    while (t < t1) {
+        const int count = t1 - t < 4 ? t1 - t : 4;
+        block_rows(j, srow, t, t0, t1, count, D, kvq, esize, rows, kscale);
+        __m512 k[4][4]; /* [token][16 of D] */
+        for (int d = 0; d < 4; d++)
+            for (int i = 0; i < 4; i++)
+                k[i][d] = kvq == 1 ? load16_q(j->k_cache, rows[i] + 16 * d, j->kv_dtype)
+                          : kvq == 2 ? load16_h(j->k_cache, rows[i] + 16 * d)
+                                     : load16(j->k_cache, rows[i] + 16 * d, dtype);
+        const __m128 sc = kvq == 1 ? _mm_loadu_ps(kscale) : _mm_set1_ps(j->scale);
+        for (int r = 0; r < R; r++) {
+            const int left = t1s[r] - t, n = t1s[r] - t0;
+            if (left <= 0) continue;
+            const int cnt = left < 4 ? left : 4;
+            const __mmask8 past = (__mmask8)(0xF & ~((1 << cnt) - 1));
+            for (int g = 0; g < G; g++) {
+                const float *qg = qf + ((size_t)r * G + g) * D;
+                __m512 a[4];
+                for (int i = 0; i < 4; i++) a[i] = _mm512_setzero_ps();
+                for (int d = 0; d < 4; d++) {
+                    const __m512 qv = _mm512_loadu_ps(qg + 16 * d);
+                    for (int i = 0; i < 4; i++) a[i] = _mm512_fmadd_ps(qv, k[i][d], a[i]);
+                }
+                __m128 sv = _mm_mul_ps(reduce4_16(a[0], a[1], a[2], a[3]), sc);
+                if (past) sv = _mm_mask_mov_ps(sv, past, _mm_permute_ps(sv, 0));
+                keep_scores(sv, &mx4[r][g], scores + (size_t)r * G * most + g * n + (t - t0),
+                            cnt);
+            }
+        }
+        t += count;
+    }
+    for (int r = 0; r < R; r++) {
+        const int n = t1s[r] - t0;
+        float *sr = scores + (size_t)r * G * most, *mr = m + r * G, *lr = l + r * G;
+        for (int g = 0; g < G; g++) mr[g] = hmax4(mx4[r][g]);
+        softmax_exp_avx2(sr, G, n, mr, lr);
+        __m512 v_acc[4][4];
+        for (int g = 0; g < G; g++)
+            for (int i = 0; i < 4; i++) v_acc[g][i] = _mm512_setzero_ps();
+        for (int idx = 0; idx < n; idx++) {
+            const long row = srow[idx] * D;
+            const float vs = kvq == 1 ? j->v_scales[srow[idx]] : 1.f;
+            for (int i = 0; i < 4; i++) {
+                const __m512 v = kvq == 1 ? load16_q(j->v_cache, row + 16 * i, j->kv_dtype)
+                                 : kvq == 2 ? load16_h(j->v_cache, row + 16 * i)
+                                            : load16(j->v_cache, row + 16 * i, dtype);
+                for (int g = 0; g < G; g++) {
+                    const __m512 p = _mm512_set1_ps(kvq == 1 ? sr[g * n + idx] * vs
+                                                        : sr[g * n + idx]);
+                    v_acc[g][i] = _mm512_fmadd_ps(p, v, v_acc[g][i]);
+                }
+            }
+        }
+        float *ar = acc + (size_t)r * G * D;
+        for (int g = 0; g < G; g++)
+            for (int i = 0; i < 4; i++) _mm512_storeu_ps(ar + g * D + 16 * i, v_acc[g][i]);
+    }
+}
+#define GROUPED 1
 #endif
 
 static void attend_dispatch(const Job *j, int b, int h, int t0, int t1, float *scores,
@@ -508,6 +595,32 @@ static void attend_dispatch(const Job *j, int b, int h, int t0, int t1, float *s
     }
 }
 
+#ifdef GROUPED
+/* attend_group_avx512 for this job's G and cache (D = 64; G <= 4: the caller checks) */
+static void group_dispatch(const Job *j, int b0, int R, int h, int t0, const int *t1s,
+                           float *scores, float *qf, float *acc, float *m, float *l,
+                           long *srow) {
+    const int G = j->H / j->Hkv, kvq = j->kv_dtype < 2 ? 0 : j->kv_dtype == 4 ? 2 : 1;
+#define GROUP(g, q) attend_group_avx512(j, b0, R, h, t0, t1s, g, q, scores, qf, acc, m, l, srow)
+#define GROUPS(q)                                                                                \
+    switch (G) {                                                                                 \
+    case 1: GROUP(1, q); return;                                                                 \
+    case 2: GROUP(2, q); return;                                                                 \
+    case 3: GROUP(3, q); return;                                                                 \
+    default: GROUP(4, q); return;                                                                \
+    }
+    if (kvq == 0) {
+        GROUPS(0)
+    } else if (kvq == 2) {
+        GROUPS(2)
+    } else {
+        GROUPS(1)
+    }
+#undef GROUPS
+#undef GROUP
+}
+#endif
+
 static inline int thread_num(void) {
 #ifdef _OPENMP
     return omp_get_thread_num();
@@ -517,6 +630,27 @@ static inline int thread_num(void) {
 }
 
 #define SPLIT_TOKENS 512 /* a part's tokens: cut at fixed positions, whatever the batch */
+
+/* Part (row b, kv head h, token range s): into its slot of partial (splits > 1), or written out
+ * (acc and ml the thread's scratch). */
+static void one_part(const Job *j, int b, int h, int s, int splits, float *partial,
+                     size_t stride, float *scores, float *qf, float *acc, float *ml, float *row,
+                     long *srow) {
+    const int G = j->H / j->Hkv, D = j->D, chunk = SPLIT_TOKENS, len = j->seq_lens[b];
+    const int t0 = s * chunk, t1 = t0 + chunk < len ? t0 + chunk : len;
+    float *pa = splits > 1 ? partial + stride * (((size_t)b * j->Hkv + h) * splits + s) : acc;
+    float *pm = splits > 1 ? pa + (size_t)G * D : ml, *pl = pm + G;
+    if (t0 >= t1) { /* past this row's tokens: the merge reads its real parts only */
+        if (splits == 1) { /* a row of no tokens (none in a real step): zeros */
+            memset(pa, 0, sizeof(float) * G * D);
+            for (int g = 0; g < G; g++) pl[g] = 0.f;
+            write_out(j, b, h, pa, pl);
+        }
+        return;
+    }
+    attend_dispatch(j, b, h, t0, t1, scores, qf, pa, pm, pl, row, srow);
+    if (splits == 1) write_out(j, b, h, pa, pl);
+}
 
 /* Returns 0 on success, -1 for a shape this kernel does not take, -2 when out of memory.
  *
@@ -555,39 +689,94 @@ int paged_decode_kv(const void *q, long q_stride, const void *k_cache, const voi
     const size_t stride = (size_t)G * (D + 2); /* one part's acc, m, l */
     float *partial = splits > 1 ? malloc(sizeof(float) * stride * parts) : NULL;
     if (splits > 1 && partial == NULL) return -2;
-    /* Every thread's scratch (a part's cache rows, scores, q, acc, one K/V row) in one
-     * allocation made before the threads start, so a failure returns here and no thread has a
-     * flag to share. Each share is padded to 64 bytes: no two threads write one cache line. */
+    /* Rows of one sequence side by side (a verify step's, a short prefill's: the same block
+     * table, lengths one apart) go in groups of up to GROUP_ROWS, where the AVX-512 group part
+     * takes them (D = 64): each 4 tokens' K rows loaded once for all of them. first[i]: group
+     * i's first row (first[groups] = B); NULL where every group would be one row. */
+    int *first = NULL, groups = B;
+#ifdef GROUPED
+    if (D == 64 && G <= 4 && B > 1) {
+        first = malloc(sizeof(int) * (B + 1));
+        if (first == NULL) {
+            free(partial);
+            return -2;
+        }
+        groups = 0;
+        for (int b = 0; b < B; b++) {
+            const int32_t *tb = block_tables + (long)b * max_blocks;
+            if (groups > 0 && b - first[groups - 1] < GROUP_ROWS &&
+                seq_lens[b] == seq_lens[b - 1] + 1 &&
+                memcmp(tb, tb - max_blocks, sizeof(int32_t) * max_blocks) == 0)
+                continue;
+            first[groups++] = b;
+        }
+        first[groups] = B;
+        if (groups == B) {
+            free(first);
+            first = NULL;
+        }
+    }
+#endif
+    /* Every thread's scratch (a part's cache rows, scores, q, acc, one K/V row; a group's for
+     * rows_g rows) in one allocation made before the threads start, so a failure returns here
+     * and no thread has a flag to share. Each share is padded to 64 bytes: no two threads write
+     * one cache line. */
+    const int units = groups * Hkv * splits, rows_g = first ? GROUP_ROWS : 1;
     const int most = chunk < max_len ? chunk : max_len;
     const size_t rows_f = (sizeof(long) / sizeof(float)) * (size_t)most; /* the rows, in floats */
-    const size_t share = (rows_f + (size_t)G * most + 2 * (size_t)G * D + D + 15) & ~(size_t)15;
+    /* scores, q, acc (and a group's m, l) for rows_g rows */
+    const size_t share = (rows_f + (size_t)rows_g * G * (most + 2 * D + 2) + D + 15) & ~(size_t)15;
     float *scratch = malloc(sizeof(float) * share * num_threads);
     if (scratch == NULL) {
         free(partial);
+        free(first);
         return -2;
     }
 #pragma omp parallel num_threads(num_threads)
     {
         long *srow = (long *)(scratch + share * thread_num());
-        float *scores = (float *)srow + rows_f, *qf = scores + (size_t)G * most;
-        float *acc = qf + (size_t)G * D, *row = acc + (size_t)G * D;
+        float *scores = (float *)srow + rows_f, *qf = scores + (size_t)rows_g * G * most;
+        float *acc = qf + (size_t)rows_g * G * D;
+        float *row = acc + (size_t)rows_g * G * (D + 2);
         float ml[128];
 #pragma omp for schedule(static)
-        for (int part = 0; part < parts; part++) {
-            const int pair = part / splits, s = part % splits, b = pair / Hkv, h = pair % Hkv;
-            const int len = seq_lens[b], t0 = s * chunk, t1 = t0 + chunk < len ? t0 + chunk : len;
-            float *pa = splits > 1 ? partial + stride * part : acc;
-            float *pm = splits > 1 ? pa + (size_t)G * D : ml, *pl = pm + G;
-            if (t0 >= t1) { /* past this row's tokens: the merge reads its real parts only */
-                if (splits == 1) { /* a row of no tokens (none in a real step): zeros */
-                    memset(pa, 0, sizeof(float) * G * D);
-                    for (int g = 0; g < G; g++) pl[g] = 0.f;
-                    write_out(&job, b, h, pa, pl);
-                }
+        for (int unit = 0; unit < units; unit++) {
+            const int pair = unit / splits, s = unit % splits, h = pair % Hkv;
+            if (first == NULL) { /* a part: (row, kv head, token range) */
+                one_part(&job, pair / Hkv, h, s, splits, partial, stride, scores, qf, acc, ml,
+                         row, srow);
                 continue;
             }
-            attend_dispatch(&job, b, h, t0, t1, scores, qf, pa, pm, pl, row, srow);
-            if (splits == 1) write_out(&job, b, h, pa, pl);
+#ifdef GROUPED
+            /* a group's rows that have tokens in this range (a suffix: lengths increase) */
+            const int g0 = first[pair / Hkv], g1 = first[pair / Hkv + 1], t0 = s * chunk;
+            int b0 = g0;
+            while (b0 < g1 && seq_lens[b0] <= t0) b0++; /* none past t0: merged without it */
+            if (g1 - b0 < 2) {
+                if (b0 < g1)
+                    one_part(&job, b0, h, s, splits, partial, stride, scores, qf, acc, ml, row,
+                             srow);
+                continue;
+            }
+            const int R = g1 - b0;
+            int t1s[GROUP_ROWS];
+            for (int r = 0; r < R; r++)
+                t1s[r] = t0 + chunk < seq_lens[b0 + r] ? t0 + chunk : seq_lens[b0 + r];
+            float *gm = acc + (size_t)GROUP_ROWS * G * D, *gl = gm + GROUP_ROWS * G;
+            group_dispatch(&job, b0, R, h, t0, t1s, scores, qf, acc, gm, gl, srow);
+            for (int r = 0; r < R; r++) {
+                const int b = b0 + r;
+                float *ar = acc + (size_t)r * G * D, *lr = gl + r * G;
+                if (splits == 1) {
+                    write_out(&job, b, h, ar, lr);
+                    continue;
+                }
+                float *pa = partial + stride * (((size_t)b * Hkv + h) * splits + s);
+                memcpy(pa, ar, sizeof(float) * G * D);
+                memcpy(pa + (size_t)G * D, gm + r * G, sizeof(float) * G);
+                memcpy(pa + (size_t)G * D + G, lr, sizeof(float) * G);
+            }
+#endif
         }
         /* the merge, in part order (the loop above ends with a barrier); in this thread's acc */
         if (splits > 1) {
@@ -619,6 +808,7 @@ int paged_decode_kv(const void *q, long q_stride, const void *k_cache, const voi
     }
     free(scratch);
     free(partial);
+    free(first);
     return 0;
 }
 

@@ -145,3 +145,54 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(dtype):
             assert torch.equal(alone[0], together[i]), seq_lens[i]
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("cache", ["native", "float16", "int8", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 64), (8, 2, 64), (4, 1, 64), (4, 2, 128)]
+)
+def test_rows_of_one_sequence_equal_each_row_alone(cache, dtype, heads, kv_heads, head_dim):
+    """A verify step's rows (one sequence, lengths one apart, the same block table) go through
+    the grouped part (AVX-512, head dim 64) in groups of up to 8: each row's bits must still be
+    those of that row alone, across a 512-token split and with other sequences beside them."""
+    block_size = 16
+    lens = [*range(5, 13), *range(505, 516), 300, *range(40, 42)]  # 8, 11 (8 + 3), 1, 2 rows
+    seq_of = [0] * 8 + [1] * 11 + [2] + [3] * 2
+    g = torch.Generator().manual_seed(heads + head_dim)
+    max_blocks = -(-max(lens) // block_size) + 1
+    num_blocks = 4 * max_blocks
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    k_scales = v_scales = None
+    if cache in ("int8", "fp8"):
+        k_scales = torch.rand(shape[:3], generator=g) / 64 + 1e-3
+        v_scales = torch.rand(shape[:3], generator=g) / 64 + 1e-3
+        if cache == "int8":
+            k_cache = torch.randint(-127, 128, shape, generator=g, dtype=torch.int8)
+            v_cache = torch.randint(-127, 128, shape, generator=g, dtype=torch.int8)
+        else:
+            k_cache = (torch.randn(shape, generator=g) * 50).to(torch.float8_e4m3fn)
+            v_cache = (torch.randn(shape, generator=g) * 50).to(torch.float8_e4m3fn)
+    else:
+        kv_dtype = torch.float16 if cache == "float16" else dtype
+        k_cache = torch.randn(shape, generator=g).to(kv_dtype)
+        v_cache = torch.randn(shape, generator=g).to(kv_dtype)
+    per_seq = torch.randperm(num_blocks, generator=g).view(4, max_blocks).int()
+    tables = per_seq[torch.tensor(seq_of)].contiguous()
+    q = torch.randn(len(lens), heads, head_dim, generator=g).to(dtype)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        args = (k_cache, v_cache)
+        together = cpu_attention.paged_decode_attention(
+            q, *args, tables, seq_lens, 0.125, k_scales, v_scales
+        )
+        for i in range(len(lens)):
+            alone = cpu_attention.paged_decode_attention(
+                q[i : i + 1], *args, tables[i : i + 1], seq_lens[i : i + 1], 0.125, k_scales,
+                v_scales,
+            )  # fmt: skip
+            assert torch.equal(alone[0], together[i]), lens[i]
+    finally:
+        torch.set_num_threads(threads)
