@@ -15,9 +15,18 @@ request, decisions per router CPU second (and per CPU second beyond the idle sha
 `--streams` concurrent streamed completions of `--tokens` tokens each: relayed tokens/s, router
 CPU per token (/proc/<pid>/stat over the phase) and its kernel share, added latency (a worker's
 send time of token i to the client's receipt of data event i, on the one monotonic clock this
-host shares), router RSS per open stream (peak over idle); (3) the prefix index's memory per
-million blocks (tracemalloc around a standalone `router.kv_index.PrefixIndex` fed
-`--index-blocks` keys).
+host shares), router RSS per open stream (peak over idle); (2b) paced relay (`--paced-rate`,
+after the saturated one): the same number of streams, `--paced-tokens` each, the workers stepping
+every streams/rate seconds so that the offered rate stays below what the router can do: added
+latency p50/p90/p99/max (`paced_*`) of the tokens sent once every stream had its first, the rate
+relayed, router CPU and core share; (3) the prefix index's memory per million blocks
+(tracemalloc around a standalone `router.kv_index.PrefixIndex` fed `--index-blocks` keys).
+
+The saturated figures drive the router as fast as the workers step (`--streams` x 1000 /
+`--step-ms` tokens/s offered); on a small host where workers and clients share its cores the
+router gets part of a core, its loop runs behind and latency_p50/p99 measure that queue, not a
+router with room. The paced figures are the added latency below capacity. Both include the
+synthetic workers' and clients' own scheduling on the host (their processes share its cores).
 
 Workers send a step's tokens as one `TokenBatch` per router when `common.protocol` has it, else
 one `TokenOutput` per token (`--relay tokens` forces that: the pre-batch wire, for comparisons).
@@ -98,6 +107,44 @@ def pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
 
 
+def added_latencies(
+    streams: list, sent: dict[str, list[float]], since_s: float = float("-inf")
+) -> list[float]:
+    """Per token: a worker's send time to the client's receipt of its data event (seconds), for
+    tokens sent from `since_s` on."""
+    latencies = []
+    for rid, _, times in streams:
+        send = sent.get(f"{rid}-0", [])
+        latencies.extend(r - s for s, r in zip(send, times) if s >= since_s)
+    return latencies
+
+
+def paced_figures(paced: dict, sent: dict[str, list[float]], args: argparse.Namespace) -> dict:
+    """The paced phase's figures: the added latency of the tokens sent once every stream had its
+    first (not the arrival burst of `--streams` requests), its rate, and the router's CPU."""
+    streams = paced["results"]
+    num_tokens = sum(len(t) for _, _, t in streams)
+    all_started = max((t[0] for _, _, t in streams if t), default=float("inf"))
+    latencies = added_latencies(streams, sent, all_started)
+    first = min((t[0] for _, _, t in streams if t), default=0.0)
+    last = max((t[-1] for _, _, t in streams if t), default=0.0)
+    return {
+        "paced_offered_tokens_per_s": float(args.paced_rate),
+        "paced_relayed_tokens_per_s": num_tokens / max(last - first, 1e-9),
+        "paced_streams_complete": sum(
+            1 for _, s, t in streams if s == 200 and len(t) == args.paced_tokens
+        ),
+        "paced_router_core_use": paced["router_core_use_max"],
+        "paced_router_cpu_us_per_token": 1e6 * paced["router_cpu_s"] / max(num_tokens, 1),
+        "paced_router_runqueue_wait_share": paced["router_runqueue_wait_share"],
+        "paced_latency_tokens": len(latencies),
+        "paced_latency_p50_ms": 1e3 * pct(latencies, 0.5),
+        "paced_latency_p90_ms": 1e3 * pct(latencies, 0.9),
+        "paced_latency_p99_ms": 1e3 * pct(latencies, 0.99),
+        "paced_latency_max_ms": 1e3 * max(latencies, default=float("nan")),
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--workers", type=int, default=100, help="synthetic decode workers")
@@ -106,6 +153,11 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=100, help="tokens per stream")
     ap.add_argument("--step-ms", type=float, default=50.0, help="a worker's step: one token per "
                     "stream per step")  # fmt: skip
+    ap.add_argument("--paced-rate", type=float, default=2000.0, help="tokens/s offered in the "
+                    "paced phase (after the saturated one; 0: none): the same --streams, each "
+                    "worker stepping every streams/rate seconds, for the added latency below the "
+                    "router's capacity")  # fmt: skip
+    ap.add_argument("--paced-tokens", type=int, default=10, help="tokens per stream, paced")
     ap.add_argument("--client-procs", type=int, default=2)
     ap.add_argument("--routing-requests", type=int, default=2000)
     ap.add_argument("--index-blocks", type=int, default=1_000_000)
@@ -152,6 +204,7 @@ def main() -> None:
     tmp = tempfile.mkdtemp(prefix="router_scale")
     routers, ports, controls = [], [], []
     stop, res_q = ctx.Event(), ctx.Queue()
+    step = ctx.Value("d", args.step_ms / 1000, lock=False)  # the workers' step, per phase
     workers = []
     try:
         for r in range(args.routers):
@@ -178,8 +231,8 @@ def main() -> None:
             ready = ctx.Event()
             proc = ctx.Process(
                 target=worker_proc,
-                args=(controls, ids[p :: args.worker_procs], token_id, args.step_ms / 1000,
-                      relay, stop, ready, res_q),
+                args=(controls, ids[p :: args.worker_procs], token_id, step, relay, stop,
+                      ready, res_q),
             )  # fmt: skip
             proc.start()
             workers.append(proc)
@@ -208,6 +261,13 @@ def main() -> None:
         if args.profile:
             for router in routers:
                 router.send_signal(signal.SIGUSR2)
+        paced = None
+        if args.paced_rate > 0:  # the same streams, each worker stepping slower
+            time.sleep(1.0)
+            step.value = args.streams / args.paced_rate
+            paced = run_clients(ctx, ports, "stream", args.streams, args.client_procs,
+                                args.paced_tokens, pids, sample_rss=False,
+                                duration_s=args.duration)  # fmt: skip
         stop.set()
         sent: dict[str, list[float]] = {}
         for _ in workers:
@@ -230,10 +290,7 @@ def main() -> None:
     num_tokens = sum(len(t) for _, _, t in streams)
     first = min((t[0] for _, _, t in streams if t), default=0.0)
     last = max((t[-1] for _, _, t in streams if t), default=0.0)
-    latencies = []
-    for rid, _, times in streams:
-        send = sent.get(f"{rid}-0", [])
-        latencies.extend(r - s for s, r in zip(send, times))
+    latencies = added_latencies(streams, sent)
     complete = sum(1 for _, s, t in streams if s == 200 and len(t) == args.tokens)
     figures = {
         "relay": relay,
@@ -276,6 +333,8 @@ def main() -> None:
         "router_rss_idle_mib": rss_idle / 2**20 / args.routers,
         "router_rss_kib_per_stream": (relayed["rss_peak"] - relayed["rss0"]) / 1024 / args.streams,
     }
+    if paced is not None:
+        figures.update(paced_figures(paced, sent, args))
     figures["index_mib_per_million_blocks"] = index_bytes_per_million(args.index_blocks) / 2**20
     figures.update(decision_figures(args.workers))
     width = max(len(k) for k in figures)

@@ -19,12 +19,14 @@ if ROOT not in sys.path:
 
 
 def worker_proc(
-    routers: list[str], worker_ids: list[str], token_id: int, step_s: float, relay: str,
+    routers: list[str], worker_ids: list[str], token_id: int, step, relay: str,
     stop, ready, results,
 ) -> None:  # fmt: skip
     """Run `worker_ids` as decode workers serving every router in `routers` (one control
     connection and heartbeat thread per router, as the worker runtime's links) until `stop` is
-    set; put every request's token send times (monotonic seconds) on `results`."""
+    set; put every request's token send times (monotonic seconds) on `results`. `step`: a
+    shared float (multiprocessing Value), the seconds between a worker's steps, read every turn
+    so that the benchmark can pace its phases."""
     import zmq
 
     from common import protocol
@@ -66,8 +68,10 @@ def worker_proc(
         for r, conn in enumerate(links):
             poller.register(conn.sock, zmq.POLLIN)
             by_sock[conn.sock] = (i, r)
+    step_s = step.value
     phase = [time.monotonic() + step_s * i / len(conns) for i in range(len(conns))]
     while not stop.is_set():
+        step_s = step.value
         now = time.monotonic()
         wait_ms = max(0, int(1000 * (min(phase) - now)))
         for sock, _ in poller.poll(min(wait_ms, 5)):
