@@ -30,6 +30,7 @@ _SOURCE = Path(__file__).parent / "csrc" / "fused_ops.c"
 # float-to-int conversion in exp vectorise) change no result and no process-wide float state.
 _FLAGS = [
     "-O3",
+    "-fopenmp",  # rows across threads at prefill sizes (fused_ops.c's PARALLEL_MIN)
     "-ffp-contract=off",
     "-fno-math-errno",
     "-fno-trapping-math",

@@ -7,7 +7,9 @@
  * and the residual add are bit-exact against torch; RMSNorm differs only in the order of its
  * sum of squares, SiLU only in the last bits of exp (a vectorisable polynomial). No -ffast-math:
  * it would also set the process-wide flush-to-zero flags when the library loads.
- * Single-threaded: at decode sizes a row is a few microseconds of work, less than a fork-join.
+ * Rows are independent: a prefill chunk's go across the OpenMP threads (torch's pool: the same
+ * runtime, so the same thread count), a decode step's few on the calling thread, where a fork-join
+ * costs more than the work (PARALLEL_MIN).
  *
  * dtype: 0 = float32, 1 = bfloat16. Strides are in elements.
  */
@@ -21,6 +23,9 @@
 static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 
 #define MAX_DIM 16384 /* widest RMSNorm row (cpu_ops.MAX_HIDDEN): the largest hidden size */
+/* values an op touches below which one thread does it. A 64 x 256-token prefill spent about a
+ * tenth of its time in these ops on one thread while the other waited (perf, 2 threads). */
+#define PARALLEL_MIN 32768L
 
 static inline void load_row(const void *base, long idx, int n, int dtype, float *restrict dst) {
     if (dtype == 0) {
@@ -59,9 +64,11 @@ int add_rms_norm(const void *x, long x_stride, void *residual, long res_stride,
                  const void *weight, void *out, long out_stride, int rows, int dim, float eps,
                  int dtype) {
     if (dim <= 0 || dim > MAX_DIM) return 1;
-    float row[MAX_DIM], w[MAX_DIM], tmp[MAX_DIM];
+    float w[MAX_DIM];
     load_row(weight, 0, dim, dtype, w);
+#pragma omp parallel for schedule(static) if ((long)rows * dim >= PARALLEL_MIN)
     for (int r = 0; r < rows; r++) {
+        float row[MAX_DIM], tmp[MAX_DIM];
         load_row(x, r * x_stride, dim, dtype, row);
         if (residual != NULL) {
             load_row(residual, r * res_stride, dim, dtype, tmp);
@@ -118,9 +125,10 @@ int rope_qk(void *qkv, long qkv_stride, const int64_t *positions, const float *c
         if (positions[t] < 0 || positions[t] >= max_pos) return 2;
         if (k_cache != NULL && slot_mapping[t] >= num_slots) return 3;
     }
-    float c[D], s[D], head[D];
     const int heads = H + Hkv;
+#pragma omp parallel for schedule(static) if ((long)T * heads * D >= PARALLEL_MIN)
     for (int t = 0; t < T; t++) {
+        float c[D], s[D], head[D];
         const int64_t p = positions[t];
         for (int i = 0; i < D; i++) {
             c[i] = cos_table[p * D + i];
@@ -154,8 +162,9 @@ int silu_mul(const void *gate_up, long in_stride, void *out, long out_stride, in
              int dtype) {
     if (I <= 0) return 1;
     enum { CHUNK = 4096 }; /* element-wise: any width, in chunks that stay in L1 */
-    float g[CHUNK], u[CHUNK];
+#pragma omp parallel for schedule(static) if ((long)T * I >= PARALLEL_MIN)
     for (int t = 0; t < T; t++) {
+        float g[CHUNK], u[CHUNK];
         for (int i0 = 0; i0 < I; i0 += CHUNK) {
             const int n = I - i0 < CHUNK ? I - i0 : CHUNK;
             load_row(gate_up, t * in_stride + i0, n, dtype, g);

@@ -189,3 +189,33 @@ def test_model_forward_fused_matches_eager(tiny_model, dtype):
         torch.testing.assert_close(fused_kv.float(), eager_kv.float(), **tol)
         if dtype == "float32":
             assert torch.equal(fused_logits.argmax(-1), eager_logits.argmax(-1)), family
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefill_sized_ops_give_the_same_bits_on_any_thread_count(dtype):
+    # from fused_ops.c's PARALLEL_MIN values on, an op's rows go across the threads: each row is
+    # computed as alone, so the result is the one thread's, bit for bit
+    g = torch.Generator().manual_seed(3)
+    rows, dim, heads, kv_heads, head_dim = 96, 576, 9, 3, 64
+    x = torch.randn(rows, dim, generator=g).to(dtype)
+    residual = torch.randn(rows, dim, generator=g).to(dtype)
+    weight = torch.randn(dim, generator=g).to(dtype)
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype)
+    positions = torch.randint(0, 500, (rows,), generator=g)
+    angles = torch.randn(512, head_dim, generator=g)
+    gate_up = torch.randn(rows, 2 * 1536, generator=g).to(dtype)
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            res = residual.clone()
+            rotated = qkv.clone()
+            cpu_ops.rope_qk(rotated, positions, angles.cos(), angles.sin(), heads, kv_heads,
+                            head_dim)  # fmt: skip
+            results.append((cpu_ops.add_rms_norm(x, weight, 1e-5, res), res, rotated,
+                            cpu_ops.silu_mul(gate_up, 1536)))  # fmt: skip
+    finally:
+        torch.set_num_threads(threads)
+    for one, two in zip(*results):
+        assert torch.equal(one, two)
