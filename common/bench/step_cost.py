@@ -49,12 +49,12 @@ def linears(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 def weight_bytes(module: nn.Module) -> int:
     """The bytes a step streams for this layer's weight: a quantized one's codes, scales and
-    zeros, the scales and zeros at 2 bytes where the int8-activation panels keep them in float16
-    (cpu_qgemm.half_scales: a GGUF weight's), the smallest form a kernel here reads."""
+    zeros, the scales and zeros at 2 bytes where the int8-activation panels keep them in 16 bits
+    (cpu_qgemm.sixteen_bit_scales: a GGUF weight's), the smallest form a kernel here reads."""
     if not isinstance(module, QuantLinear):
         return module.weight.nbytes
     qt = module.qt
-    if cpu_qgemm.half_scales(qt.kernel_weight()) is None:
+    if cpu_qgemm.sixteen_bit_scales(qt.kernel_weight()) is None:
         return qt.nbytes
     scales = qt.scale.numel() + (0 if qt.zero is None else qt.zero.numel())
     return qt.qweight.nbytes + 2 * scales

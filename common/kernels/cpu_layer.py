@@ -253,7 +253,7 @@ def _proj(w: QuantWeight, bias: torch.Tensor | None, x: torch.Tensor, panels: li
         panels.append(packed)
         zero = None if packed.zero is None else packed.zero.data_ptr()
         return _Proj(packed.codes.data_ptr(), packed.scale.data_ptr(), zero, bias_ptr,
-                     packed.bits, packed.group_size, int(packed.half), w.n, w.k, 1)  # fmt: skip
+                     packed.bits, packed.group_size, packed.scale_format, w.n, w.k, 1)  # fmt: skip
     bits, group, qweight, scale, zero, sdtype = cpu_quant.c_weights(w)
     return _Proj(qweight, scale, zero, bias_ptr, bits, group, sdtype, w.n, w.k, 0)
 

@@ -5,9 +5,10 @@ or without zero points), M from 2 up (decode batches, small prefills): each row 
 per block of `BLOCK` columns to int8 with a float32 scale (max |x| / 127, round to nearest even),
 each block's products are summed exactly in int32 (AVX-512 VNNI / AVX-VNNI dpbusd, AVX2 maddubs,
 or portable C: csrc/quant_gemm.c), then scaled in float32. The weight is repacked once into
-panels of `PANEL` output columns (`pack`, kept by the caller), with float16 scales (and int4
-minimums) where those give back every float32 scale and zero exactly, as a GGUF weight's do: 20
-bytes a block of 32 int4 weights to stream instead of 24, the same results. The result differs
+panels of `PANEL` output columns (`pack`, kept by the caller), with 16-bit scales and zeros where
+those give back every one exactly (a bfloat16 model's are bfloat16; a float32 GGUF weight's are
+float16 scales and minimums): 20 bytes a block of 32 int4 weights to stream instead of 24, the
+same results. The result differs
 from the float-activation paths by the activation rounding only: at most sum_b max_b|x| / 254 *
 sum_{j in b} |w_j| per output (b: x's blocks of 32), against the float product's own rounding.
 
@@ -66,8 +67,9 @@ class PackedWeight:
 
     codes: uint8, int4 [P, k/8, 16, 4] (two codes a byte) or int8 [P, k/4, 16, 4] (q + 128);
     scale, zero: float32 [P, k/group_size, 16], zero None means 0; P = ceil(n / 16), the pad
-    columns' scale 0. half: scale float16 and, for int4, zero the float16 minimum mn with
-    zero = mn + 8 * scale (float32, one rounding): chosen by `pack` only where exact."""
+    columns' scale 0. Or 16-bit, chosen by `pack` only where exact: scale and zero bfloat16;
+    or scale float16 and, for int4, zero the float16 minimum mn with zero = mn + 8 * scale
+    (float32, one rounding). `scale_format` is the kernel's code for which."""
 
     bits: int
     group_size: int
@@ -76,7 +78,11 @@ class PackedWeight:
     codes: torch.Tensor
     scale: torch.Tensor
     zero: torch.Tensor | None
-    half: bool = False
+
+    @property
+    def scale_format(self) -> int:
+        """quant_gemm.c's sf: 0 float32, 1 float16 (zeros as minimums), 2 bfloat16."""
+        return {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}[self.scale.dtype]
 
     @property
     def nbytes(self) -> int:
@@ -114,18 +120,22 @@ def pack(w: QuantWeight) -> PackedWeight:
         t = torch.nn.functional.pad(t, (0, 0, 0, pad))
         return t.view(panels, PANEL, -1).permute(0, 2, 1).contiguous()
 
-    scales = half_scales(w)
+    scales = sixteen_bit_scales(w)
     if scales is not None:
         scale, zero = scales
-        half = True
     else:
         scale = w.scale.to(torch.float32)
         zero = None if w.zero is None else w.zero.to(torch.float32)
-        half = False
     zero = None if zero is None else per_panel(zero)
-    return PackedWeight(
-        w.bits, w.group_size, n, k, codes.contiguous(), per_panel(scale), zero, half
-    )
+    return PackedWeight(w.bits, w.group_size, n, k, codes.contiguous(), per_panel(scale), zero)
+
+
+def sixteen_bit_scales(w: QuantWeight) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """`w`'s scales and zeros in the 16-bit form the panels keep where it is exact: bfloat16 as
+    they are (a bfloat16 model's), else `half_scales`; None when neither gives them back."""
+    if w.scale.dtype == torch.bfloat16 and (w.zero is None or w.zero.dtype == torch.bfloat16):
+        return w.scale, w.zero
+    return half_scales(w)
 
 
 def half_scales(w: QuantWeight) -> tuple[torch.Tensor, torch.Tensor | None] | None:
@@ -161,7 +171,7 @@ def matmul_a8(x: torch.Tensor, w: PackedWeight, lib: CLibrary | None = None) -> 
     rc = (lib or _LIB).get().qgemm_a8(
         x.data_ptr(), x.stride(0), 0 if x.dtype == torch.float32 else 1, m, k, w.n, w.bits,
         w.group_size, w.codes.data_ptr(), w.scale.data_ptr(),
-        None if w.zero is None else w.zero.data_ptr(), int(w.half), out.data_ptr(),
+        None if w.zero is None else w.zero.data_ptr(), w.scale_format, out.data_ptr(),
         torch.get_num_threads(),
     )  # fmt: skip
     if rc != 0:

@@ -53,8 +53,8 @@ int qgemm_a8(const void *x_in, long x_stride, int xdtype, int M, int K, int N, i
 
 /* A quantized projection [n, k]; zero and bias may be NULL. bias has the activations' dtype.
  * a8 = 0: quant_matmul's format (float activations); a8 = 1: quant_gemm.c's panels (qweight the
- * codes; scale and zero float32, or with sdtype 1 float16 scale and minimum), activations
- * quantized to int8 per row and block of 32. */
+ * codes; sdtype the format of its scale and zero, quant_gemm.c's sf), activations quantized
+ * to int8 per row and block of 32. */
 typedef struct {
     const void *qweight, *scale, *zero, *bias;
     int bits, group_size, sdtype, n, k, a8;

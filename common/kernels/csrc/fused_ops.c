@@ -57,6 +57,30 @@ static inline float sum_squares(const float *restrict v, int n) {
            ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7])) + tail;
 }
 
+/* add_rms_norm's row r (below) */
+static void rms_norm_row(const void *x, long x_stride, void *residual, long res_stride,
+                         const float *w, void *out, long out_stride, int r, int dim, float eps,
+                         int dtype) {
+    float row[MAX_DIM], tmp[MAX_DIM];
+    load_row(x, r * x_stride, dim, dtype, row);
+    if (residual != NULL) {
+        load_row(residual, r * res_stride, dim, dtype, tmp);
+        if (dtype == 0) {
+            for (int i = 0; i < dim; i++) row[i] += tmp[i];
+        } else {
+            for (int i = 0; i < dim; i++) row[i] = round_bf16(row[i] + tmp[i]);
+        }
+        store_row(residual, r * res_stride, dim, dtype, row);
+    }
+    const float inv = 1.0f / sqrtf(sum_squares(row, dim) / (float)dim + eps);
+    if (dtype == 0) {
+        for (int i = 0; i < dim; i++) tmp[i] = row[i] * inv * w[i];
+    } else {
+        for (int i = 0; i < dim; i++) tmp[i] = round_bf16(row[i] * inv) * w[i];
+    }
+    store_row(out, r * out_stride, dim, dtype, tmp);
+}
+
 /* Per row: if residual is given, residual = x + residual (rounded to dtype), normalised row =
  * residual; else normalised row = x. out = weight * norm(row), where for bfloat16 the normalised
  * value is rounded to bfloat16 before the weight multiply (HF's order). */
@@ -66,27 +90,15 @@ int add_rms_norm(const void *x, long x_stride, void *residual, long res_stride,
     if (dim <= 0 || dim > MAX_DIM) return 1;
     float w[MAX_DIM];
     load_row(weight, 0, dim, dtype, w);
-#pragma omp parallel for schedule(static) if ((long)rows * dim >= PARALLEL_MIN)
-    for (int r = 0; r < rows; r++) {
-        float row[MAX_DIM], tmp[MAX_DIM];
-        load_row(x, r * x_stride, dim, dtype, row);
-        if (residual != NULL) {
-            load_row(residual, r * res_stride, dim, dtype, tmp);
-            if (dtype == 0) {
-                for (int i = 0; i < dim; i++) row[i] += tmp[i];
-            } else {
-                for (int i = 0; i < dim; i++) row[i] = round_bf16(row[i] + tmp[i]);
-            }
-            store_row(residual, r * res_stride, dim, dtype, row);
-        }
-        const float inv = 1.0f / sqrtf(sum_squares(row, dim) / (float)dim + eps);
-        if (dtype == 0) {
-            for (int i = 0; i < dim; i++) tmp[i] = row[i] * inv * w[i];
-        } else {
-            for (int i = 0; i < dim; i++) tmp[i] = round_bf16(row[i] * inv) * w[i];
-        }
-        store_row(out, r * out_stride, dim, dtype, tmp);
+    if ((long)rows * dim < PARALLEL_MIN) { /* not even an if(0) region: it costs ~0.5 us */
+        for (int r = 0; r < rows; r++)
+            rms_norm_row(x, x_stride, residual, res_stride, w, out, out_stride, r, dim, eps,
+                         dtype);
+        return 0;
     }
+#pragma omp parallel for schedule(static)
+    for (int r = 0; r < rows; r++)
+        rms_norm_row(x, x_stride, residual, res_stride, w, out, out_stride, r, dim, eps, dtype);
     return 0;
 }
 
@@ -112,6 +124,38 @@ static inline void rotate_head(float *restrict h, const float *restrict c,
     memcpy(h, out, sizeof(float) * D);
 }
 
+/* rope_qk's row t (below) */
+static void rope_row(void *qkv, long qkv_stride, const int64_t *positions,
+                     const float *cos_table, const float *sin_table, int t, int H, int Hkv,
+                     int D, void *k_cache, void *v_cache, const int64_t *slot_mapping,
+                     int dtype) {
+    float c[D], s[D], head[D];
+    const int heads = H + Hkv;
+    const int64_t p = positions[t];
+    for (int i = 0; i < D; i++) {
+        c[i] = cos_table[p * D + i];
+        s[i] = sin_table[p * D + i];
+        if (dtype == 1) {
+            c[i] = round_bf16(c[i]);
+            s[i] = round_bf16(s[i]);
+        }
+    }
+    const long row = t * qkv_stride;
+    const int64_t slot = k_cache != NULL ? slot_mapping[t] : -1;
+    for (int h = 0; h < heads; h++) {
+        const long idx = row + (long)h * D;
+        load_row(qkv, idx, D, dtype, head);
+        rotate_head(head, c, s, D, dtype);
+        store_row(qkv, idx, D, dtype, head);
+        if (slot >= 0 && h >= H) store_row(k_cache, (slot * Hkv + (h - H)) * D, D, dtype, head);
+    }
+    if (slot >= 0) {
+        const size_t elem = dtype == 0 ? 4 : 2;
+        const char *v = (const char *)qkv + (row + (long)heads * D) * elem;
+        memcpy((char *)v_cache + slot * Hkv * D * elem, v, (size_t)Hkv * D * elem);
+    }
+}
+
 /* qkv [T, (H + 2*Hkv) * D] with row stride qkv_stride: rotates q's H heads and k's Hkv heads in
  * place at positions[t] (cos/sin tables float32 [max_pos, D]). If k_cache is given (contiguous
  * [num_slots, Hkv, D]), also stores the rotated k and the v heads at slot_mapping[t] (negative
@@ -125,58 +169,46 @@ int rope_qk(void *qkv, long qkv_stride, const int64_t *positions, const float *c
         if (positions[t] < 0 || positions[t] >= max_pos) return 2;
         if (k_cache != NULL && slot_mapping[t] >= num_slots) return 3;
     }
-    const int heads = H + Hkv;
-#pragma omp parallel for schedule(static) if ((long)T * heads * D >= PARALLEL_MIN)
-    for (int t = 0; t < T; t++) {
-        float c[D], s[D], head[D];
-        const int64_t p = positions[t];
-        for (int i = 0; i < D; i++) {
-            c[i] = cos_table[p * D + i];
-            s[i] = sin_table[p * D + i];
-            if (dtype == 1) {
-                c[i] = round_bf16(c[i]);
-                s[i] = round_bf16(s[i]);
-            }
-        }
-        const long row = t * qkv_stride;
-        const int64_t slot = k_cache != NULL ? slot_mapping[t] : -1;
-        for (int h = 0; h < heads; h++) {
-            const long idx = row + (long)h * D;
-            load_row(qkv, idx, D, dtype, head);
-            rotate_head(head, c, s, D, dtype);
-            store_row(qkv, idx, D, dtype, head);
-            if (slot >= 0 && h >= H) store_row(k_cache, (slot * Hkv + (h - H)) * D, D, dtype, head);
-        }
-        if (slot >= 0) {
-            const size_t elem = dtype == 0 ? 4 : 2;
-            const char *v = (const char *)qkv + (row + (long)heads * D) * elem;
-            memcpy((char *)v_cache + slot * Hkv * D * elem, v, (size_t)Hkv * D * elem);
-        }
+    if ((long)T * (H + Hkv) * D < PARALLEL_MIN) {
+        for (int t = 0; t < T; t++)
+            rope_row(qkv, qkv_stride, positions, cos_table, sin_table, t, H, Hkv, D, k_cache,
+                     v_cache, slot_mapping, dtype);
+        return 0;
     }
+#pragma omp parallel for schedule(static)
+    for (int t = 0; t < T; t++)
+        rope_row(qkv, qkv_stride, positions, cos_table, sin_table, t, H, Hkv, D, k_cache, v_cache,
+                 slot_mapping, dtype);
     return 0;
 }
 
 /* out[t, i] = silu(gate_up[t, i]) * gate_up[t, I + i], silu rounded to dtype before the
  * multiply (F.silu(gate).mul_(up)). */
+static void silu_row(const void *gate_up, long in_stride, void *out, long out_stride, int t,
+                     int I, int dtype) {
+    enum { CHUNK = 4096 }; /* element-wise: any width, in chunks that stay in L1 */
+    float g[CHUNK], u[CHUNK];
+    for (int i0 = 0; i0 < I; i0 += CHUNK) {
+        const int n = I - i0 < CHUNK ? I - i0 : CHUNK;
+        load_row(gate_up, t * in_stride + i0, n, dtype, g);
+        load_row(gate_up, t * in_stride + I + i0, n, dtype, u);
+        if (dtype == 0) {
+            for (int i = 0; i < n; i++) g[i] = g[i] / (1.0f + exp_approx(-g[i])) * u[i];
+        } else {
+            for (int i = 0; i < n; i++) g[i] = round_bf16(g[i] / (1.0f + exp_approx(-g[i]))) * u[i];
+        }
+        store_row(out, t * out_stride + i0, n, dtype, g);
+    }
+}
+
 int silu_mul(const void *gate_up, long in_stride, void *out, long out_stride, int T, int I,
              int dtype) {
     if (I <= 0) return 1;
-    enum { CHUNK = 4096 }; /* element-wise: any width, in chunks that stay in L1 */
-#pragma omp parallel for schedule(static) if ((long)T * I >= PARALLEL_MIN)
-    for (int t = 0; t < T; t++) {
-        float g[CHUNK], u[CHUNK];
-        for (int i0 = 0; i0 < I; i0 += CHUNK) {
-            const int n = I - i0 < CHUNK ? I - i0 : CHUNK;
-            load_row(gate_up, t * in_stride + i0, n, dtype, g);
-            load_row(gate_up, t * in_stride + I + i0, n, dtype, u);
-            if (dtype == 0) {
-                for (int i = 0; i < n; i++) g[i] = g[i] / (1.0f + exp_approx(-g[i])) * u[i];
-            } else {
-                for (int i = 0; i < n; i++)
-                    g[i] = round_bf16(g[i] / (1.0f + exp_approx(-g[i]))) * u[i];
-            }
-            store_row(out, t * out_stride + i0, n, dtype, g);
-        }
+    if ((long)T * I < PARALLEL_MIN) {
+        for (int t = 0; t < T; t++) silu_row(gate_up, in_stride, out, out_stride, t, I, dtype);
+        return 0;
     }
+#pragma omp parallel for schedule(static)
+    for (int t = 0; t < T; t++) silu_row(gate_up, in_stride, out, out_stride, t, I, dtype);
     return 0;
 }

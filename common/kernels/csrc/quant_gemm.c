@@ -14,12 +14,12 @@
  * Panel layout (16 output columns, lane c = column 16p + c; the pad rows past N have scale 0):
  *   int4: per 8 columns of K, 64 bytes: byte 4c + i = u[k + i] | u[k + 4 + i] << 4, i = 0..3
  *   int8: per 4 columns of K, 64 bytes: byte 4c + i = u[k + i]
- *   scale, zero: float32 [P, G, 16]; or (half = 1) float16 [P, G, 16] scale and minimum mn, the
- *   zero z = mn + 8 s computed in float32 as it is used (int4 only; one rounding, as the float32
- *   zero it stands for was made: common/kernels/cpu_qgemm.py packs half scales only where that
- *   gives back every scale and zero exactly, so both layouts give the same bits). A GGUF Q4_1 or
- *   Q8_0 weight packs this way: its scales are float16. 2.5 (int8: 2.25) bytes a block of 32
- *   weights fewer to stream.
+ *   scale, zero: float32 [P, G, 16] (sf = 0); or 16-bit, 2.5 (int8: 2.25) bytes a block of 32
+ *   weights fewer to stream: sf = 2, bfloat16 scale and zero (a bfloat16 model's, exactly); sf =
+ *   1, float16 scale and minimum mn, the zero z = mn + 8 s computed in float32 as it is used (int4
+ *   only; one rounding, as the float32 zero it stands for was made: a float32 GGUF Q4_1 or Q8_0
+ *   weight's). common/kernels/cpu_qgemm.py packs 16-bit scales only where they give back every
+ *   scale and zero exactly, so every layout gives the same bits.
  * so one 512-bit load holds 4 (int4: 8) consecutive codes of 16 columns, and a broadcast of 4
  * bytes of one x row feeds a dpbusd into that row's 16 column sums: no horizontal sums, and each
  * unpacked weight vector is used by MR rows of x (register blocking). OpenMP over panels.
@@ -69,9 +69,9 @@ static inline float x_at(const void *x, long i, int xdtype) {
     return xdtype == 0 ? ((const float *)x)[i] : bf16_to_f32(((const uint16_t *)x)[i]);
 }
 
-/* element i of a panel scale (or zero) array: float32, or float16 where half */
-static inline const void *scale_at(const void *p, long i, int half) {
-    return (const char *)p + i * (half ? 2 : 4);
+/* element i of a panel scale (or zero) array: float32 (sf 0), or 16-bit */
+static inline const void *scale_at(const void *p, long i, int sf) {
+    return (const char *)p + i * (sf ? 2 : 4);
 }
 
 /* one block of 32 x values (float32) -> xq, returns the scale; amax 0 gives scale 0 and codes 0,
@@ -177,20 +177,22 @@ static inline void store_row(const float *f, int nc, void *out, long off, int xd
  * tile as now: 1.03-1.1x at 1-2 rows, 1.1-1.5x at 3-16 (0.93x once at 5), 1.02-1.1x at 32-64.
  * Not yet chosen by the tune: one host's measurement. */
 #define PAIR_MIN_ROWS 1
-/* 16 scales at element i; 16 zeros, from the minimums and scales where half */
-static inline __m512 scales16(const void *sp, long i, int half) {
-    return half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)sp + i)))
-                : _mm512_loadu_ps((const float *)sp + i);
+/* 16 scales at element i in format sf; 16 zeros (sf 1: from the minimums and scales) */
+static inline __m512 scales16(const void *sp, long i, int sf) {
+    if (sf == 0) return _mm512_loadu_ps((const float *)sp + i);
+    const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)sp + i));
+    return sf == 1 ? _mm512_cvtph_ps(h)
+                   : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
-static inline __m512 zeros16(const void *zp, const void *sp, long i, int half) {
-    return half ? _mm512_fmadd_ps(_mm512_set1_ps(8.f), scales16(sp, i, 1), scales16(zp, i, 1))
-                : _mm512_loadu_ps((const float *)zp + i);
+static inline __m512 zeros16(const void *zp, const void *sp, long i, int sf) {
+    return sf == 1 ? _mm512_fmadd_ps(_mm512_set1_ps(8.f), scales16(sp, i, 1), scales16(zp, i, 1))
+                   : scales16(zp, i, sf);
 }
 /* rows m0..m0+mr of x times panel p; mr is a constant after inlining, so the 2 * mr
  * accumulators stay in registers */
 static inline __attribute__((always_inline)) void tile(int mr, const acts *a, int m0, int bits,
                                                        int bpg, const uint8_t *wp,
-                                                       const void *sp, const void *zp, int half,
+                                                       const void *sp, const void *zp, int sf,
                                                        void *out, long N, long n0, int nc,
                                                        int xdtype) {
     const int K = a->K, KB = a->KB;
@@ -225,14 +227,14 @@ static inline __attribute__((always_inline)) void tile(int mr, const acts *a, in
                         acc[m], v, _mm512_set1_epi32(load4(xb + (long)m * K + 4 * s)));
             }
         }
-        const __m512 sv = scales16(sp, (long)(b / bpg) * PANEL, half);
+        const __m512 sv = scales16(sp, (long)(b / bpg) * PANEL, sf);
         for (int m = 0; m < mr; m++)
             f[m] = _mm512_fmadd_ps(
                 _mm512_mul_ps(_mm512_cvtepi32_ps(acc[m]), _mm512_set1_ps(xs[(long)m * KB + b])),
                 sv, f[m]);
         if (zp && (b + 1) % bpg == 0) {
             const int g = b / bpg;
-            const __m512 zv = zeros16(zp, sp, (long)g * PANEL, half);
+            const __m512 zv = zeros16(zp, sp, (long)g * PANEL, sf);
             for (int m = 0; m < mr; m++)
                 f[m] = _mm512_fmadd_ps(_mm512_set1_ps(xsg[(long)m * a->G + g]), zv, f[m]);
         }
@@ -251,7 +253,7 @@ static inline __attribute__((always_inline)) void tile(int mr, const acts *a, in
 static inline __attribute__((always_inline)) void tile2(int mr, const acts *a, int m0, int bits,
                                                         int bpg, const uint8_t *wp, long pw,
                                                         const void *sp, const void *zp,
-                                                        int half, long ps, void *out, long N,
+                                                        int sf, long ps, void *out, long N,
                                                         long n0, int xdtype, int pf_next) {
     const int K = a->K, KB = a->KB;
     const int8_t *xq = a->xq + (long)m0 * K;
@@ -264,8 +266,8 @@ static inline __attribute__((always_inline)) void tile2(int mr, const acts *a, i
      * static shares run through them in order), asked for a block at a time */
     const long cb = bits == 4 ? 256 : 512; /* code bytes of a block */
     const uint8_t *next = wp + 2 * pw;
-    const char *next_s = scale_at(sp, 2 * ps, half), *next_z = zp ? scale_at(zp, 2 * ps, half) : 0;
-    const long ps_bytes = (char *)scale_at(sp, ps, half) - (char *)sp;
+    const char *next_s = scale_at(sp, 2 * ps, sf), *next_z = zp ? scale_at(zp, 2 * ps, sf) : 0;
+    const long ps_bytes = (char *)scale_at(sp, ps, sf) - (char *)sp;
     for (int b = 0; b < KB; b++) {
         if (pf_next) {
             for (long c = 0; c < cb; c += 64) {
@@ -273,7 +275,7 @@ static inline __attribute__((always_inline)) void tile2(int mr, const acts *a, i
                 _mm_prefetch((const char *)(next + pw + b * cb + c), _MM_HINT_T0);
             }
             if ((b + 1) % bpg == 0) { /* a group's 16 scales (zeros): one line or half */
-                const long g = (char *)scale_at(sp, (long)(b / bpg) * PANEL, half) - (char *)sp;
+                const long g = (char *)scale_at(sp, (long)(b / bpg) * PANEL, sf) - (char *)sp;
                 _mm_prefetch(next_s + g, _MM_HINT_T0);
                 _mm_prefetch(next_s + ps_bytes + g, _MM_HINT_T0);
                 if (zp) {
@@ -316,8 +318,8 @@ static inline __attribute__((always_inline)) void tile2(int mr, const acts *a, i
                 }
             }
         }
-        const __m512 sv0 = scales16(sp, (long)(b / bpg) * PANEL, half);
-        const __m512 sv1 = scales16(sp, ps + (long)(b / bpg) * PANEL, half);
+        const __m512 sv0 = scales16(sp, (long)(b / bpg) * PANEL, sf);
+        const __m512 sv1 = scales16(sp, ps + (long)(b / bpg) * PANEL, sf);
         for (int m = 0; m < mr; m++) {
             const __m512 x = _mm512_set1_ps(xs[(long)m * KB + b]);
             f[m][0] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(acc[m][0]), x), sv0,
@@ -327,8 +329,8 @@ static inline __attribute__((always_inline)) void tile2(int mr, const acts *a, i
         }
         if (zp && (b + 1) % bpg == 0) {
             const int g = b / bpg;
-            const __m512 zv0 = zeros16(zp, sp, (long)g * PANEL, half);
-            const __m512 zv1 = zeros16(zp, sp, ps + (long)g * PANEL, half);
+            const __m512 zv0 = zeros16(zp, sp, (long)g * PANEL, sf);
+            const __m512 zv1 = zeros16(zp, sp, ps + (long)g * PANEL, sf);
             for (int m = 0; m < mr; m++) {
                 const __m512 t = _mm512_set1_ps(xsg[(long)m * a->G + g]);
                 f[m][0] = _mm512_fmadd_ps(t, zv0, f[m][0]);
@@ -345,9 +347,9 @@ static inline __attribute__((always_inline)) void tile2(int mr, const acts *a, i
 }
 
 static void panel(const acts *a, int M, int bits, int bpg, const uint8_t *wp, const void *sp,
-                  const void *zp, int half, void *out, long N, long n0, int nc, int xdtype) {
+                  const void *zp, int sf, void *out, long N, long n0, int nc, int xdtype) {
     int m0 = 0;
-#define TILE(r) tile(r, a, m0, bits, bpg, wp, sp, zp, half, out, N, n0, nc, xdtype)
+#define TILE(r) tile(r, a, m0, bits, bpg, wp, sp, zp, sf, out, N, n0, nc, xdtype)
     for (; m0 + MR <= M; m0 += MR) TILE(MR);
     switch (M - m0) { /* constant row counts for the tail */
     case 7: TILE(7); break;
@@ -365,11 +367,11 @@ static void panel(const acts *a, int M, int bits, int bpg, const uint8_t *wp, co
 /* two whole adjacent panels (columns n0..n0+32) over all M rows, MR2 rows at a time, the last
  * M % MR2 rows in one smaller two-panel tile (per row the same sums as tile's: the same bits) */
 static void panel_pair(const acts *a, int M, int bits, int bpg, const uint8_t *wp, long pw,
-                       const void *sp, const void *zp, int half, long ps, void *out, long N,
+                       const void *sp, const void *zp, int sf, long ps, void *out, long N,
                        long n0, int xdtype, int pf_next) {
     int m0 = 0;
 #define TILE2(r)                                                                                 \
-    tile2(r, a, m0, bits, bpg, wp, pw, sp, zp, half, ps, out, N, n0, xdtype, pf_next && !m0)
+    tile2(r, a, m0, bits, bpg, wp, pw, sp, zp, sf, ps, out, N, n0, xdtype, pf_next && !m0)
     for (; m0 + MR2 <= M; m0 += MR2) TILE2(MR2);
     switch (M - m0) { /* constant row counts for the tail */
     case 5: TILE2(5); break;
@@ -402,20 +404,22 @@ static inline __m256i dot4(__m256i acc, __m256i w, __m256i x) {
 #endif
 }
 
-/* 8 scales at element i; 8 zeros, from the minimums and scales where half */
-static inline __m256 scales8(const void *sp, long i, int half) {
-    return half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)sp + i)))
-                : _mm256_loadu_ps((const float *)sp + i);
+/* 8 scales at element i in format sf; 8 zeros (sf 1: from the minimums and scales) */
+static inline __m256 scales8(const void *sp, long i, int sf) {
+    if (sf == 0) return _mm256_loadu_ps((const float *)sp + i);
+    const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)sp + i));
+    return sf == 1 ? _mm256_cvtph_ps(h)
+                   : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
-static inline __m256 zeros8(const void *zp, const void *sp, long i, int half) {
-    return half ? _mm256_fmadd_ps(_mm256_set1_ps(8.f), scales8(sp, i, 1), scales8(zp, i, 1))
-                : _mm256_loadu_ps((const float *)zp + i);
+static inline __m256 zeros8(const void *zp, const void *sp, long i, int sf) {
+    return sf == 1 ? _mm256_fmadd_ps(_mm256_set1_ps(8.f), scales8(sp, i, 1), scales8(zp, i, 1))
+                   : scales8(zp, i, sf);
 }
 
 /* rows m0..m0+mr of x times columns h*8..h*8+8 of panel p (h: which half of each 64 bytes) */
 static inline __attribute__((always_inline)) void tile(int mr, const acts *a, int m0, int bits,
                                                        int bpg, const uint8_t *wp,
-                                                       const void *sp, const void *zp, int half,
+                                                       const void *sp, const void *zp, int sf,
                                                        int h, void *out, long N, long n0, int nc,
                                                        int xdtype) {
     const int K = a->K, KB = a->KB;
@@ -467,14 +471,14 @@ static inline __attribute__((always_inline)) void tile(int mr, const acts *a, in
             }
 #endif
         }
-        const __m256 sv = scales8(sp, (long)(b / bpg) * PANEL + HALF * h, half);
+        const __m256 sv = scales8(sp, (long)(b / bpg) * PANEL + HALF * h, sf);
         for (int m = 0; m < mr; m++)
             f[m] = _mm256_fmadd_ps(
                 _mm256_mul_ps(_mm256_cvtepi32_ps(acc[m]), _mm256_set1_ps(xs[(long)m * KB + b])),
                 sv, f[m]);
         if (zp && (b + 1) % bpg == 0) {
             const int g = b / bpg;
-            const __m256 zv = zeros8(zp, sp, (long)g * PANEL + HALF * h, half);
+            const __m256 zv = zeros8(zp, sp, (long)g * PANEL + HALF * h, sf);
             for (int m = 0; m < mr; m++)
                 f[m] = _mm256_fmadd_ps(_mm256_set1_ps(xsg[(long)m * a->G + g]), zv, f[m]);
         }
@@ -489,8 +493,8 @@ static inline __attribute__((always_inline)) void tile(int mr, const acts *a, in
 }
 
 static void panel(const acts *a, int M, int bits, int bpg, const uint8_t *wp, const void *sp,
-                  const void *zp, int half, void *out, long N, long n0, int nc, int xdtype) {
-#define TILE(r) tile(r, a, m0, bits, bpg, wp, sp, zp, half, h, out, N, n0, nc, xdtype)
+                  const void *zp, int sf, void *out, long N, long n0, int nc, int xdtype) {
+#define TILE(r) tile(r, a, m0, bits, bpg, wp, sp, zp, sf, h, out, N, n0, nc, xdtype)
     for (int h = 0; h < 2 && HALF * h < nc; h++) {
         int m0 = 0;
         for (; m0 + MR <= M; m0 += MR) TILE(MR);
@@ -507,12 +511,13 @@ static void panel(const acts *a, int M, int bits, int bpg, const uint8_t *wp, co
 #else
 #define ISA 0
 /* portable: one row and panel at a time, the same integer sums and float steps */
-static inline float scale1(const void *sp, long i, int half) {
-    return half ? f16_to_f32(((const uint16_t *)sp)[i]) : ((const float *)sp)[i];
+static inline float scale1(const void *sp, long i, int sf) {
+    const uint16_t h = sf ? ((const uint16_t *)sp)[i] : 0;
+    return sf == 0 ? ((const float *)sp)[i] : sf == 1 ? f16_to_f32(h) : bf16_to_f32(h);
 }
 
 static void panel(const acts *a, int M, int bits, int bpg, const uint8_t *wp, const void *sp,
-                  const void *zp, int half, void *out, long N, long n0, int nc, int xdtype) {
+                  const void *zp, int sf, void *out, long N, long n0, int nc, int xdtype) {
     const int K = a->K, KB = a->KB;
     for (int m = 0; m < M; m++) {
         float f[PANEL] = {0};
@@ -534,14 +539,14 @@ static void panel(const acts *a, int M, int bits, int bpg, const uint8_t *wp, co
                     for (int t = 0; t < 8; t++)
                         for (int i = 0; i < 4; i++) acc += w[64 * t + i] * xb[4 * t + i];
                 }
-                f[c] += (float)acc * xs * scale1(sp, s + c, half);
+                f[c] += (float)acc * xs * scale1(sp, s + c, sf);
             }
             if (zp && (b + 1) % bpg == 0) {
                 const int g = b / bpg;
                 for (int c = 0; c < PANEL; c++) {
                     const long i = (long)g * PANEL + c;
-                    const float z = half ? scale1(zp, i, 1) + 8.f * scale1(sp, i, 1)
-                                         : scale1(zp, i, 0);
+                    const float z = sf == 1 ? scale1(zp, i, 1) + 8.f * scale1(sp, i, 1)
+                                            : scale1(zp, i, sf);
                     f[c] += a->xsg[(long)m * a->G + g] * z;
                 }
             }
@@ -555,13 +560,13 @@ static void panel(const acts *a, int M, int bits, int bpg, const uint8_t *wp, co
 int qgemm_isa(void) { return ISA; }
 
 /* x_in [M, K] (row stride x_stride) times the packed weight (codes, scale, zero or NULL as in the
- * header; half: float16 scale and minimum) -> out_ [M, N]. 1: shapes not supported (K or gs not
- * a multiple of 32, half with an int8 zero), 2: no memory. */
+ * header; sf: their format there) -> out_ [M, N]. 1: shapes not supported (K or gs not a
+ * multiple of 32, float16 minimums with an int8 zero, an unknown sf), 2: no memory. */
 int qgemm_a8(const void *x_in, long x_stride, int xdtype, int M, int K, int N, int bits, int gs,
-             const uint8_t *codes, const void *scale, const void *zero, int half, void *out,
+             const uint8_t *codes, const void *scale, const void *zero, int sf, void *out,
              int nthreads) {
     if (M < 0 || K <= 0 || N < 0 || gs <= 0 || K % QB || gs % QB || K % gs ||
-        (bits != 4 && bits != 8) || (half && zero && bits != 4))
+        (bits != 4 && bits != 8) || (sf == 1 && zero && bits != 4) || sf < 0 || sf > 2)
         return 1;
     if (M == 0 || N == 0) return 0;
     acts a = {.K = K, .KB = K / QB, .G = K / gs};
@@ -583,8 +588,8 @@ int qgemm_a8(const void *x_in, long x_stride, int xdtype, int M, int K, int N, i
 #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int u = 0; u < units; u++) {
         const int p = u * step;
-        const long n0 = (long)p * PANEL;
 #ifdef PAIR_MIN_ROWS
+        const long n0 = (long)p * PANEL;
         if (step == 2 && N - n0 >= 2 * PANEL) {
             /* the pair after this one (this thread's next unit: the static schedule gives each
              * thread consecutive ones) is asked for while this one computes: at 2-16 rows a
@@ -594,8 +599,8 @@ int qgemm_a8(const void *x_in, long x_stride, int xdtype, int M, int K, int N, i
              * batch-16 decode step 13.4-14.8 -> 11.2-11.9; batch 1 and 64 within noise) */
             const int pf_next = N - n0 >= 4 * PANEL;
             panel_pair(&a, M, bits, bpg, codes + p * panel_bytes, panel_bytes,
-                       scale_at(scale, (long)p * G * PANEL, half),
-                       zero ? scale_at(zero, (long)p * G * PANEL, half) : NULL, half,
+                       scale_at(scale, (long)p * G * PANEL, sf),
+                       zero ? scale_at(zero, (long)p * G * PANEL, sf) : NULL, sf,
                        (long)G * PANEL, out, N, n0, xdtype, pf_next);
             continue;
         }
@@ -604,8 +609,8 @@ int qgemm_a8(const void *x_in, long x_stride, int xdtype, int M, int K, int N, i
             const long nq = (long)q * PANEL;
             const int nc = N - nq < PANEL ? (int)(N - nq) : PANEL;
             panel(&a, M, bits, bpg, codes + q * panel_bytes,
-                  scale_at(scale, (long)q * G * PANEL, half),
-                  zero ? scale_at(zero, (long)q * G * PANEL, half) : NULL, half, out, N, nq, nc,
+                  scale_at(scale, (long)q * G * PANEL, sf),
+                  zero ? scale_at(zero, (long)q * G * PANEL, sf) : NULL, sf, out, N, nq, nc,
                   xdtype);
         }
     }

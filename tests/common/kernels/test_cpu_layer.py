@@ -224,8 +224,9 @@ def test_a8_projections_run_inside_the_c_layers(tiny_llama, mode, dtype, monkeyp
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_half_scale_a8_panels_inside_the_c_layers(tiny_llama, dtype, monkeypatch) -> None:
-    """Scales and zeros as a GGUF Q4_1 weight has them (float16 scale and minimum): the a8
-    panels keep them in float16 and the C layers read them so, bit-identical to the per-op path."""
+    """Scales and zeros as a GGUF Q4_1 weight has them (float16 scale and minimum; a bfloat16
+    model's are bfloat16): the a8 panels keep them in 16 bits and the C layers read them so,
+    bit-identical to the per-op path."""
     hf_model, _ = tiny_llama
     runner = _runner(hf_model, "int4", dtype, kernel="a8", activations="int8")
     with torch.no_grad():
@@ -241,7 +242,8 @@ def test_half_scale_a8_panels_inside_the_c_layers(tiny_llama, dtype, monkeypatch
     fused = _forward(runner, inputs, True, monkeypatch)
     assert _stack_in_use(runner)
     proj = runner.model.layers[0].self_attn.o_proj
-    assert cpu_quant.a8_weights(proj.kernel_weight()).half
+    form = cpu_quant.a8_weights(proj.kernel_weight()).scale_format
+    assert form == (1 if dtype == "float32" else 2)  # float16 minimums; a bfloat16 model's own
     assert torch.equal(fused, per_op), (fused.float() - per_op.float()).abs().max()
 
 

@@ -176,7 +176,7 @@ def gguf_like(qt: QuantizedTensor) -> QuantizedTensor:
 
 
 def float32_panels(qt: QuantizedTensor) -> cpu_qgemm.PackedWeight:
-    """The same weight with its float32 scales and zeros in the panel layout (`half` False)."""
+    """The same weight with its scales and zeros in float32 in the panel layout (format 0)."""
     half = pack(qt)
     panels = half.codes.shape[0]
 
@@ -191,17 +191,25 @@ def float32_panels(qt: QuantizedTensor) -> cpu_qgemm.PackedWeight:
 
 
 @pytest.mark.parametrize("level", SECTIONS)
+@pytest.mark.parametrize("form", ["float16", "bfloat16"])
 @pytest.mark.parametrize("bits,group,zero", [(4, 32, True), (4, 64, False), (8, 32, False)])
-def test_half_scales_give_the_same_bits(level, bits, group, zero, monkeypatch):
-    # float16 scales and minimums stream 2.5 bytes a block of 32 weights fewer; where they give
-    # back every float32 scale and zero (a GGUF weight), the results equal the float32 panels'
+def test_16_bit_scales_give_the_same_bits(level, form, bits, group, zero, monkeypatch):
+    # 16-bit scales and zeros stream 2.5 bytes a block of 32 weights fewer; where they give back
+    # every one exactly (a GGUF weight's float16 ones, a bfloat16 model's), the results equal the
+    # float32 panels'
     monkeypatch.setenv("PDSERVE_CPU_ISA", level)
     lib = cpu_qgemm.new_library()
     if not lib.available() or cpu_qgemm.isa(lib) != SECTIONS[level]:
         pytest.skip(f"no {level} build on this host")
-    qt = gguf_like(weight(bits, group, zero))
+    qt = weight(bits, group, zero)
+    if form == "float16":
+        qt = gguf_like(qt)
+    else:
+        qt.scale = qt.scale.to(torch.bfloat16)
+        qt.zero = None if qt.zero is None else qt.zero.to(torch.bfloat16)
     half, full = pack(qt), float32_panels(qt)
-    assert half.half and half.scale.dtype == torch.float16
+    assert half.scale.dtype == getattr(torch, form)
+    assert half.scale_format == {"float16": 1, "bfloat16": 2}[form]
     assert half.nbytes < full.nbytes
     for m in ROWS:
         for dtype in (torch.float32, torch.bfloat16):
@@ -213,11 +221,14 @@ def test_half_scales_give_the_same_bits(level, bits, group, zero, monkeypatch):
 
 def test_half_scales_only_where_exact():
     qt = weight(4, 32, True)  # round-to-nearest scales: not float16 values
-    assert cpu_qgemm.half_scales(qt.kernel_weight()) is None and not pack(qt).half
+    assert cpu_qgemm.sixteen_bit_scales(qt.kernel_weight()) is None
+    assert pack(qt).scale_format == 0
     qt = gguf_like(weight(4, 32, True))
-    assert pack(qt).half
+    assert pack(qt).scale_format == 1
     qt.zero[0, 0] += 2.0**-20  # one zero no float16 minimum gives back
-    assert not pack(qt).half
+    assert pack(qt).scale_format == 0
     qt = gguf_like(weight(8, 32, False))
     qt.zero = 0.01 * torch.ones_like(qt.scale)  # an int8 zero has no minimum form
-    assert not pack(qt).half
+    assert pack(qt).scale_format == 0
+    qt.scale, qt.zero = qt.scale.to(torch.bfloat16), qt.zero.to(torch.bfloat16)
+    assert pack(qt).scale_format == 2  # bfloat16 ones are kept as they are
