@@ -410,6 +410,48 @@ static inline __m128 reduce4_16(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
     return _mm_add_ps(_mm256_castps256_ps128(z), _mm256_extractf128_ps(z, 1));
 }
 
+/* The V sums of nr (1 or 2) rows of one sequence (their scores nr x [G * most] from sc, tokens
+ * up to t1s[r]; acc nr x [G * D]), D (64 or 128) in tiles of 64: each V row loaded once for the
+ * rows, one accumulator per (row, head, 16 of D) summing over the tokens in order, so a row's
+ * sums do not depend on the row beside it. */
+static inline __attribute__((always_inline)) void group_values(
+    const Job *j, const long *restrict srow, const int nr, const float *restrict sc, int most,
+    const int *t1s, int t0, float *restrict acc, const int G, const int D, const int kvq) {
+    const int dtype = j->dtype, n_last = t1s[nr - 1] - t0;
+    int n[2];
+    for (int r = 0; r < nr; r++) n[r] = t1s[r] - t0;
+    for (int d0 = 0; d0 < D; d0 += 64) {
+        __m512 v_acc[2][4][4];
+        for (int r = 0; r < nr; r++)
+            for (int g = 0; g < G; g++)
+                for (int i = 0; i < 4; i++) v_acc[r][g][i] = _mm512_setzero_ps();
+        for (int idx = 0; idx < n_last; idx++) {
+            const long row = srow[idx] * D + d0;
+            const float vs = kvq == 1 ? j->v_scales[srow[idx]] : 1.f;
+            __m512 v[4];
+            for (int i = 0; i < 4; i++)
+                v[i] = kvq == 1 ? load16_q(j->v_cache, row + 16 * i, j->kv_dtype)
+                       : kvq == 2 ? load16_h(j->v_cache, row + 16 * i)
+                                  : load16(j->v_cache, row + 16 * i, dtype);
+            for (int r = 0; r < nr; r++) {
+                if (idx >= n[r]) continue;
+                const float *sr = sc + (size_t)r * G * most;
+                for (int g = 0; g < G; g++) {
+                    const __m512 p = _mm512_set1_ps(kvq == 1 ? sr[g * n[r] + idx] * vs
+                                                        : sr[g * n[r] + idx]);
+                    for (int i = 0; i < 4; i++)
+                        v_acc[r][g][i] = _mm512_fmadd_ps(p, v[i], v_acc[r][g][i]);
+                }
+            }
+        }
+        for (int r = 0; r < nr; r++)
+            for (int g = 0; g < G; g++)
+                for (int i = 0; i < 4; i++)
+                    _mm512_storeu_ps(acc + ((size_t)r * G + g) * D + d0 + 16 * i,
+                                     v_acc[r][g][i]);
+    }
+}
+
 static inline __attribute__((always_inline)) void attend_part_avx512(
     const Job *j, int b, int h, int t0, int t1, const int G, const int D, const int kvq,
     float *restrict scores, float *restrict qf, float *restrict acc, float *restrict m,
@@ -444,66 +486,7 @@ static inline __attribute__((always_inline)) void attend_part_avx512(
     }
     for (int g = 0; g < G; g++) m[g] = hmax4(mx4[g]);
     softmax_exp_avx2(scores, G, n, m, l);
-    for (int d0 = 0; d0 < D; d0 += 64) {
-        __m512 v_acc[4][4];
-        for (int g = 0; g < G; g++)
-            for (int i = 0; i < 4; i++) v_acc[g][i] = _mm512_setzero_ps();
-        for (int idx = 0; idx < n; idx++) {
-            const long row = srow[idx] * D + d0;
-            const float vs = kvq == 1 ? j->v_scales[srow[idx]] : 1.f;
-            for (int i = 0; i < 4; i++) {
-                const __m512 v = kvq == 1 ? load16_q(j->v_cache, row + 16 * i, j->kv_dtype)
-                                 : kvq == 2 ? load16_h(j->v_cache, row + 16 * i)
-                                            : load16(j->v_cache, row + 16 * i, dtype);
-                for (int g = 0; g < G; g++) {
-                    const __m512 p = _mm512_set1_ps(kvq == 1 ? scores[g * n + idx] * vs
-                                                        : scores[g * n + idx]);
-                    v_acc[g][i] = _mm512_fmadd_ps(p, v, v_acc[g][i]);
-                }
-            }
-        }
-        for (int g = 0; g < G; g++)
-            for (int i = 0; i < 4; i++)
-                _mm512_storeu_ps(acc + g * D + d0 + 16 * i, v_acc[g][i]);
-    }
-}
-
-/* The V sums of nr (1 or 2) rows of a group (their scores nr x [G * most] from sc, tokens up to
- * t1s[r]; acc nr x [G * 64]): each V row loaded once for both, and per (row, head, 16 of D) the
- * same sum in the same order as attend_part_avx512's. */
-static inline __attribute__((always_inline)) void group_values(
-    const Job *j, const long *restrict srow, const int nr, const float *restrict sc, int most,
-    const int *t1s, int t0, float *restrict acc, const int G, const int kvq) {
-    const int D = 64, dtype = j->dtype, n_last = t1s[nr - 1] - t0;
-    int n[2];
-    for (int r = 0; r < nr; r++) n[r] = t1s[r] - t0;
-    __m512 v_acc[2][4][4];
-    for (int r = 0; r < nr; r++)
-        for (int g = 0; g < G; g++)
-            for (int i = 0; i < 4; i++) v_acc[r][g][i] = _mm512_setzero_ps();
-    for (int idx = 0; idx < n_last; idx++) {
-        const long row = srow[idx] * D;
-        const float vs = kvq == 1 ? j->v_scales[srow[idx]] : 1.f;
-        __m512 v[4];
-        for (int i = 0; i < 4; i++)
-            v[i] = kvq == 1 ? load16_q(j->v_cache, row + 16 * i, j->kv_dtype)
-                   : kvq == 2 ? load16_h(j->v_cache, row + 16 * i)
-                              : load16(j->v_cache, row + 16 * i, dtype);
-        for (int r = 0; r < nr; r++) {
-            if (idx >= n[r]) continue;
-            const float *sr = sc + (size_t)r * G * most;
-            for (int g = 0; g < G; g++) {
-                const __m512 p = _mm512_set1_ps(kvq == 1 ? sr[g * n[r] + idx] * vs
-                                                    : sr[g * n[r] + idx]);
-                for (int i = 0; i < 4; i++)
-                    v_acc[r][g][i] = _mm512_fmadd_ps(p, v[i], v_acc[r][g][i]);
-            }
-        }
-    }
-    for (int r = 0; r < nr; r++)
-        for (int g = 0; g < G; g++)
-            for (int i = 0; i < 4; i++)
-                _mm512_storeu_ps(acc + ((size_t)r * G + g) * D + 16 * i, v_acc[r][g][i]);
+    group_values(j, srow, 1, scores, n, &t1, t0, acc, G, D, kvq);
 }
 
 /* Rows b0..b0+R-1 (R <= GROUP_ROWS) of one sequence (a verify step's, or a short prefill's:
@@ -572,10 +555,10 @@ static inline __attribute__((always_inline)) void attend_group_avx512(
     if (G <= 3)
         for (; r + 1 < R; r += 2)
             group_values(j, srow, 2, scores + (size_t)r * G * most, most, t1s + r, t0,
-                         acc + (size_t)r * G * D, G, kvq);
+                         acc + (size_t)r * G * D, G, D, kvq);
     for (; r < R; r++)
         group_values(j, srow, 1, scores + (size_t)r * G * most, most, t1s + r, t0,
-                     acc + (size_t)r * G * D, G, kvq);
+                     acc + (size_t)r * G * D, G, D, kvq);
 }
 #define GROUPED 1
 #endif
