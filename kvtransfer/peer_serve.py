@@ -192,9 +192,14 @@ class FetchServer:
         return True
 
     def _close(self, answer: _Answer) -> None:
-        """Unpin an answer's cache blocks (sent, or given up) and forget it."""
+        """Unpin an answer's cache blocks (sent, or given up), let go of its payload view (an shm
+        segment stays mapped while a view of it lives) and forget it."""
         if self._active is answer:
             self._active = None
+        try:
+            answer.buffer.release()
+        except BufferError:  # a zero-copy send still holds it: it goes when that is done
+            pass
         if answer.placeholder is not None:
             if self.engine.held.pop(answer.placeholder.request_id, None) is not None:
                 self.engine.block_manager.free(answer.placeholder)

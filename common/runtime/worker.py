@@ -400,6 +400,9 @@ class WorkerBase(WorkerKV):
     def close(self) -> None:
         for link in self.links.values():
             link.close()
+        server = getattr(self, "fetch_server", None)  # set by attach_kv
+        if server is not None:  # first: its answer's payload is a view into a sender's segment
+            server.close()
         if self.sender is not None:
             self.sender.close()
         if self.receiver is not None:

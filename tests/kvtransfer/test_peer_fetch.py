@@ -22,6 +22,7 @@ from common.protocol import KVHeader, PeerHint, Prefill
 from kvtransfer import KVReceiver
 from prefill.worker import PrefillWorker
 from tests.common.engine.test_engine import GREEDY, hf_greedy, make_engine, prompts
+from tests.kvtransfer import mapped_segments
 
 BLOCK_SIZE = 8  # make_engine's
 PROMPT = prompts(1, seed=11, lengths=(61,))[0]  # 7 full blocks and a part
@@ -59,13 +60,16 @@ class Pair:
         if not worker._fetch_first(message):
             worker.handle(message)
 
-    def run_until(self, done: Callable[[], bool], timeout_s: float = 30.0) -> None:
+    def run_until(
+        self, done: Callable[[], bool], timeout_s: float = 30.0, workers: tuple = ()
+    ) -> None:
+        """Step `workers` (both by default) and the decode side until `done`."""
         deadline = time.monotonic() + timeout_s
         dst = list(range(64))
         while not done():
             assert time.monotonic() < deadline, "timed out"
-            self.a.step()
-            self.b.step()
+            for worker in workers or (self.a, self.b):
+                worker.step()
             for r in self.decode.poll(lambda h: dst[: h.num_blocks]):
                 assert r.ok, r.reason
                 self.headers.append(r.header)
@@ -95,6 +99,8 @@ def pair(tiny_llama):
     p = Pair(tiny_llama[0])
     yield p
     p.close()
+    # closed, every worker let go of its views of shm segments (a half-copied answer's too)
+    assert not mapped_segments(), "a shm segment stayed mapped after close()"
 
 
 @pytest.mark.parametrize("transport", ["tcp", "shm"])
@@ -168,23 +174,14 @@ def test_a_peer_that_dies_while_asked_is_noticed_by_its_lost_connection(pair, ti
     deadline = time.monotonic() + 10
     assert pair.a.receiver.socket.poll(5000)  # the fetch reached a (a has not read it)
     pair.a.receiver.socket.close(linger=0)  # a's process dies: its kernel closes the connection
-    dst = list(range(64))
-    while len(pair.headers) < 2:  # a is gone: only b and the decode side run
-        assert time.monotonic() < deadline, "timed out"
-        pair.b.step()
-        for r in pair.decode.poll(lambda h: dst[: h.num_blocks]):
-            assert r.ok, r.reason
-            pair.headers.append(r.header)
-        time.sleep(0.001)
+    # a is gone: only b and the decode side run
+    pair.run_until(lambda: len(pair.headers) == 2, deadline - time.monotonic(), (pair.b,))
     assert time.monotonic() - started < 10  # the lost connection, not the 20 s timeout
     assert pair.b.engine.num_prefill_tokens == len(PROMPT)
     assert pair.b.peer_fetch_counters()["kv_peer_fetch_failures_total"] == 1
     assert pair.headers[1].first_token_id == hf_greedy(tiny_llama[0], PROMPT, 1)[0]
     assert pair.a.kv_address not in pair.b.sender._peers  # its socket closed
-    while pair.b.sender.num_pending():
-        assert time.monotonic() < deadline, "timed out"
-        pair.b.step()
-        pair.decode.poll(lambda h: dst[: h.num_blocks])
+    pair.run_until(lambda: not pair.b.sender.num_pending(), deadline - time.monotonic(), (pair.b,))
     pair.assert_all_free()
 
 
@@ -213,14 +210,8 @@ def test_a_peer_killed_mid_answer_means_computing_with_the_same_greedy_output(
     # a's process dies: its kernel closes its connections (and its shm segments go with it)
     pair.a.receiver.socket.close(linger=0)
     pair.a.sender.close()
-    dst = list(range(64))
-    while len(pair.headers) < 2:  # a is gone: only b and the decode side run
-        assert time.monotonic() < deadline, "timed out"
-        pair.b.step()
-        for r in pair.decode.poll(lambda h: dst[: h.num_blocks]):
-            assert r.ok, r.reason
-            pair.headers.append(r.header)
-        time.sleep(0.001)
+    # a is gone: only b and the decode side run
+    pair.run_until(lambda: len(pair.headers) == 2, deadline - time.monotonic(), (pair.b,))
     assert time.monotonic() - started < 10  # the lost connection, not the 20 s timeout
     assert pair.b.engine.num_prefill_tokens == len(PROMPT)  # computed it all
     stats = pair.b.peer_fetch_counters()
@@ -228,10 +219,7 @@ def test_a_peer_killed_mid_answer_means_computing_with_the_same_greedy_output(
     assert stats["kv_peer_fetched_tokens_total"] == 0
     expected = hf_greedy(tiny_llama[0], PROMPT, GREEDY.max_tokens)
     assert pair.headers[1].first_token_id == expected[0]
-    while pair.b.sender.num_pending():
-        assert time.monotonic() < deadline, "timed out"
-        pair.b.step()
-        pair.decode.poll(lambda h: dst[: h.num_blocks])
+    pair.run_until(lambda: not pair.b.sender.num_pending(), deadline - time.monotonic(), (pair.b,))
     books = pair.b.engine.block_books()
     assert books.ok and books.free + books.cached == books.total, books
     assert not pair.b.deferred and not pair.b.engine.reserved and pair.b.is_idle()
