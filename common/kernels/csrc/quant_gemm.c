@@ -79,25 +79,36 @@ static inline const void *scale_at(const void *p, long i, int sf) {
 static inline float quantize_block(const float *v, int8_t *q, int *qsum) {
     float amax = 0.0f;
     int finite = 1;
+#if defined(__AVX2__)
+    {
+        const __m256 sign = _mm256_set1_ps(-0.0f), big = _mm256_set1_ps(FLT_MAX);
+        __m256 m = _mm256_setzero_ps();
+        int bad = 0;
+        for (int j = 0; j < QB; j += 8) {
+            const __m256 t = _mm256_andnot_ps(sign, _mm256_loadu_ps(v + j));
+            bad |= _mm256_movemask_ps(_mm256_cmp_ps(t, big, _CMP_NLE_UQ));
+            m = _mm256_max_ps(m, t);
+        }
+        finite = !bad;
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_max_ss(h, _mm_movehdup_ps(h));
+        amax = _mm_cvtss_f32(h);
+    }
+#else
     for (int j = 0; j < QB; j++) {
         const float t = fabsf(v[j]);
         finite &= t <= FLT_MAX; /* false for inf and NaN */
         amax = t > amax ? t : amax;
     }
+#endif
     *qsum = 0;
     if (!finite || amax == 0.0f) {
         memset(q, 0, QB);
         return finite ? 0.0f : NAN;
     }
     const float xs = amax / 127.0f;
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-    __m512 d = _mm512_set1_ps(xs);
-    __m512i q0 = _mm512_cvtps_epi32(_mm512_div_ps(_mm512_loadu_ps(v), d));
-    __m512i q1 = _mm512_cvtps_epi32(_mm512_div_ps(_mm512_loadu_ps(v + 16), d));
-    _mm_storeu_si128((__m128i *)q, _mm512_cvtepi32_epi8(q0));
-    _mm_storeu_si128((__m128i *)(q + 16), _mm512_cvtepi32_epi8(q1));
-    *qsum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
-#elif defined(__AVX2__)
+#if defined(__AVX2__)
     const __m256 d = _mm256_set1_ps(xs);
     __m256i sum = _mm256_setzero_si256();
     for (int j = 0; j < QB; j += 8) {
@@ -122,6 +133,41 @@ static inline float quantize_block(const float *v, int8_t *q, int *qsum) {
     return xs;
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+/* quantize_block on a block held in two registers (the same results): loading it from a
+ * buffer the caller just filled in narrower stores would stall on store forwarding */
+static inline float quantize_block512(__m512 v0, __m512 v1, int8_t *q, int *qsum) {
+    const __m512 sign = _mm512_set1_ps(-0.0f), big = _mm512_set1_ps(FLT_MAX);
+    const __m512 a0 = _mm512_andnot_ps(sign, v0), a1 = _mm512_andnot_ps(sign, v1);
+    *qsum = 0;
+    if (_mm512_cmp_ps_mask(a0, big, _CMP_NLE_UQ) | _mm512_cmp_ps_mask(a1, big, _CMP_NLE_UQ)) {
+        memset(q, 0, QB); /* inf or NaN */
+        return NAN;
+    }
+    /* no NaN here: the largest |x|, as quantize_block's loop finds it */
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(a0, a1));
+    if (amax == 0.0f) {
+        memset(q, 0, QB);
+        return 0.0f;
+    }
+    const float xs = amax / 127.0f;
+    const __m512 d = _mm512_set1_ps(xs);
+    const __m512i q0 = _mm512_cvtps_epi32(_mm512_div_ps(v0, d));
+    const __m512i q1 = _mm512_cvtps_epi32(_mm512_div_ps(v1, d));
+    _mm_storeu_si128((__m128i *)q, _mm512_cvtepi32_epi8(q0));
+    _mm_storeu_si128((__m128i *)(q + 16), _mm512_cvtepi32_epi8(q1));
+    *qsum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+    return xs;
+}
+
+/* 16 values of x at element i as float32 */
+static inline __m512 load16(const void *x, long i, int xdtype) {
+    if (xdtype == 0) return _mm512_loadu_ps((const float *)x + i);
+    const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)x + i));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+#endif
+
 static void quantize_x(const void *x, long stride, int xdtype, int M, int gs, int off, acts *a,
                        int nthreads) {
     const int K = a->K, KB = a->KB, bpg = gs / QB;
@@ -129,9 +175,15 @@ static void quantize_x(const void *x, long stride, int xdtype, int M, int gs, in
     if ((long)M * K < QUANTIZE_PARALLEL_MIN) nthreads = 1;
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
     for (int m = 0; m < M; m++) {
-        float v[QB], gsum = 0.0f;
+        float gsum = 0.0f;
         for (int b = 0; b < KB; b++) {
             const long src = (long)m * stride + (long)b * QB;
+            int qsum;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+            const float xs = quantize_block512(load16(x, src, xdtype), load16(x, src + 16, xdtype),
+                                               a->xq + (long)m * K + (long)b * QB, &qsum);
+#else
+            float v[QB];
             if (xdtype == 0) {
                 memcpy(v, (const float *)x + src, sizeof v);
             } else {
@@ -145,8 +197,8 @@ static void quantize_x(const void *x, long stride, int xdtype, int M, int gs, in
                 for (int j = 0; j < QB; j++) v[j] = x_at(x, src + j, 1);
 #endif
             }
-            int qsum;
             const float xs = quantize_block(v, a->xq + (long)m * K + (long)b * QB, &qsum);
+#endif
             a->xs[(long)m * KB + b] = xs;
             a->xo[(long)m * KB + b] = -off * qsum;
             gsum += xs * (float)qsum;
