@@ -64,21 +64,18 @@ class ChoiceFeed:
         """`render(choice, delta)` of one event (None for tokens of a choice already done), or
         the failure it reports."""
         index, out = event
-        if isinstance(out, FlightFailed):
+        if type(out) is FlightFailed:
             return None, RequestError(out.reason, code=out.code, type="service_unavailable")
         choice = self.choices[index]
-        if choice.done:
+        if choice.finish_reason is not None:  # done
             return None, None  # tokens a worker sent before it saw the abort of a stopped choice
-        self.timer.tokens(index, len(out.token_ids))
+        token_ids = out.token_ids
+        self.timer.tokens(index, len(token_ids))
         delta = choice.add(
-            out.token_ids,
-            out.logprobs,
-            out.top_logprobs,
-            finished=out.finished,
-            finish_reason=out.finish_reason,
-            prompt_logprobs=out.prompt_logprobs,
-        )
-        if choice.done:
+            token_ids, out.logprobs, out.top_logprobs, out.finished, out.finish_reason,
+            out.prompt_logprobs,
+        )  # fmt: skip
+        if choice.finish_reason is not None:
             self.remaining -= 1
             self.job.finish(index)  # aborts it on the worker when a stop string cut it short
         return render(choice, delta), None

@@ -357,8 +357,9 @@ class RequestTimer:
             self.metrics.ttft.observe(now - self.arrival_s)
         last = self._last_token_s.get(index)
         if last is not None:
+            observe, itl = self.metrics.itl.observe, (now - last) / num_tokens
             for _ in range(num_tokens):
-                self.metrics.itl.observe((now - last) / num_tokens)
+                observe(itl)
         self._last_token_s[index] = now
 
     def finished(

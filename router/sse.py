@@ -40,6 +40,8 @@ log = logging.getLogger(__name__)
 HTTP_CYCLE = "pdserve.http_cycle"  # the scope key `expose_http_cycle` sets
 _TEXT = "pdserve-text-3b9e1f"  # stands for the text in a template; JSON-encodes as itself
 _JSON = json.JSONEncoder(ensure_ascii=False)  # as common.api.responses.sse encodes
+# What `_JSON.encode` does with a str, without the method around it (a token's text, each token).
+_encode_text = json.encoder.encode_basestring
 
 
 class ChunkTemplates:
@@ -52,7 +54,7 @@ class ChunkTemplates:
         self.response_id = response_id
         self.created = created
         self.tokenizer = tokenizer
-        self._parts: dict[int, tuple[str, str]] = {}  # choice index -> (before, after) the text
+        self._parts: dict[int, tuple[bytes, bytes]] = {}  # choice index -> before, after the text
 
     @staticmethod
     def applies(choice: Choice, delta: Delta) -> bool:
@@ -64,14 +66,14 @@ class ChunkTemplates:
         parts = self._parts.get(choice.index)
         if parts is None:
             parts = self._parts[choice.index] = self._cut(choice)
-        return (parts[0] + _JSON.encode(text) + parts[1]).encode()
+        return parts[0] + _encode_text(text).encode() + parts[1]
 
-    def _cut(self, choice: Choice) -> tuple[str, str]:
+    def _cut(self, choice: Choice) -> tuple[bytes, bytes]:
         placeholder = Delta(_TEXT, len(choice.token_ids), None)
         chunk = delta_chunk(
             self.request, self.response_id, self.created, choice, placeholder, self.tokenizer
         )
-        before, after = sse(chunk).decode().split(_JSON.encode(_TEXT))
+        before, after = sse(chunk).split(_JSON.encode(_TEXT).encode())
         return before, after
 
 

@@ -228,13 +228,12 @@ class SSEResponse(Response):
         read together brought this stream (one socket write per stream and wake-up, not per
         token, when the router runs behind)."""
         self._flush_due = False
-        out = self._out
+        out, writer = self._out, self.writer
         if out:
-            if self._direct():
-                assert self.writer is not None
+            if writer is not None and not self._busy and writer.ready():  # `_direct`, inline
                 data = out[0] if len(out) == 1 else b"".join(out)
                 out.clear()
-                self.writer.write(data)
+                writer.write(data)
             else:
                 self._wake_task()  # it writes them, waiting for the socket
 

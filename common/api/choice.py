@@ -50,14 +50,14 @@ class ChoiceResult:
     prompt_logprobs: PromptLogprobs | None = None  # when computed (prompt_logprobs or echo)
 
 
-@dataclass
+@dataclass(slots=True)
 class Delta:
-    """What one `Choice.add` added to a choice."""
+    """What one `Choice.add` added to a choice (one a streamed token: slots, nothing to build)."""
 
     text: str  # the text it made safe to show (often '' while a character or stop is pending)
     first_token: int  # index in `Choice.token_ids` of the first token it added
     finish_reason: str | None  # set on the delta that finished the choice
-    tool_calls: list[ToolCall] = field(default_factory=list)  # calls it completed
+    tool_calls: Sequence[ToolCall] = ()  # calls it completed
     first_tool_call: int = 0  # index among the choice's calls of the first of them
     echo: bool = False  # `text` starts with the echoed prompt (the choice's first delta)
 
@@ -99,6 +99,10 @@ class Choice:
         self.echo_pending = request.echo  # the prompt is not shown yet
         self.prompt_text = _prompt_text(request, index, prompt_token_ids, tokenizer)
         self.prompt_logprobs: PromptLogprobs | None = None
+        # No logprobs, echo or tools: each add is text only (`_add_text`).
+        self._plain = not (
+            self.want_logprobs or self.echo or self.echo_only or self.tool_parser is not None
+        )
         # Chars of the token strings already streamed: where the next streamed completions chunk's
         # logprobs text_offset starts (kept by common.api.responses.delta_chunk).
         self.streamed_token_chars = 0
@@ -127,8 +131,10 @@ class Choice:
         A stop string completed by one of the tokens finishes the choice with "stop" there, even
         when the generation was not finished. Adding to a done choice is an error.
         """
-        if self.done:
+        if self.finish_reason is not None:
             raise RuntimeError(f"choice {self.index} is done; no more tokens")
+        if self._plain and prompt_logprobs is None:  # nearly every streamed token: text only
+            return self._add_text(token_ids, finished, finish_reason)
         if prompt_logprobs is not None:
             self.prompt_logprobs = list(prompt_logprobs)
         echo, self.echo_pending = self.echo_pending, False
@@ -156,6 +162,30 @@ class Choice:
         if echo:
             text.insert(0, self.prompt_text)
         return Delta("".join(text), first, self.finish_reason, echo=echo)
+
+    def _add_text(
+        self, token_ids: Sequence[int], finished: bool, finish_reason: str | None
+    ) -> Delta:
+        """`add` for a choice without logprobs, echo or tools: what `add` does, fewer steps."""
+        ids, detok = self.token_ids, self.detok
+        first = len(ids)
+        if len(token_ids) == 1:
+            ids.append(token_ids[0])
+            text = detok.add_token(token_ids[0])
+        else:
+            texts = []
+            for token_id in token_ids:
+                ids.append(token_id)
+                texts.append(detok.add_token(token_id))
+                if detok.stop_reason is not None:
+                    break
+            text = "".join(texts)
+        if detok.stop_reason is not None:
+            self.finish_reason = "stop"
+        elif finished:
+            text += detok.finish()
+            self.finish_reason = finish_reason or "stop"
+        return Delta(text, first, self.finish_reason)
 
     def _read_tool_calls(self, text: str, first: int) -> Delta:
         """The delta of new output `text` as the tool parser reads it: content and calls."""

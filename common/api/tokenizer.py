@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from functools import lru_cache
 from typing import Any
 
 from common.model.model_files import ModelSource
@@ -26,6 +27,7 @@ class Tokenizer:
         cleans_up = bool(getattr(hf, "clean_up_tokenization_spaces", False))
         self._backend = backend if hasattr(backend, "decode") and not cleans_up else None
         self._token_texts: dict[tuple[int, bool], str] = {}  # decode_token's, at most 2 x vocab
+        self._byte_pieces: dict[int, bytes] | None | bool = False  # byte_pieces(), once known
 
     @classmethod
     def from_source(cls, source: ModelSource) -> Tokenizer:
@@ -59,6 +61,33 @@ class Tokenizer:
         if text is None:
             text = self._token_texts[key] = self.decode([token_id], skip_special_tokens)
         return text
+
+    def byte_pieces(self) -> dict[int, bytes] | None:
+        """Each plain (not added) token's bytes, where `decode` of plain tokens is exactly their
+        bytes joined and read as UTF-8, invalid sequences replaced (U+FFFD per maximal invalid
+        part, as Python's "replace" reads them): the Rust decoder of a byte-level BPE tokenizer,
+        GPT-2's kind. The detokenizer then decodes a window of such tokens without a call into
+        the tokenizer. None for any other tokenizer (or a subclass with its own `decode`)."""
+        if self._byte_pieces is False:
+            self._byte_pieces = self._read_byte_pieces()
+        return self._byte_pieces  # type: ignore[return-value]
+
+    def _read_byte_pieces(self) -> dict[int, bytes] | None:
+        backend = self._backend
+        decoder = getattr(backend, "decoder", None)
+        if type(decoder).__name__ != "ByteLevel" or type(self).decode is not Tokenizer.decode:
+            return None
+        byte_of = byte_level_chars()
+        to_bytes = {ord(c): b for c, b in byte_of.items()}
+        # A token with a character outside the table is decoded as its own UTF-8 by the Rust
+        # decoder: left out here (the detokenizer asks the tokenizer for windows holding one).
+        mapped = re.compile("[" + re.escape("".join(byte_of)) + "]*").fullmatch
+        added = backend.get_added_tokens_decoder()
+        return {
+            token_id: piece.translate(to_bytes).encode("latin-1")
+            for piece, token_id in backend.get_vocab(with_added_tokens=False).items()
+            if token_id not in added and mapped(piece)
+        }
 
     def apply_chat_template(
         self,
@@ -122,3 +151,21 @@ def _eos_token_ids(source: ModelSource, hf_tokenizer: Any) -> set[int]:
         add(GenerationConfig.from_pretrained(source.hf_dir).eos_token_id)
     add(hf_tokenizer.eos_token_id)
     return ids
+
+
+@lru_cache(maxsize=1)
+def byte_level_chars() -> dict[str, int]:
+    """Inverse of GPT-2's byte-to-printable-character table that byte-level BPE vocabularies use."""
+    printable = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars

@@ -153,3 +153,33 @@ def test_choice_keeps_what_dispatch_needs(tok: Tokenizer) -> None:
     choice = make_choice(tok, logprobs=2)
     assert choice.prompt_token_ids == ids(tok, "Once upon a time")
     assert choice.params.logprobs == 2 and choice.index == 3 and not choice.done
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_text_only_choices_add_as_the_general_path_does(tok: Tokenizer, seed: int) -> None:
+    """A choice without logprobs, echo or tools takes `add`'s short path: the same deltas, token
+    ids, text and finish reason as a choice with logprobs (the general path) given the same."""
+    import random
+
+    rng = random.Random(seed)
+    texts = [MULTIBYTE, " the cat sat on the mat. STOP and more", " one two three four five six"]
+    for _ in range(40):
+        out = ids(tok, rng.choice(texts)) + rng.choice([[], [IM_END]])
+        body = rng.choice([{}, {"stop": ["STOP"]}, {"stop": ["e", "☕"]}, {"stop": [" t"]}])
+        body["include_stop_str_in_output"] = rng.random() < 0.3
+        min_tokens = rng.choice([0, 4])
+        plain = make_choice(tok, None, min_tokens, **body)
+        general = make_choice(tok, 0, min_tokens, **body)
+        assert plain._plain and not general._plain
+        i = 0
+        while i < len(out) and not plain.done:
+            k = rng.choice([1, 1, 2, 3])
+            part, i = out[i : i + k], i + k
+            finished = i >= len(out) and rng.random() < 0.8
+            reason = "length" if finished else None
+            a = plain.add(part, finished=finished, finish_reason=reason)
+            b = general.add(part, finished=finished, finish_reason=reason)
+            assert (a.text, a.first_token) == (b.text, b.first_token)
+            assert a.finish_reason == b.finish_reason
+        assert plain.token_ids == general.token_ids and plain.text == general.text
+        assert plain.finish_reason == general.finish_reason

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from common.api.detokenizer import REPLACEMENT_CHAR, Detokenizer, token_bytes, token_text
-from common.api.tokenizer import Tokenizer
+from common.api.tokenizer import Tokenizer, byte_level_chars
 from common.model.model_files import resolve_model
 
 IM_END = 2
@@ -160,3 +160,73 @@ def test_token_bytes_and_text_for_logprobs(tok: Tokenizer) -> None:
     assert b"".join(bytes(token_bytes(tok, t)) for t in out) == MULTIBYTE.encode()
     assert token_text(tok, IM_END) == "<|im_end|>"
     assert token_bytes(tok, IM_END) == list(b"<|im_end|>")
+
+
+class AskingTokenizer(Tokenizer):
+    """The same tokenizer with a `decode` of its own: no byte pieces, every window decoded by it."""
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return super().decode(token_ids, skip_special_tokens)
+
+
+def byte_tokens(tok: Tokenizer) -> list[int]:
+    """Plain tokens that are one byte, or whose bytes are not whole UTF-8 by themselves."""
+    pieces = tok.byte_pieces()
+    assert pieces is not None
+    return sorted(
+        i for i, b in pieces.items()
+        if len(b) == 1 or b.decode("utf-8", "replace") != b.decode("utf-8", "ignore")
+    )  # fmt: skip
+
+
+def test_byte_pieces_decode_as_the_tokenizer_does(tok: Tokenizer) -> None:
+    import random
+
+    from tokenizers import decoders
+
+    pieces = tok.byte_pieces()
+    assert pieces is not None and AskingTokenizer(tok.hf, tok.eos_token_ids).byte_pieces() is None
+    added = set(tok.hf.added_tokens_decoder)
+    assert len(pieces) == len(tok.hf) - len(added) and not added & set(pieces)
+    for token_id, piece in pieces.items():  # every plain token alone
+        assert piece.decode("utf-8", "replace") == tok.decode([token_id]), token_id
+    rng, odd = random.Random(0), byte_tokens(tok)
+    assert len(odd) > 200
+    for _ in range(3000):  # windows of a few tokens, split and invalid characters among them
+        window = [rng.choice(odd) if rng.random() < 0.7 else rng.choice(list(pieces))
+                  for _ in range(rng.randint(1, 4))]  # fmt: skip
+        joined = b"".join(pieces[i] for i in window)
+        assert joined.decode("utf-8", "replace") == tok.decode(window), window
+    # Python's "replace" and the Rust decoder's lossy UTF-8 on any bytes at all.
+    char_of = {b: c for c, b in byte_level_chars().items()}
+    rust = decoders.ByteLevel()
+    for _ in range(3000):
+        raw = bytes(rng.randrange(256) for _ in range(rng.randint(1, 8)))
+        assert raw.decode("utf-8", "replace") == rust.decode(["".join(char_of[b] for b in raw)])
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_byte_path_gives_the_tokenizers_deltas(tok: Tokenizer, seed: int) -> None:
+    """Windows decoded from bytes give each token's delta exactly as the tokenizer's decode does:
+    split and invalid characters, special and unknown tokens, stop strings, the final flush."""
+    import random
+
+    rng = random.Random(seed)
+    asking, odd = AskingTokenizer(tok.hf, tok.eos_token_ids), byte_tokens(tok)
+    chat = tok.apply_chat_template([{"role": "user", "content": "Hi"}])  # ends in special tokens
+    prompts = [[], ids(tok, "Once upon a time"), chat]
+    for _ in range(150):
+        unknown, vocab = len(tok.hf) + 3, len(tok.hf)
+        out = [rng.choice(odd) if r < 0.4 else IM_END if r < 0.45 else unknown if r < 0.47
+               else rng.randrange(vocab) for r in (rng.random() for _ in range(40))]  # fmt: skip
+        out = rng.choice([out, ids(tok, MULTIBYTE)])
+        kwargs = {
+            "skip_special_tokens": rng.random() < 0.7,
+            "stop": rng.choice([[], ["☕"], ["e", "日本"], [" t", "\ufffd"]]),
+            "include_stop_str_in_output": rng.random() < 0.3,
+            "min_tokens": rng.choice([0, 0, 5]),
+        }
+        prompt = rng.choice(prompts)
+        fast, slow = Detokenizer(tok, prompt, **kwargs), Detokenizer(asking, prompt, **kwargs)
+        assert stream(fast, out) == stream(slow, out)
+        assert (fast.text, fast.stop_reason) == (slow.text, slow.stop_reason)
