@@ -24,12 +24,10 @@ from common.engine.sampler import generator_state
 from common.protocol import KVHeader, Prefill, RequestFailed
 from common.runtime.auth import ClusterKeys
 from common.runtime.histogram import KV_TRANSFER_BUCKETS, Histogram
-from common.runtime.worker import WorkerBase
+from common.runtime.worker import IDLE_WAIT_MS, WorkerBase
 from kvtransfer import KVReceiver, KVSender
 
 log = logging.getLogger(__name__)
-
-IDLE_WAIT_MS = 10  # common.runtime.worker.WorkerBase.turn's wait when idle
 
 
 @dataclass
@@ -42,6 +40,10 @@ class PrefillWorker(WorkerBase):
     """One engine, one control connection, one KV sender; `run` loops until stopped."""
 
     role = "prefill"
+    # Everything it waits for with nothing to compute (a command, a transfer, a peer's fetch or
+    # its answer, an ack) ends `WorkerBase._wait`, so it waits as long as an idle worker rather
+    # than waking every 2 ms to look for acks.
+    busy_wait_ms = IDLE_WAIT_MS
 
     def __init__(
         self,
@@ -79,19 +81,6 @@ class PrefillWorker(WorkerBase):
 
     def is_idle(self) -> bool:
         return not self.jobs and not self.engine.has_unfinished() and not self.deferred
-
-    def _wait(self, timeout_ms: int) -> None:
-        """The loop's wait with nothing to compute, also ended by an ack on any socket a transfer
-        waits on: everything this worker then waits for (a command, a transfer, a peer's fetch
-        or its answer, an ack) ends the wait, so it waits as long as an idle worker (10 ms; a
-        deadline is seen that late at most) rather than waking every 2 ms to look for acks."""
-        poller = zmq.Poller()
-        for link in self.links.values():
-            poller.register(link.control.sock, zmq.POLLIN)
-        poller.register(self.receiver.socket, zmq.POLLIN)
-        for sock in self.sender.ack_sockets():
-            poller.register(sock, zmq.POLLIN)
-        poller.poll(max(timeout_ms, IDLE_WAIT_MS))
 
     def step(self) -> None:
         """One engine step; push the KV of finished prompts; settle finished transfers."""

@@ -60,6 +60,7 @@ log = logging.getLogger(__name__)
 
 # engine.stats() entries a heartbeat carries: counters, and the KV sizes (bytes per token, tiers')
 HEARTBEAT_SUFFIXES = ("_total", "_bytes", "_per_token")
+IDLE_WAIT_MS = 10  # the loop's wait with no work at all (a deadline is seen that late at most)
 
 
 def default_worker_id(role: str) -> str:
@@ -91,6 +92,8 @@ class WorkerBase(WorkerKV):
     """The loop around one engine: commands in, `step()` work, heartbeats, drain on SIGTERM."""
 
     role: protocol.Role
+    # The loop's wait with nothing to compute but work in flight (KV on its way, acks, fetches).
+    busy_wait_ms = 2
 
     def __init__(
         self,
@@ -280,7 +283,7 @@ class WorkerBase(WorkerKV):
         # so a worker waiting for a transfer leaves the cores to the others. A peer's fetch being
         # answered is work (a slice a turn): waiting between its slices would pace it at 10 ms.
         if not self.engine.has_unfinished() and not self.serving_peers():
-            self._wait(10 if self.is_idle() else 2)
+            self._wait(IDLE_WAIT_MS if self.is_idle() else self.busy_wait_ms)
         for link in list(self.links.values()):
             for message in link.control.poll(timeout_ms=0):
                 self._dispatch(link, message)
@@ -293,13 +296,18 @@ class WorkerBase(WorkerKV):
             self.loop_count += 1
 
     def _wait(self, timeout_ms: int) -> None:
-        """Up to `timeout_ms`, or until a command comes from any router or a message reaches the
-        kv socket (a transfer, a peer's fetch): either is handled this turn, not after the wait."""
+        """Up to `timeout_ms`, or until a command comes from any router, a message reaches the
+        kv socket (a transfer, a peer's fetch or its answer) or an ack reaches the socket of a
+        peer this worker's sender has a transfer in flight to (`KVSender.ack_sockets`): each is
+        handled this turn, not after the wait."""
         poller = zmq.Poller()
         for link in self.links.values():
             poller.register(link.control.sock, zmq.POLLIN)
         if self.receiver is not None:
             poller.register(self.receiver.socket, zmq.POLLIN)
+        if self.sender is not None:
+            for sock in self.sender.ack_sockets():
+                poller.register(sock, zmq.POLLIN)
         poller.poll(timeout_ms)
 
     def _watch_routers(self) -> None:

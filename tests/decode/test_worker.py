@@ -482,3 +482,46 @@ def test_8bit_kv_travels_with_its_scales(tiny_llama, kv_dtype, transport, spec) 
         sender.close()
         router.sock.close(0)
         ctx.term()
+
+
+def test_an_ack_to_the_workers_own_sender_ends_the_loops_wait(tiny_llama) -> None:
+    """`WorkerBase._wait` polls the sockets the worker's sender waits on for acks (a decode
+    worker's sender answers peers' fetches): asked to wait 2 s with a transfer of its own waiting
+    for its ack, the worker wakes when the ack comes (50 ms in), not when the 2 s are up; with
+    nothing in flight the wait runs its length."""
+    from kvtransfer import KVReceiver
+
+    ctx = zmq.Context()
+    router = FakeRouter(ctx)
+    engine = make_engine(tiny_llama[0])
+    worker = DecodeWorker(engine, router.address, "decode-t", "tcp://127.0.0.1:*", context=ctx)
+    peer = KVReceiver(torch.zeros_like(engine.runner.kv_cache), context=ctx)
+    try:
+        started = time.monotonic()
+        worker._wait(100)
+        assert time.monotonic() - started >= 0.09  # nothing to wake it
+        seq = prefill(engine, "answer", prompts(1, seed=23, lengths=(30,))[0])
+        worker.sender.send(peer.address, header_for(engine, "answer", seq), seq.block_table, 10.0)
+        assert worker.sender.ack_sockets()  # in flight: its ack will come on that socket
+        assert peer.socket.poll(10000)  # the KV came; not acked yet
+        dst = list(range(len(seq.block_table)))
+        got: list = []
+        acker = threading.Timer(0.05, lambda: got.extend(peer.poll(lambda h: dst[: h.num_blocks])))
+        started = time.monotonic()
+        acker.start()
+        worker._wait(2000)
+        waited = time.monotonic() - started
+        acker.join()
+        assert got and got[0].ok, got
+        assert 0.04 < waited < 1.0, waited
+        (result,) = poll_until(worker.sender.poll)
+        assert result.ok and result.request_id == "answer"
+        assert not worker.sender.ack_sockets()  # settled: nothing left to wait on
+        engine.release("answer")
+        assert engine.pool.num_free == engine.pool.num_blocks
+        assert engine.block_books().ok
+    finally:
+        worker.close()
+        peer.close()
+        router.sock.close(0)
+        ctx.term()
