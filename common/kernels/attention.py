@@ -21,7 +21,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from common.kernels import cpu_attention, kv_quant
+from common.kernels import cpu_attention, cpu_prefill, kv_quant
 
 
 @dataclass
@@ -180,6 +180,8 @@ def _prefill_attention(
     scale: float,
 ) -> torch.Tensor:
     """Causal; queries are the last q_len of k_len keys. q [q_len, H, D], k/v [k_len, Hkv, D]."""
+    if cpu_prefill.supports(q, k, v):
+        return cpu_prefill.prefill_attention(q, k, v, scale)
     q_len, k_len = q.shape[0], k.shape[0]
     num_heads, num_kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[2]
     group = num_heads // num_kv_heads

@@ -160,7 +160,8 @@ def test_a_shared_cache_never_hands_a_cpu_a_level_it_lacks(tmp_path, monkeypatch
 
 # The kernels' reference tests, at a forced level in a fresh process. What needs a tiny engine,
 # the default model or a fresh cache (slow, and not per kernel) runs at the default level only;
-# the a8 path's library (cpu_qgemm) checks each of its levels in test_cpu_qgemm.py.
+# the a8 path's library (cpu_qgemm) checks each of its levels in test_cpu_qgemm.py, the prefill
+# attention's (cpu_prefill) in test_cpu_prefill.py.
 LIBRARIES = {
     "paged_decode": cpu_attention._LIB,
     "fused_ops": cpu_ops._LIB,

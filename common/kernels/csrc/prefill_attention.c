@@ -1,0 +1,271 @@
+/* Causal attention of a prompt's (or a prompt chunk's) tokens for the CPU: out = softmax(q k^T *
+ * scale, causal) v per head, grouped-query heads sharing their KV head. Compiled on first use by
+ * common/kernels/cpu_prefill.py; entry point `prefill_attention` (at the end).
+ *
+ * Layouts: q [q_len, H, D], k and v [k_len, Hkv, D], each with its own token stride (elements;
+ * heads and head dims contiguous within a token), float32 (dtype 0) or bfloat16 (1), all the same
+ * dtype; out [q_len, H, D] contiguous, in that dtype. Query i sits at position k_len - q_len + i
+ * and attends keys 0 ..= that position (a chunk after a cached prefix: q_len < k_len). D 64 or
+ * 128. Head h reads KV head h / (H / Hkv).
+ *
+ * Work: per KV head, K is converted once to float32 and transposed (Kt [D, keys]) and V converted
+ * (Vf [keys, D]); then units of (KV head, TQ query tokens) go across the OpenMP threads. A unit's
+ * query vectors (TQ tokens x the G heads of the KV head, padded to a multiple of 8) get
+ *   1. scores S = q . k * scale, 8 query vectors x 32 keys at a time (16 accumulators; each K
+ *      vector load feeds 8 FMAs), up to the unit's last position;
+ *   2. per query vector, the softmax's numerators in place: exp(s - max) over its keys, zero past
+ *      its position, and 1 / their sum (16 lanes at a time);
+ *   3. O = S V, 4 (D 128: 2) query vectors x D at a time over chunks of 64 keys (16 accumulators),
+ *      scaled by 1 / sum into out.
+ * Each query's result is computed by the same operations in the same order whatever the unit, the
+ * thread count or q_len: a prompt split into chunks gets the bits of the whole prompt's pass.
+ * Float32 throughout, FMA where the ISA level has it (a GCC vector type of 16 floats: AVX-512,
+ * two AVX2 vectors, or four SSE ones); exp is vecmath.h's exp_approx (about 1 ulp).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "vecmath.h"
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+typedef float v16 __attribute__((vector_size(64)));
+
+#define KB 32   /* keys per score tile */
+#define QR 8    /* query vectors per score tile */
+#define VCH 64  /* keys per chunk of the S V product */
+#define TARGET_QV 24 /* query vectors a unit aims for */
+
+static inline v16 ld(const float *p) {
+    v16 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void st(float *p, v16 v) { memcpy(p, &v, sizeof v); }
+
+/* n values of x from element i, as float32 */
+static inline void to_f32(const void *x, long i, int dtype, int n, float *dst) {
+    if (dtype == 0) {
+        memcpy(dst, (const float *)x + i, sizeof(float) * n);
+    } else {
+        const uint16_t *h = (const uint16_t *)x + i;
+        for (int d = 0; d < n; d++) dst[d] = bf16_to_f32(h[d]);
+    }
+}
+
+/* S[r][j] = scale * q_r . k_j for r < nqv (a multiple of QR), j < kend (a multiple of KB) */
+static inline __attribute__((always_inline)) void scores(int D, const float *Qf, int nqv,
+                                                         const float *Kt, long kts, int kend,
+                                                         float scale, float *S, long spad) {
+    for (int j0 = 0; j0 < kend; j0 += KB) {
+        for (int r0 = 0; r0 < nqv; r0 += QR) {
+            v16 acc[QR][2];
+            for (int r = 0; r < QR; r++) acc[r][0] = acc[r][1] = (v16){};
+            for (int d = 0; d < D; d++) {
+                const v16 k0 = ld(Kt + d * kts + j0), k1 = ld(Kt + d * kts + j0 + 16);
+                for (int r = 0; r < QR; r++) {
+                    const float qd = Qf[(long)(r0 + r) * D + d];
+                    acc[r][0] += qd * k0;
+                    acc[r][1] += qd * k1;
+                }
+            }
+            for (int r = 0; r < QR; r++) {
+                st(S + (long)(r0 + r) * spad + j0, acc[r][0] * scale);
+                st(S + (long)(r0 + r) * spad + j0 + 16, acc[r][1] * scale);
+            }
+        }
+    }
+}
+
+typedef int32_t vi16 __attribute__((vector_size(64)));
+
+static inline v16 splat(float x) { return (v16){} + x; }
+
+/* lanes of a where mask (-1 / 0 lanes), else of b */
+static inline v16 sel(vi16 mask, v16 a, v16 b) { return (v16)(((vi16)a & mask) | ((vi16)b & ~mask)); }
+
+/* exp_approx (vecmath.h) on 16 lanes: the same steps, floor through a truncating conversion */
+static inline v16 exp16(v16 x) {
+    x = sel(x < splat(-87.33654f), splat(-87.33654f), x);
+    x = sel(x > splat(88.72283f), splat(88.72283f), x);
+    const v16 y = x * 1.44269504088896341f + 0.5f;
+    const v16 t = __builtin_convertvector(__builtin_convertvector(y, vi16), v16);
+    const v16 n = t + __builtin_convertvector(t > y, v16); /* t > y: -1, floor is t - 1 */
+    v16 r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    v16 p = splat(1.9875691500e-4f);
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * (r * r) + r + 1.0f;
+    return p * (v16)((__builtin_convertvector(n, vi16) + 127) << 23);
+}
+
+static const vi16 LANES = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+
+/* row s of kend scores (a multiple of 16): the first n -> exp(s - their max), the rest 0;
+ * returns 1 / the sum. Lane-wise max and sums, then the 16 lanes in order: the same operations
+ * for every row of n keys. */
+static inline float softmax_row(float *s, int n, int kend) {
+    v16 m = splat(-INFINITY);
+    for (int j = 0; j < kend; j += 16) {
+        const v16 x = sel(LANES + j < n, ld(s + j), splat(-INFINITY));
+        m = sel(x > m, x, m);
+    }
+    float mx = m[0];
+    for (int c = 1; c < 16; c++) mx = m[c] > mx ? m[c] : mx;
+    v16 sum = {};
+    for (int j = 0; j < kend; j += 16) {
+        const v16 e = sel(LANES + j < n, exp16(ld(s + j) - mx), splat(0.0f));
+        st(s + j, e);
+        sum += e;
+    }
+    float total = 0.0f;
+    for (int c = 0; c < 16; c++) total += sum[c];
+    return 1.0f / total;
+}
+
+/* O[r] = sum_j S[r][j] Vf[j] for r < nqv (a multiple of QR), j < kmax; RV rows at a time */
+static inline __attribute__((always_inline)) void values(int D, int RV, const float *S, long spad,
+                                                         int nqv, const float *Vf, int kmax,
+                                                         float *O) {
+    memset(O, 0, sizeof(float) * nqv * D);
+    for (int j0 = 0; j0 < kmax; j0 += VCH) {
+        const int j1 = j0 + VCH < kmax ? j0 + VCH : kmax;
+        for (int r0 = 0; r0 < nqv; r0 += RV) {
+            v16 acc[4][8]; /* RV x D / 16 of them used: 16 */
+            for (int r = 0; r < RV; r++)
+                for (int c = 0; c < D / 16; c++) acc[r][c] = ld(O + (long)(r0 + r) * D + 16 * c);
+            for (int j = j0; j < j1; j++) {
+                v16 vv[8];
+                for (int c = 0; c < D / 16; c++) vv[c] = ld(Vf + (long)j * D + 16 * c);
+                for (int r = 0; r < RV; r++) {
+                    const float p = S[(long)(r0 + r) * spad + j];
+                    for (int c = 0; c < D / 16; c++) acc[r][c] += p * vv[c];
+                }
+            }
+            for (int r = 0; r < RV; r++)
+                for (int c = 0; c < D / 16; c++) st(O + (long)(r0 + r) * D + 16 * c, acc[r][c]);
+        }
+    }
+}
+
+/* one unit: KV head hk's query vectors of tokens t0 .. t1 - 1 */
+static inline __attribute__((always_inline)) void unit(
+    int D, const void *q, long qs, void *out, int dtype, int q_len, int k_len, int H, int G,
+    int hk, int t0, int t1, const float *Kt, long kts, const float *Vf, float scale, float *Qf,
+    float *S, long spad, float *O, float *inv) {
+    const int base = k_len - q_len; /* position of query 0 */
+    const int nq = (t1 - t0) * G, nqv = (nq + QR - 1) / QR * QR;
+    const int kmax = base + t1; /* keys the last token attends */
+    const int kend = (kmax + KB - 1) / KB * KB;
+    for (int r = 0; r < nqv; r++) {
+        float *dst = Qf + (long)r * D;
+        if (r >= nq) {
+            memset(dst, 0, sizeof(float) * D);
+            continue;
+        }
+        to_f32(q, (long)(t0 + r / G) * qs + (long)(hk * G + r % G) * D, dtype, D, dst);
+    }
+    scores(D, Qf, nqv, Kt, kts, kend, scale, S, spad);
+    for (int r = 0; r < nqv; r++) {
+        const int n = r < nq ? base + t0 + r / G + 1 : 1; /* padding rows: any finite row */
+        inv[r] = softmax_row(S + (long)r * spad, n, kend);
+    }
+    if (D == 64)
+        values(64, 4, S, spad, nqv, Vf, kmax, O);
+    else
+        values(128, 2, S, spad, nqv, Vf, kmax, O);
+    for (int r = 0; r < nq; r++) {
+        const long dst = ((long)(t0 + r / G) * H + hk * G + r % G) * D;
+        const float *o = O + (long)r * D;
+        if (dtype == 0)
+            for (int d = 0; d < D; d++) ((float *)out)[dst + d] = o[d] * inv[r];
+        else
+            for (int d = 0; d < D; d++) ((uint16_t *)out)[dst + d] = f32_to_bf16(o[d] * inv[r]);
+    }
+}
+
+/* 0: done; 1: shapes not supported (D not 64 or 128, H not a multiple of Hkv, q_len > k_len,
+ * an unknown dtype); 2: no memory. */
+int prefill_attention(const void *q, long q_stride, const void *k, long k_stride, const void *v,
+                      long v_stride, void *out, int q_len, int k_len, int H, int Hkv, int D,
+                      float scale, int dtype, int nthreads) {
+    if ((D != 64 && D != 128) || Hkv <= 0 || H % Hkv || q_len < 0 || q_len > k_len ||
+        (dtype != 0 && dtype != 1))
+        return 1;
+    if (q_len == 0) return 0;
+    const int G = H / Hkv;
+    const int TQ = (TARGET_QV + G - 1) / G;
+    const long kpad = (k_len + KB - 1) / KB * KB, spad = kpad;
+    /* Kt's row stride: off powers of two, whose rows would share a few L1 sets (measured, 256
+     * keys: the transpose and the scores ~1.3x slower) */
+    const long kts = kpad + 16;
+    float *Kt = malloc(sizeof(float) * (size_t)Hkv * D * kts);
+    float *Vf = malloc(sizeof(float) * (size_t)Hkv * k_len * D);
+    if (!Kt || !Vf) {
+        free(Kt);
+        free(Vf);
+        return 2;
+    }
+    /* K transposed and V, in float32, per (KV head, 64 keys); Kt's pad keys 0 (finite scores) */
+    const int chunks = (int)((kpad + 63) / 64);
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int c = 0; c < Hkv * chunks; c++) {
+        const int hk = c / chunks;
+        const long j0 = (long)(c % chunks) * 64, j1 = j0 + 64 < kpad ? j0 + 64 : kpad;
+        float *kt = Kt + (long)hk * D * kts, *vf = Vf + (long)hk * k_len * D;
+        float row[128];
+        for (long j = j0; j < j1; j++) {
+            if (j < k_len) {
+                to_f32(k, j * k_stride + (long)hk * D, dtype, D, row);
+                to_f32(v, j * v_stride + (long)hk * D, dtype, D, vf + j * D);
+            } else {
+                memset(row, 0, sizeof row);
+            }
+            for (int d = 0; d < D; d++) kt[d * kts + j] = row[d];
+        }
+    }
+    const int tiles = (q_len + TQ - 1) / TQ, units = Hkv * tiles;
+    const int nqv_max = (TQ * G + QR - 1) / QR * QR;
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads)
+    {
+        float *Qf = malloc(sizeof(float) * (size_t)nqv_max * D);
+        float *S = malloc(sizeof(float) * (size_t)nqv_max * spad);
+        float *O = malloc(sizeof(float) * (size_t)nqv_max * D);
+        float *inv = malloc(sizeof(float) * (size_t)nqv_max);
+        const int ok = Qf && S && O && inv;
+        if (!ok) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        /* the last tiles (the most keys) first: the long units start early */
+#pragma omp for schedule(dynamic, 1)
+        for (int u = 0; u < units; u++) {
+            if (!ok) continue;
+            const int tile = tiles - 1 - u / Hkv, hk = u % Hkv;
+            const int t0 = tile * TQ, t1 = t0 + TQ < q_len ? t0 + TQ : q_len;
+            const float *kt = Kt + (long)hk * D * kts, *vf = Vf + (long)hk * k_len * D;
+            if (D == 64)
+                unit(64, q, q_stride, out, dtype, q_len, k_len, H, G, hk, t0, t1, kt, kts, vf,
+                     scale, Qf, S, spad, O, inv);
+            else
+                unit(128, q, q_stride, out, dtype, q_len, k_len, H, G, hk, t0, t1, kt, kts, vf,
+                     scale, Qf, S, spad, O, inv);
+        }
+        free(Qf);
+        free(S);
+        free(O);
+        free(inv);
+    }
+    free(Kt);
+    free(Vf);
+    return failed ? 2 : 0;
+}
