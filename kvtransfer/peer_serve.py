@@ -4,9 +4,14 @@ A worker that holds blocks another worker asks for (`KVFetch`, taken off its rec
 with the leading run of them it holds, in its cache or its KV tier, pushed through its `KVSender`
 to the asker's receiver; 0 blocks when it holds none, so that the asker need not wait for its
 timeout. An answer can be thousands of blocks (hundreds of MB), so `FetchServer` copies it into
-its payload in slices, at most `SERVE_BYTES_PER_TURN` a worker turn (`KVSender.stage`, then
-`send_staged` once full), and the worker's own steps run between slices; an otherwise idle
-worker does not wait between them (`common.runtime.worker_kv.WorkerKV.serving_peers`).
+its payload in slices (`KVSender.stage`, then `send_staged` once full), and the worker's own steps
+run between slices; an otherwise idle worker does not wait between them
+(`common.runtime.worker_kv.WorkerKV.serving_peers`). A turn copies `SERVE_BYTES_PER_TURN`, and
+more, a slice of that size at a time, while its copying has taken under `SERVE_SHARE` of the time
+the worker spent on its own work since its previous turn. A prefill worker's turn can be one
+multi-second prompt step: at 8 MB a turn a 20 MB answer would take three of them, past the
+asker's timeout (the asker then computes the prefix anyway), where this way it goes out after
+one, and the worker's own work is slowed by about `SERVE_SHARE` at most.
 Meanwhile the answer's cache blocks are pinned (a placeholder sequence in `engine.held`, so the
 block books count them) and its RAM-tier blocks referenced; disk-tier blocks are read when their
 slice is copied. The worker (`common.runtime.worker_kv`) calls `add` for each fetch and `step`
@@ -32,8 +37,13 @@ from kvtransfer.sender import KVSender
 log = logging.getLogger(__name__)
 
 SERVE_ID_PREFIX = "peer-serve/"  # the placeholder (in engine.held) of an answer's cache blocks
-SERVE_BYTES_PER_TURN = 8 << 20  # KV a worker copies and checksums for peers per turn
+SERVE_BYTES_PER_TURN = 8 << 20  # KV a worker copies and checksums for peers per turn, at least
+SERVE_SHARE = 0.25  # ... and more while copying takes under this share of its own time
 MAX_QUEUED_FETCHES = 64  # peers' fetches waiting for their answer; more are answered empty
+# How long a sent answer's payload outlives its asker's wait: the asker reads it between its own
+# steps (seconds long on a busy CPU) and uses it if it came in time; a late one it refuses at
+# once, which frees the payload. This only bounds the payload of an asker that never replies.
+ANSWER_GRACE_S = 10.0
 
 
 @dataclass
@@ -47,6 +57,7 @@ class _Answer:
     sources: list[int | torch.Tensor | bytes]
     placeholder: SequenceState | None  # holds the cache blocks (in engine.held), if any
     buffer: memoryview
+    until: float  # monotonic: when the asker stops waiting (no use copying after that)
     filled: int = 0
     checksums: list[int] = field(default_factory=list)
 
@@ -59,6 +70,8 @@ class FetchServer:
         self.engine = engine
         self.sender = sender
         self.bytes_per_turn = SERVE_BYTES_PER_TURN
+        self.share = SERVE_SHARE  # 0: one slice of `bytes_per_turn` a turn
+        self._turn_ended: float | None = None  # when the previous `step` returned
         self._queue: deque[tuple[KVFetch, float]] = deque()  # (fetch, when it came)
         self._active: _Answer | None = None
         self.served_blocks = 0  # blocks of answers sent
@@ -74,11 +87,27 @@ class FetchServer:
         return self._active is not None or bool(self._queue)
 
     def step(self) -> int:
-        """Copy at most `bytes_per_turn` of KV (one block at least) into the answers, oldest
-        first, and send those now full; returns the blocks sent."""
-        budget = max(1, self.bytes_per_turn // block_nbytes(self.engine))
+        """Copy a slice of KV into the answers, oldest first, and send those now full; returns
+        the blocks sent. Called once a worker turn. A slice is `bytes_per_turn` (one block at
+        least), then more, `bytes_per_turn` at a time, while its copying has taken less than
+        `share` of the worker's own time since the previous call."""
+        started = time.perf_counter()
+        own_s = started - self._turn_ended if self._turn_ended is not None else 0.0
+        try:
+            return self._step(started + self.share * own_s)
+        finally:
+            self._turn_ended = time.perf_counter()
+
+    def _step(self, extra_until: float) -> int:
+        """`_step` copies past the first slice until `extra_until` (perf_counter seconds)."""
+        per_slice = max(1, self.bytes_per_turn // block_nbytes(self.engine))
+        budget = per_slice
         sent = 0
-        while budget > 0:
+        while True:
+            if budget <= 0:
+                if time.perf_counter() >= extra_until:
+                    break
+                budget = per_slice  # time left: another slice
             if self._active is None:
                 if not self._queue:
                     break
@@ -86,11 +115,14 @@ class FetchServer:
                 if time.monotonic() - came > fetch.deadline_s:  # the asker stopped waiting
                     self.given_up += 1
                     continue
-                self._active = self._begin(fetch)
+                self._active = self._begin(fetch, came + fetch.deadline_s)
                 continue
             answer = self._active
-            if not self.sender.is_pending(answer.header.request_id):  # deadline passed
+            if time.monotonic() > answer.until or not self.sender.is_pending(
+                answer.header.request_id
+            ):  # the asker stopped waiting
                 self.given_up += 1
+                self.sender.abort(answer.header.request_id)
                 self._close(answer)
                 continue
             num = min(budget, len(answer.sources) - answer.filled)
@@ -108,9 +140,10 @@ class FetchServer:
         self.served_blocks += sent
         return sent
 
-    def _begin(self, fetch: KVFetch) -> _Answer | None:
+    def _begin(self, fetch: KVFetch, until: float) -> _Answer | None:
         """Look up the leading run of `fetch`'s blocks held here, pin it and stage its answer
-        (a 0-block answer is sent at once); None when nothing is left to copy."""
+        (a 0-block answer is sent at once); None when nothing is left to copy. `until`: when
+        its asker stops waiting (monotonic)."""
         engine = self.engine
         bs = engine.config.block_size
         tier = engine.tier
@@ -152,11 +185,12 @@ class FetchServer:
             placeholder.num_computed_tokens = placeholder.num_tokens
             engine.held[pid] = placeholder
         try:
-            buffer = self.sender.stage(fetch.reply_address, header, fetch.deadline_s)
+            wait_s = max(until - time.monotonic(), 0.0)
+            buffer = self.sender.stage(fetch.reply_address, header, wait_s + ANSWER_GRACE_S)
         except ValueError as exc:  # not our layout's header: a bug, not the peer's
             log.warning("could not answer fetch %s: %s", fetch.fetch_id, exc)
             buffer = None
-        answer = _Answer(fetch, header, sources, placeholder, buffer or memoryview(b""))
+        answer = _Answer(fetch, header, sources, placeholder, buffer or memoryview(b""), until)
         if buffer is None or not sources:  # it failed at once, or an empty answer: done
             if buffer is not None:
                 self.sender.send_staged(header.request_id, [])

@@ -196,6 +196,7 @@ def test_a_peer_killed_mid_answer_means_computing_with_the_same_greedy_output(
     pair.run_until(lambda: len(pair.headers) == 1)
     pair.run_until(lambda: not pair.a.sender.num_pending())
     pair.a.fetch_server.bytes_per_turn = 1  # one block a turn: the answer takes 7 turns
+    pair.a.fetch_server.share = 0  # ... however long a's turns take
     started = time.monotonic()
     pair.prefill(pair.b, "r2", pair.hint(transport, timeout_s=20.0))
     assert "r2" in pair.b.deferred

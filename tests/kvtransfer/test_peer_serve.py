@@ -1,9 +1,9 @@
 """The serving side of peer fetches (`kvtransfer.peer_serve`), between two real prefill workers in
 one process (the `Pair` of tests/kvtransfer/test_peer_fetch.py: a router socket, a decode-side
 receiver). Worker `a` holds a prompt's blocks and answers `b`'s fetch of them: a slice a turn within
-its per-turn bound, its cache blocks pinned until copied; an answer its asker stopped waiting for
-is given up and unpinned; fetches beyond the queue's bound are answered empty at once. Every
-engine's books balance, with every block free, at the end.
+its per-turn bound (more after a long turn of its own), its cache blocks pinned until copied; an
+answer its asker stopped waiting for is given up and unpinned; fetches beyond the queue's bound
+are answered empty at once. Every engine's books balance, with every block free, at the end.
 """
 
 from __future__ import annotations
@@ -28,8 +28,10 @@ def pair(tiny_llama):
 
 
 def _blocks_a_turn(worker: PrefillWorker, num_blocks: int) -> None:
-    """Let `worker` copy at most `num_blocks` blocks into its answers to peers per turn."""
+    """Let `worker` copy at most `num_blocks` blocks into its answers to peers per turn, however
+    long its turns take."""
     worker.fetch_server.bytes_per_turn = num_blocks * peer_fetch.block_nbytes(worker.engine)
+    worker.fetch_server.share = 0
 
 
 @pytest.mark.parametrize(("transport", "kv_dtype"), [("tcp", "auto"), ("shm", "int8")])
@@ -81,6 +83,63 @@ def test_an_answer_is_copied_a_bounded_slice_a_turn(tiny_llama, transport, kv_dt
         pair.assert_all_free()
     finally:
         pair.close()
+
+
+def test_a_worker_whose_own_turns_are_long_copies_more_of_an_answer_a_turn(pair) -> None:
+    """A turn copies `bytes_per_turn`, then more while its copying has taken under `share` of
+    the worker's own time since its previous turn: a busy prefill worker's turn is a whole
+    prompt step, and an answer paced at one small slice a turn would miss its asker's timeout.
+    Here a slice is one block: right after a turn (no time of its own to share) a copies one,
+    after a second of its own work (a long step) the other six go out in that turn, and the blocks
+    b then holds are a's."""
+    pair.prefill(pair.a, "r1")
+    pair.run_until(lambda: len(pair.headers) == 1)
+    pair.run_until(lambda: not pair.a.sender.num_pending())
+    server = pair.a.fetch_server
+    server.bytes_per_turn = peer_fetch.block_nbytes(pair.a.engine)  # a slice: one block
+    assert server.share == peer_serve.SERVE_SHARE > 0
+    pair.prefill(pair.b, "r2", pair.hint("tcp"))
+    assert pair.a.receiver.socket.poll(5000)  # the fetch reached a
+    pair.a.receiver.poll(pair.a._resolve_kv)  # ... and is taken, as a's turn would
+    (fetch,) = pair.a.receiver.take_fetches()
+    server.step()  # a turn with nothing to copy
+    server.add(fetch)
+    server.step()  # right after it: no time of its own to share, so one slice
+    assert server._active is not None and server._active.filled == 1
+    assert pair.a.engine.block_books().held == 7  # its cache blocks stay pinned
+    time.sleep(1.0)  # a's own work between turns: a long step (250 ms to copy 6 tiny blocks)
+    server.step()
+    assert server._active is None and server.served_blocks == 7  # the other six, in one turn
+    pair.run_until(lambda: len(pair.headers) == 2)
+    assert pair.b.peer_fetch_counters()["kv_peer_fetched_tokens_total"] == 7 * BLOCK_SIZE
+    assert pair.b.engine.num_prefill_tokens == len(PROMPT) - 7 * BLOCK_SIZE
+    assert pair.headers[1].first_token_id == pair.headers[0].first_token_id
+    pair.run_until(lambda: not pair.a.sender.num_pending() and not pair.b.sender.num_pending())
+    pair.assert_all_free()
+
+
+def test_an_answer_sent_in_time_is_still_there_when_a_busy_asker_reads_it(pair) -> None:
+    """The asker reads an answer between its own steps, which can outlast its wait: b's fetch
+    waits 0.5 s, a answers over shm at once, then b is in a 0.8 s step while a turns on (past
+    the wait, a's sender expires nothing: the payload outlives the wait by `ANSWER_GRACE_S`).
+    b then takes the answer that came in time and computes only what it did not fetch."""
+    pair.prefill(pair.a, "r1")
+    pair.run_until(lambda: len(pair.headers) == 1)
+    pair.run_until(lambda: not pair.a.sender.num_pending())
+    pair.prefill(pair.b, "r2", pair.hint("shm", timeout_s=0.5))
+    assert "r2" in pair.b.deferred
+    pair.run_until(lambda: pair.a.fetch_server.served_blocks == 7, workers=(pair.a,))
+    assert pair.b.receiver.socket.poll(5000)  # the answer is at b, unread: b is busy
+    time.sleep(0.8)  # b's long step, past its wait
+    pair.a.step()  # a turns meanwhile: its answer's payload stays
+    assert pair.a.sender.num_pending() == 1
+    pair.run_until(lambda: len(pair.headers) == 2)
+    assert pair.b.peer_fetch_counters()["kv_peer_fetched_tokens_total"] == 7 * BLOCK_SIZE
+    assert pair.b.peer_fetch_counters()["kv_peer_fetch_failures_total"] == 0
+    assert pair.b.engine.num_prefill_tokens == len(PROMPT) - 7 * BLOCK_SIZE
+    assert pair.headers[1].first_token_id == pair.headers[0].first_token_id
+    pair.run_until(lambda: not pair.a.sender.num_pending() and not pair.b.sender.num_pending())
+    pair.assert_all_free()
 
 
 def test_an_answer_the_asker_stopped_waiting_for_is_given_up_and_unpinned(pair) -> None:

@@ -63,6 +63,7 @@ def test_an_idle_worker_answers_a_many_slice_fetch_without_waiting_between_slice
     else:
         worker = DecodeWorker(engine, router.address, "peer", "tcp://127.0.0.1:*", context=ctx)
     worker.fetch_server.bytes_per_turn = peer_fetch.block_nbytes(engine)  # a block a turn
+    worker.fetch_server.share = 0  # ... however long a turn takes
     asker = KVReceiver(torch.zeros_like(engine.runner.kv_cache), context=ctx)
     dealer = ctx.socket(zmq.DEALER)
     dealer.setsockopt(zmq.LINGER, 0)
