@@ -25,6 +25,7 @@ import torch
 
 from common.engine.grammar import refused_tokens
 from common.engine.penalties import TokenHistory, apply_penalties
+from common.kernels import cpu_ops
 from common.sampling_params import SamplingParams
 
 # Top-p first looks for the nucleus among this many best tokens; rows whose nucleus is larger fall
@@ -400,6 +401,8 @@ def _logsumexp(x: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
 
 
 def _argmax(x: torch.Tensor) -> list[int]:
+    if cpu_ops.supports(x) and x.dim() == 2 and x.stride(1) == 1 and x.shape[1]:
+        return cpu_ops.argmax(x)  # the same indices, a vector loop instead of a scalar one
     # max().indices is argmax (first maximum on ties), 4x faster on bf16 CPU tensors (torch 2.13).
     return x.max(dim=-1).indices.tolist()
 

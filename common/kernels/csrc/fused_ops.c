@@ -1,6 +1,7 @@
 /* Fused element-wise ops of the decoder layer for the CPU path: residual add + RMSNorm, rotary
- * embedding of q and k in one pass (plus storing k and v into their KV-cache slots), SiLU * up.
- * Compiled on first use by common/kernels/cpu_ops.py.
+ * embedding of q and k in one pass (plus storing k and v into their KV-cache slots), SiLU * up;
+ * and each row's argmax, the sampler's greedy pick. Compiled on first use by
+ * common/kernels/cpu_ops.py.
  *
  * Each op rounds where the eager torch code rounds (bfloat16 after every torch op, float32
  * statistics in RMSNorm), and is built with -ffp-contract=off (no FMA contraction), so rotary
@@ -210,5 +211,63 @@ int silu_mul(const void *gate_up, long in_stride, void *out, long out_stride, in
     }
 #pragma omp parallel for schedule(static)
     for (int t = 0; t < T; t++) silu_row(gate_up, in_stride, out, out_stride, t, I, dtype);
+    return 0;
+}
+
+/* ---- argmax of each row (the sampler's greedy pick): 16 lanes of a GCC vector type at every ISA
+ * level. The largest value's first index; a row holding a NaN: its first NaN's index (NaN ranks
+ * above everything, as in torch's max). -0 and +0 are equal: the first of them. */
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t vi16 __attribute__((vector_size(64)));
+typedef uint16_t vh16 __attribute__((vector_size(32)));
+
+static inline v16 load16(const void *x, long i, int dtype) {
+    if (dtype == 0) {
+        v16 v;
+        memcpy(&v, (const float *)x + i, sizeof v);
+        return v;
+    }
+    vh16 h;
+    memcpy(&h, (const uint16_t *)x + i, sizeof h);
+    return (v16)(__builtin_convertvector(h, vi16) << 16);
+}
+
+static long argmax_row(const void *x, long off, int n, int dtype) {
+    const int n16 = n / 16 * 16;
+    const vi16 lanes = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    /* per lane: the largest value and its first index, the first NaN's index (n: none) */
+    v16 m = (v16){} - INFINITY;
+    vi16 at = lanes, nan_at = (vi16){} + n;
+    for (int i = 0; i < n16; i += 16) {
+        const v16 v = load16(x, off + i, dtype);
+        const vi16 idx = lanes + i, gt = v > m, first_nan = (v != v) & (nan_at == n);
+        m = (v16)(((vi16)v & gt) | ((vi16)m & ~gt));
+        at = (idx & gt) | (at & ~gt);
+        nan_at = (idx & first_nan) | (nan_at & ~first_nan);
+    }
+    float best = -INFINITY;
+    long best_at = n, first_nan = n;
+    for (int c = 0; c < 16 && n16; c++) {
+        if (nan_at[c] < first_nan) first_nan = nan_at[c];
+        if (m[c] > best || (m[c] == best && at[c] < best_at)) best = m[c], best_at = at[c];
+    }
+    for (int i = n16; i < n; i++) {
+        const float v = dtype == 0 ? ((const float *)x)[off + i]
+                                   : bf16_to_f32(((const uint16_t *)x)[off + i]);
+        if (v != v && first_nan == n) first_nan = i;
+        if (v > best || best_at == n) best = v, best_at = i;
+    }
+    return first_nan < n ? first_nan : best_at;
+}
+
+/* out[r] = argmax_row of row r of x [rows, n] (row stride in elements). */
+int argmax_rows(const void *x, long stride, int rows, int n, int dtype, int64_t *out) {
+    if (n <= 0) return 1;
+    if (rows < 2 || (long)rows * n < PARALLEL_MIN) {
+        for (int r = 0; r < rows; r++) out[r] = argmax_row(x, (long)r * stride, n, dtype);
+        return 0;
+    }
+#pragma omp parallel for schedule(static)
+    for (int r = 0; r < rows; r++) out[r] = argmax_row(x, (long)r * stride, n, dtype);
     return 0;
 }

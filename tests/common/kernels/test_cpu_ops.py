@@ -219,3 +219,42 @@ def test_prefill_sized_ops_give_the_same_bits_on_any_thread_count(dtype):
         torch.set_num_threads(threads)
     for one, two in zip(*results):
         assert torch.equal(one, two)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,n", [(1, 49152), (40, 3000), (3, 17), (2, 5), (4, 16)])
+def test_argmax_matches_torch_max(dtype, rows, n):
+    g = torch.Generator().manual_seed(rows * n)
+    for trial in range(6):
+        x = torch.randn(rows, n, generator=g).to(dtype)
+        if trial % 2:
+            x = (x * 2).round()  # many ties: the first index wins
+        assert cpu_ops.argmax(x) == x.max(dim=-1).indices.tolist()
+        x[0, (7 * trial) % n] = float("nan")  # NaN ranks highest: its first index
+        x[0, n - 1] = float("nan")
+        x[-1] = float("-inf")  # every value -inf: index 0
+        if rows > 2:
+            x[1] = 0.0
+            x[1, n // 2] = -0.0  # -0 equals 0: the first of them
+        assert cpu_ops.argmax(x) == x.max(dim=-1).indices.tolist()
+
+
+def test_argmax_reads_strided_rows_and_refuses_bad_layouts():
+    wide = torch.randn(6, 300)
+    view = wide[:, :200]
+    assert cpu_ops.argmax(view) == view.max(dim=-1).indices.tolist()
+    with pytest.raises(ValueError, match="contiguous"):
+        cpu_ops.argmax(wide.t())
+    with pytest.raises(ValueError, match="contiguous"):
+        cpu_ops.argmax(torch.randn(5))
+
+
+def test_greedy_sampling_picks_through_it(monkeypatch):
+    from common.engine import sampler
+
+    logits = torch.randn(8, 1000).bfloat16()
+    calls = []
+    monkeypatch.setattr(cpu_ops, "argmax", lambda x: calls.append(x.shape) or [0] * len(x))
+    assert sampler._argmax(logits) == [0] * 8 and calls == [(8, 1000)]
+    monkeypatch.undo()
+    assert sampler._argmax(logits) == logits.max(dim=-1).indices.tolist()
