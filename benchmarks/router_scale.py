@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import multiprocessing as mp
 import os
 import signal
@@ -78,11 +79,35 @@ CPU_PROFILE = (
 )
 
 
+# The router with `router_scale_trace` installed: its read-to-write time per token, SIGUSR1 to 2.
+TRACE = (
+    "import sys; sys.path.insert(0, sys.argv[1]); import router_scale_trace; "
+    "sys.exit(router_scale_trace.run(sys.argv[2], sys.argv[3:]))"
+)
+
+
+def cpu_list(text: str) -> set[int]:
+    """CPUs as taskset writes them: '0', '0,2', '0-3'."""
+    cpus: set[int] = set()
+    for part in filter(None, text.split(",")):
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
 def start_router(
     python: str, ready_file: str, profile: str = "", heartbeat_timeout_s: float = 0.0,
-    max_loop_lag_s: float = 0.0, event_loop: str = "",
+    max_loop_lag_s: float = 0.0, event_loop: str = "", cpus: set[int] | None = None,
+    trace: str = "",
 ) -> subprocess.Popen:  # fmt: skip
-    run = ["-c", CPU_PROFILE, profile] if profile else ["-m", "common.cli"]
+    """A router process; on `cpus` only (every thread of it: set before it starts) when given;
+    under cProfile with `profile`, or with its read-to-write trace to `trace`."""
+    if profile:
+        run = ["-c", CPU_PROFILE, profile]
+    elif trace:
+        run = ["-c", TRACE, HERE, trace]
+    else:
+        run = ["-m", "common.cli"]
     cmd = [python, *run, "router", "--port", "0", "--control-port", "0",
            "--colocated", "--routing", "least_loaded", "--log-level", "warning",
            "--ready-file", ready_file, "--max-loop-lag-s", str(max_loop_lag_s)]  # fmt: skip
@@ -90,7 +115,8 @@ def start_router(
         cmd += ["--heartbeat-timeout-s", str(heartbeat_timeout_s)]
     if event_loop:
         cmd += ["--event-loop", event_loop]
-    proc = subprocess.Popen(cmd, cwd=ROOT)
+    pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
+    proc = subprocess.Popen(cmd, cwd=ROOT, preexec_fn=pin)
     deadline = time.monotonic() + 120
     while not os.path.exists(ready_file):
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -117,6 +143,32 @@ def added_latencies(
         send = sent.get(f"{rid}-0", [])
         latencies.extend(r - s for s, r in zip(send, times) if s >= since_s)
     return latencies
+
+
+def trace_figures(paths: list[str], since_s: float) -> dict:
+    """The routers' own read-to-write time per token over the paced phase (`--router-trace`), of
+    the tokens read from `since_s` on (the same tokens as `paced_latency_*`, give or take the ones
+    in flight then): wall seconds, and the loop thread's CPU seconds (its own work only)."""
+    wall: list[float] = []
+    cpu: list[float] = []
+    unmeasured = 0
+    for path in paths:
+        with open(path) as f:
+            trace = json.load(f)
+        for read_s, wall_s, cpu_s in trace["samples"]:
+            if read_s >= since_s:
+                wall.append(wall_s)
+                cpu.append(cpu_s)
+        unmeasured += trace["unmeasured"]
+    figures: dict = {
+        "paced_router_read_to_write_tokens": len(wall),
+        "paced_router_read_to_write_unmeasured": unmeasured,  # via the stream's task: all phase
+    }
+    for name, values in (("", wall), ("_cpu", cpu)):
+        for q in (50, 90, 99):
+            figures[f"paced_router_read_to_write{name}_p{q}_ms"] = 1e3 * pct(values, q / 100)
+        figures[f"paced_router_read_to_write{name}_max_ms"] = 1e3 * max(values, default=math.nan)
+    return figures
 
 
 def paced_figures(paced: dict, sent: dict[str, list[float]], args: argparse.Namespace) -> dict:
@@ -184,6 +236,15 @@ def main() -> None:
                     "it would refuse work with 429s, as it should)")  # fmt: skip
     ap.add_argument("--event-loop", default="", help="the router's --event-loop (auto, uvloop, "
                     "asyncio; default: the router's own default)")  # fmt: skip
+    ap.add_argument("--router-cpus", default="", help="CPUs the router processes run on "
+                    "(taskset's form: 0 or 0,2 or 0-1); with --load-cpus, a router alone on its "
+                    "core while workers and clients share the others")  # fmt: skip
+    ap.add_argument("--load-cpus", default="", help="CPUs the synthetic workers, the HTTP "
+                    "clients and this script run on")  # fmt: skip
+    ap.add_argument("--router-trace", action="store_true", help="in the paced phase, also the "
+                    "routers' own part of the latency: from the read of a token's message off "
+                    "the control socket to its bytes' write to the client's connection "
+                    "(router_scale_trace.py; not with --profile)")  # fmt: skip
     ap.add_argument("--decisions-only", action="store_true", help="only the routing choices "
                     "themselves (no router process, no HTTP): microseconds per decode and per "
                     "prefill choice with --workers workers, for each policy")  # fmt: skip
@@ -193,6 +254,12 @@ def main() -> None:
             print(f"{name:<34}  {value:.4g}")
         return
 
+    if args.router_trace and args.profile:
+        ap.error("--router-trace and --profile both use the router's SIGUSR1/2: one at a time")
+    router_cpus = cpu_list(args.router_cpus)
+    load_cpus = cpu_list(args.load_cpus)
+    if load_cpus:  # this script, and through it every worker and client process it starts
+        os.sched_setaffinity(0, load_cpus)
     from common import protocol
 
     relay = args.relay if hasattr(protocol, "TokenBatch") else "tokens"
@@ -206,6 +273,8 @@ def main() -> None:
     stop, res_q = ctx.Event(), ctx.Queue()
     step = ctx.Value("d", args.step_ms / 1000, lock=False)  # the workers' step, per phase
     workers = []
+    traces = [os.path.join(tmp, f"trace{r}.json") if args.router_trace else ""
+              for r in range(args.routers)]  # fmt: skip
     try:
         for r in range(args.routers):
             ready_file = os.path.join(tmp, f"ready{r}.json")
@@ -218,6 +287,8 @@ def main() -> None:
                     args.heartbeat_timeout_s,
                     args.max_loop_lag_s,
                     args.event_loop,
+                    router_cpus,
+                    traces[r],
                 )  # fmt: skip
             )
             with open(ready_file) as f:
@@ -265,9 +336,20 @@ def main() -> None:
         if args.paced_rate > 0:  # the same streams, each worker stepping slower
             time.sleep(1.0)
             step.value = args.streams / args.paced_rate
+            if args.router_trace:
+                for router in routers:
+                    router.send_signal(signal.SIGUSR1)
             paced = run_clients(ctx, ports, "stream", args.streams, args.client_procs,
                                 args.paced_tokens, pids, sample_rss=False,
                                 duration_s=args.duration)  # fmt: skip
+            if args.router_trace:
+                for router in routers:
+                    router.send_signal(signal.SIGUSR2)
+                deadline = time.monotonic() + 30
+                while not all(os.path.exists(t) for t in traces):
+                    if time.monotonic() > deadline:
+                        raise RuntimeError("a router wrote no trace")
+                    time.sleep(0.1)
         stop.set()
         sent: dict[str, list[float]] = {}
         for _ in workers:
@@ -295,6 +377,8 @@ def main() -> None:
     figures = {
         "relay": relay,
         "routers": args.routers,
+        "router_cpus": args.router_cpus or "any",
+        "load_cpus": args.load_cpus or "any",
         "workers": args.workers,
         "streams": args.streams,
         "tokens_per_stream": args.tokens,
@@ -335,6 +419,9 @@ def main() -> None:
     }
     if paced is not None:
         figures.update(paced_figures(paced, sent, args))
+        if args.router_trace:
+            started = [t[0] for _, _, t in paced["results"] if t]
+            figures.update(trace_figures(traces, max(started, default=float("inf"))))
     figures["index_mib_per_million_blocks"] = index_bytes_per_million(args.index_blocks) / 2**20
     figures.update(decision_figures(args.workers))
     width = max(len(k) for k in figures)

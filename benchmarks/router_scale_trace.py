@@ -1,0 +1,82 @@
+"""The router's own part of a token's latency, for `benchmarks/router_scale.py --router-trace`.
+
+Runs inside the router process (`run`, started in place of `pdserve router`): wraps the control
+plane's handling of each worker message and each stream's write so that, between SIGUSR1 and
+SIGUSR2, every token written straight to its HTTP connection (`router.streaming.SSEResponse`'s
+direct path, nearly all of them) records the seconds from the moment the router read the message
+that brought it off its control socket (`ControlPlane._receive`, right after the `recv`) to the
+moment its bytes went to the connection's transport (`SSEResponse._flush`). That is the router's
+event-loop work and queueing between read and write: not the worker's send or ZeroMQ's I/O
+threads before the read, nor the kernel and the client after the write. Each sample has it twice:
+on the wall clock (with any time the loop's thread was preempted: other processes on its core)
+and in the loop thread's CPU time (its own work in between only: what it would be with a core
+to itself). A flush writing several tokens of one stream counts each at the read time of the
+stream's oldest chunk then waiting (the longest of them). SIGUSR2 writes the samples (JSON:
+`samples`, per token [read time (monotonic seconds, the host's one clock), wall seconds to the
+write, loop-thread CPU seconds to the write], and `unmeasured`, how many tokens went through the
+stream's task instead) to the path given.
+
+The wrappers cost two clock reads per message and per flush (about a microsecond a token).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+
+def run(out_path: str, argv: list[str]) -> int:
+    """Install the trace, then run `pdserve` with `argv` (the router command line)."""
+    from common.cli import main
+    from router.control import ControlPlane
+    from router.streaming import SSEResponse
+
+    clock, cpu_clock = time.monotonic, time.thread_time
+    state: dict[str, Any] = {"on": False, "read": (0.0, 0.0), "samples": [], "unmeasured": 0}
+    receive, on_put, flush = ControlPlane._receive, SSEResponse._on_put, SSEResponse._flush
+
+    def traced_receive(self: ControlPlane, frames: list) -> None:
+        state["read"] = (clock(), cpu_clock())
+        receive(self, frames)
+
+    def traced_on_put(self: SSEResponse, event: Any) -> bool:
+        waiting = len(self._out)
+        taken = on_put(self, event)
+        if not waiting and self._out:  # the stream's oldest chunk now waiting for `_flush`
+            self._trace_read = state["read"]  # type: ignore[attr-defined]
+        elif not taken and state["on"]:
+            state["unmeasured"] += 1  # buffered for the stream's task
+        return taken
+
+    def traced_flush(self: SSEResponse) -> None:
+        waiting = len(self._out)
+        flush(self)
+        if waiting and not self._out and state["on"]:
+            read_s, read_cpu_s = self._trace_read  # type: ignore[attr-defined]
+            sample = (read_s, clock() - read_s, cpu_clock() - read_cpu_s)
+            state["samples"].extend([sample] * waiting)
+
+    def start(*_: Any) -> None:
+        state["samples"], state["unmeasured"], state["on"] = [], 0, True
+
+    def stop(*_: Any) -> None:
+        state["on"] = False
+        with open(out_path + ".part", "w") as f:
+            json.dump({"samples": state["samples"], "unmeasured": state["unmeasured"]}, f)
+        os.replace(out_path + ".part", out_path)  # there whole, or not yet
+
+    ControlPlane._receive = traced_receive  # type: ignore[method-assign]
+    SSEResponse._on_put = traced_on_put  # type: ignore[method-assign]
+    SSEResponse._flush = traced_flush  # type: ignore[method-assign]
+    signal.signal(signal.SIGUSR1, start)
+    signal.signal(signal.SIGUSR2, stop)
+    sys.argv[0] = "pdserve"
+    return main(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(run(sys.argv[1], sys.argv[2:]))
