@@ -167,7 +167,10 @@ class ControlPlane:
             self._drain_due = True
             self._loop.call_soon(self._drain)
 
-    MAX_MESSAGES_PER_WAKEUP = 256
+    # A wake-up's tokens are written once it is over (router.sse.FlushQueue runs next): 64
+    # messages keep the first one's wait short (256 doubled the router's own read-to-write
+    # latency at 1,000 workers) and cost no more per token (benchmarks/router_scale_relay.py).
+    MAX_MESSAGES_PER_WAKEUP = 64
 
     def _receive(self, frames: list) -> None:
         """Decode one worker message and handle it; a bad one is dropped with a warning."""
