@@ -403,6 +403,10 @@ def main() -> None:
         "relayed_tokens_per_router_cpu_s": num_tokens / max(relayed["router_cpu_s"], 1e-9),
         "router_cpu_s": relayed["router_cpu_s"],
         "router_kernel_share": relayed["router_system_cpu_s"] / max(relayed["router_cpu_s"], 1e-9),
+        # Pages the router's allocator gave back to the kernel and touched again, all threads.
+        "router_minor_faults_per_1k_tokens": 1e3
+        * relayed["router_minor_faults"]
+        / max(num_tokens, 1),
         "relay_wall_s": relayed["wall_s"],
         "router_core_use": relayed["router_core_use_max"],  # the busiest router's
         # Latency the host adds: the router runnable but not running (other processes' load).

@@ -29,6 +29,13 @@ def proc_cpu_s(pid: int, system_only: bool = False) -> float:
     return (int(fields[12]) + (0 if system_only else int(fields[11]))) / CLOCK_TICKS
 
 
+def proc_minor_faults(pid: int) -> int:
+    """Minor page faults of process `pid` so far (all its threads): memory its allocator took
+    back from the kernel and touched again."""
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[7])
+
+
 def proc_runqueue_wait_s(pid: int) -> float:
     """Seconds the process's main thread (the router's event loop) has been runnable but not
     running, waiting for a core (/proc/<pid>/schedstat): the host's share of its lateness."""
@@ -165,6 +172,7 @@ def run_clients(ctx, ports: list[int], kind: str, total: int, procs: int, tokens
     cpu0 = [proc_cpu_s(pid) for pid in router_pids]
     sys0 = [proc_cpu_s(pid, system_only=True) for pid in router_pids]
     waits0 = [proc_runqueue_wait_s(pid) for pid in router_pids]
+    faults0 = sum(proc_minor_faults(pid) for pid in router_pids)
     load0 = os.getloadavg()[0]
     wall0 = time.monotonic()
     go.set()
@@ -183,6 +191,7 @@ def run_clients(ctx, ports: list[int], kind: str, total: int, procs: int, tokens
     cpus = [proc_cpu_s(pid) - c for pid, c in zip(router_pids, cpu0)]
     system = sum(proc_cpu_s(pid, system_only=True) - c for pid, c in zip(router_pids, sys0))
     waits = [proc_runqueue_wait_s(pid) - w for pid, w in zip(router_pids, waits0)]
+    faults = sum(proc_minor_faults(pid) for pid in router_pids) - faults0
     for c in clients:
         c.join()
     return {
@@ -190,6 +199,7 @@ def run_clients(ctx, ports: list[int], kind: str, total: int, procs: int, tokens
         "client_cpu_s": sum(c for _, c, _ in got),
         "router_cpu_s": sum(cpus),
         "router_system_cpu_s": system,  # in the kernel: socket reads and writes
+        "router_minor_faults": faults,
         "router_core_use_max": max(cpus) / wall,
         # Of the wall time, the share the busiest router's loop waited for a core it wanted.
         "router_runqueue_wait_share": max(waits) / wall,
