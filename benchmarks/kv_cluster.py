@@ -23,8 +23,11 @@ bytes per token (layers x 2 x KV heads x head dim x 2 bytes; the workers' own
   up` has no such flag, "(d) not available: no peer fetch".
 
 Per setting, from the streams: TTFT p50/p99 and inter-token latency p50 (gaps between chunks that
-carry tokens, as `common.bench.client` defines ITL); from the router's /metrics (worker counters,
-counted from after a short warm-up request): prefill tokens computed
+carry tokens, as `common.bench.client` defines ITL), and the TTFT p50 of tenants' first turns
+(their prefix computed wherever they go) and of the later ones apart, with the host's load
+average before and after (the settings run minutes apart on a shared machine); from the
+router's /metrics (worker counters, counted from after a short warm-up request): prefill tokens
+computed
 (`prefill_kv_computed_tokens_total` on the prefill workers; the decode worker's own, which should
 stay 0, beside it) against the unique-prefix minimum (tenants x prefix tokens + every turn's
 tokens: each prefix computed once), KV bytes sent prefill -> decode (`kv_transfer_bytes_total`),
@@ -50,7 +53,7 @@ workload's "KV tokens sent" is its bytes over the workers' `kv_cache_bytes_per_t
         [--prefix-tokens 1500] [--turns 3] [--turn-words 16] [--output-tokens 16]
         [--concurrency 3] [--cache-fraction 0.25] [--prefill 2] [--decode 1]
         [--settings a,b,c,d] [--num-threads N] [--seed 0] [--probe-prompts 2]
-        [--probe-tokens 512] [--quick] [--json PATH]
+        [--probe-tokens 512] [--quick] [--json PATH] [--keep-logs]
 
 `--quick`: 8 tenants, 300-token prefixes, 2 turns, 8 output tokens (5-8 minutes on a loaded
 2-core machine, most of it starting the three clusters; to check that it runs). Result: a
@@ -119,6 +122,15 @@ class Workload:
     def prompt(self, i: int) -> list[int]:
         tenant, turn = self.requests[i]
         return self.prefixes[tenant] + turn
+
+    def first_turns(self) -> list[bool]:
+        """Per request: whether it is its tenant's first (its prefix in no cache yet)."""
+        seen: set[int] = set()
+        out = []
+        for tenant, _ in self.requests:
+            out.append(tenant not in seen)
+            seen.add(tenant)
+        return out
 
     @property
     def unique_min_tokens(self) -> int:
@@ -323,7 +335,9 @@ def run_setting(
         asyncio.run(run_load(cluster.url, args.model, [warm], args, f"{setting} warm-up"))
         time.sleep(args.heartbeat_wait_s)
         before = snapshot(cluster)
+        load_before = os.getloadavg()[0]
         results, seconds = asyncio.run(run_load(cluster.url, args.model, prompts, args, setting))
+        load_after = os.getloadavg()[0]
         # Counters come with heartbeats: wait until the prefill workers have counted every prompt.
         want = total(before, "prefix_cache_queries_total", "prefill") + workload.prompt_tokens
         deadline = time.monotonic() + 30
@@ -340,7 +354,8 @@ def run_setting(
         probe = same_token_probe(cluster, args, setting) if setting in ("a", "b") else None
     delta = {k: v - before.get(k, 0.0) for k, v in after.items()}
     gauges = {k: v for k, v in after.items() if k[0] == "kv_cache_bytes_per_token"}
-    out = summarize(setting, results, seconds, delta, gauges)
+    out = summarize(setting, results, seconds, delta, gauges, workload.first_turns())
+    out["load_avg"] = [load_before, load_after]  # the host's 1-minute load, start and end
     out["probe"] = probe
     return out
 
@@ -390,8 +405,9 @@ def same_token_probe(cluster: LocalCluster, args: argparse.Namespace, setting: s
 
 
 def summarize(
-    setting: str, results: list[Result], seconds: float, delta: dict, gauges: dict
-) -> dict:
+    setting: str, results: list[Result], seconds: float, delta: dict, gauges: dict,
+    first: list[bool],
+) -> dict:  # fmt: skip
     ok = [r for r in results if r.error is None]
     ms = 1000.0
 
@@ -413,6 +429,13 @@ def summarize(
         "seconds": seconds,
         "ttft_p50_ms": pct(ttft, 50),
         "ttft_p99_ms": pct(ttft, 99),
+        # a tenant's first turn computes its prefix wherever it goes; the later ones can find it
+        "ttft_p50_first_turns_ms": pct(
+            [r.ttft_s for r in ok if r.ttft_s is not None and first[r.index]], 50
+        ),
+        "ttft_p50_later_turns_ms": pct(
+            [r.ttft_s for r in ok if r.ttft_s is not None and not first[r.index]], 50
+        ),
         "itl_p50_ms": pct([g for r in ok for g in r.itls_s], 50),
         "prefill_computed_tokens": total(delta, "prefill_kv_computed_tokens_total", "prefill"),
         "decode_computed_tokens": total(delta, "prefill_kv_computed_tokens_total", "decode"),
@@ -516,7 +539,11 @@ def print_report(args, workload: Workload, sizes: dict, results: dict, notes: li
             f"| {fmt(s.get('agreement_with_a'), '{:.1%}')} |"
         )
     for s in results.values():
-        extra = []
+        extra = [
+            f"TTFT p50 of first turns {fmt(s['ttft_p50_first_turns_ms'], '{:.0f}')} ms, of "
+            f"later turns {fmt(s['ttft_p50_later_turns_ms'], '{:.0f}')} ms",
+            "load average {:.2f} -> {:.2f}".format(*s["load_avg"]),
+        ]
         if s["errors"]:
             extra.append(f"errors: {s['first_errors']}")
         if any(s["preemptions"].values()):
@@ -586,6 +613,15 @@ def targets(results: dict, minimum: int) -> list[str]:
         if a and a["ttft_p50_ms"] and d["ttft_p50_ms"]:
             r = a["ttft_p50_ms"] / d["ttft_p50_ms"]
             lines.append(f"(d) TTFT p50 >= 3x better than (a): {r:.2f}x, {verdict(r >= 3)}")
+            fa, fd = a["ttft_p50_first_turns_ms"], d["ttft_p50_first_turns_ms"]
+            la, ld = a["ttft_p50_later_turns_ms"], d["ttft_p50_later_turns_ms"]
+            if fa and fd and la and ld:
+                lines.append(
+                    f"   by turn (not judged): first turns {fa / fd:.2f}x, later turns "
+                    f"{la / ld:.2f}x; load average over (a) {a['load_avg'][0]:.2f} -> "
+                    f"{a['load_avg'][1]:.2f}, over (d) {d['load_avg'][0]:.2f} -> "
+                    f"{d['load_avg'][1]:.2f}"
+                )
     # int8 with its scales is 12,240 / 23,040 = 0.53 of bf16 on the default model: "half" read
     # as at most 0.55.
     pa, pb = (a or {}).get("probe"), (b or {}).get("probe")
@@ -655,6 +691,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true",
                    help="8 tenants, 300-token prefixes, 2 turns, 8 output tokens")  # fmt: skip
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--keep-logs", action="store_true",
+                   help="keep the workers' logs (else kept only when a cluster fails)")  # fmt: skip
     args = p.parse_args(argv)
     if args.quick:
         args.tenants, args.prefix_tokens, args.turns, args.output_tokens = 8, 300, 2, 8
@@ -722,7 +760,9 @@ def main(argv: list[str] | None = None) -> int:
             results[setting]["agreement_with_previous"] = agreement(
                 results[before[-1]], results[setting]
             )
-    if not failed:
+    if args.keep_logs:
+        notes.append(f"worker logs in {log_dir}")
+    elif not failed:
         for f in log_dir.glob("*.log"):
             f.unlink()
         log_dir.rmdir()
