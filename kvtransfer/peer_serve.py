@@ -99,7 +99,7 @@ class FetchServer:
             self._turn_ended = time.perf_counter()
 
     def _step(self, extra_until: float) -> int:
-        """`_step` copies past the first slice until `extra_until` (perf_counter seconds)."""
+        """Copy one slice, then more while perf_counter() is before `extra_until`."""
         per_slice = max(1, self.bytes_per_turn // block_nbytes(self.engine))
         budget = per_slice
         sent = 0
