@@ -79,6 +79,13 @@ class Pair:
         num_blocks = (len(PROMPT) - 1) // BLOCK_SIZE
         return PeerHint("a", address or self.a.kv_address, num_blocks, transport, timeout_s)
 
+    def assert_b_fetched(self, blocks: int) -> None:
+        """b took `blocks` blocks from a, computed only the rest, and answered as a did."""
+        fetched = self.b.peer_fetch_counters()["kv_peer_fetched_tokens_total"]
+        assert fetched == blocks * BLOCK_SIZE
+        assert self.b.engine.num_prefill_tokens == len(PROMPT) - blocks * BLOCK_SIZE
+        assert self.headers[1].first_token_id == self.headers[0].first_token_id
+
     def assert_all_free(self) -> None:
         for worker in (self.a, self.b):
             books = worker.engine.block_books()
@@ -307,9 +314,7 @@ def test_blocks_in_the_peers_tier_are_fetched_too(tiny_llama, kv_dtype) -> None:
         assert any(in_tier) and not all(in_tier), in_tier  # some from the cache, some the tier
         pair.prefill(pair.b, "r2", pair.hint("shm"))
         pair.run_until(lambda: len(pair.headers) == 2)
-        assert pair.b.peer_fetch_counters()["kv_peer_fetched_tokens_total"] == 7 * BLOCK_SIZE
-        assert pair.b.engine.num_prefill_tokens == len(PROMPT) - 7 * BLOCK_SIZE
-        assert pair.headers[1].first_token_id == pair.headers[0].first_token_id
+        pair.assert_b_fetched(7)
         pair.run_until(lambda: not pair.b.sender.num_pending() and not pair.a.sender.num_pending())
         pair.assert_all_free()
         # b's copy of every block is a's, byte for byte (the tier keeps blocks byte-exact)

@@ -61,8 +61,7 @@ def test_an_answer_is_copied_a_bounded_slice_a_turn(tiny_llama, transport, kv_dt
             time.sleep(0.001)
         assert filled == [2, 4, 6]  # then the seventh, and the answer went out
         assert server.served_blocks == 7 and server.given_up == 0
-        assert pair.b.engine.num_prefill_tokens == len(PROMPT) - 7 * BLOCK_SIZE
-        assert pair.headers[1].first_token_id == pair.headers[0].first_token_id
+        pair.assert_b_fetched(7)
         pair.run_until(lambda: not pair.a.sender.num_pending() and not pair.b.sender.num_pending())
         pair.assert_all_free()
         # the blocks b fetched in slices are a's, byte for byte (and scales, for int8)
@@ -111,9 +110,7 @@ def test_a_worker_whose_own_turns_are_long_copies_more_of_an_answer_a_turn(pair)
     server.step()
     assert server._active is None and server.served_blocks == 7  # the other six, in one turn
     pair.run_until(lambda: len(pair.headers) == 2)
-    assert pair.b.peer_fetch_counters()["kv_peer_fetched_tokens_total"] == 7 * BLOCK_SIZE
-    assert pair.b.engine.num_prefill_tokens == len(PROMPT) - 7 * BLOCK_SIZE
-    assert pair.headers[1].first_token_id == pair.headers[0].first_token_id
+    pair.assert_b_fetched(7)
     pair.run_until(lambda: not pair.a.sender.num_pending() and not pair.b.sender.num_pending())
     pair.assert_all_free()
 
@@ -134,10 +131,8 @@ def test_an_answer_sent_in_time_is_still_there_when_a_busy_asker_reads_it(pair) 
     pair.a.step()  # a turns meanwhile: its answer's payload stays
     assert pair.a.sender.num_pending() == 1
     pair.run_until(lambda: len(pair.headers) == 2)
-    assert pair.b.peer_fetch_counters()["kv_peer_fetched_tokens_total"] == 7 * BLOCK_SIZE
+    pair.assert_b_fetched(7)
     assert pair.b.peer_fetch_counters()["kv_peer_fetch_failures_total"] == 0
-    assert pair.b.engine.num_prefill_tokens == len(PROMPT) - 7 * BLOCK_SIZE
-    assert pair.headers[1].first_token_id == pair.headers[0].first_token_id
     pair.run_until(lambda: not pair.a.sender.num_pending() and not pair.b.sender.num_pending())
     pair.assert_all_free()
 
