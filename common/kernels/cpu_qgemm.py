@@ -3,8 +3,9 @@
 x [M, K] @ W.T for W a `quant_weight.QuantWeight` (int4 groups, int8 per channel or group, with
 or without zero points), M from 2 up (decode batches, small prefills): each row of x is quantized
 per block of `BLOCK` columns to int8 with a float32 scale (max |x| / 127, round to nearest even),
-each block's products are summed exactly in int32 (AVX-512 VNNI / AVX-VNNI dpbusd, AVX2 maddubs,
-or portable C: csrc/quant_gemm.c), then scaled in float32. The weight is repacked once into
+each block's products are summed exactly in int32 (AMX tiles from 32 rows on where the CPU and
+kernel allow them, AVX-512 VNNI / AVX-VNNI dpbusd, AVX2 maddubs, or portable C:
+csrc/quant_gemm.c), then scaled in float32. The weight is repacked once into
 panels of `PANEL` output columns (`pack`, kept by the caller), with 16-bit scales and zeros where
 those give back every one exactly (a bfloat16 model's are bfloat16; a float32 GGUF weight's are
 float16 scales and minimums): 20 bytes a block of 32 int4 weights to stream instead of 24, the
@@ -29,7 +30,7 @@ from common.kernels.quant_weight import QuantWeight
 
 BLOCK = 32  # columns of K per activation scale (llama.cpp's Q8_0 block)
 PANEL = 16  # output columns per weight panel (one 512-bit vector of int32 sums)
-ISA_NAMES = ("portable", "avx2", "avxvnni", "avx512vnni")  # qgemm_isa's codes
+ISA_NAMES = ("portable", "avx2", "avxvnni", "avx512vnni", "amx")  # qgemm_isa's codes
 
 _SOURCE = Path(__file__).parent / "csrc" / "quant_gemm.c"
 # Exact float steps matter here (x / scale must round as torch's does): none of REDUCTION_FLAGS.

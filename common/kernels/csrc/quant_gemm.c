@@ -436,6 +436,176 @@ static void panel_pair(const acts *a, int M, int bits, int bpg, const uint8_t *w
 #undef TILE2
 }
 
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__)
+/* AMX (Sapphire Rapids and later), from AMX_MIN_ROWS rows on: whole tiles of 16 rows of x times
+ * one panel. The tile unit makes each block's 16 x 16 int32 sums (tdpbssd: signed x codes times
+ * the weight codes made signed, u - off, so the offset needs no term), which are stored to
+ * memory; the float steps of `tile` above then scale them row by row, in the same order, so the
+ * results have the same bits as the AVX-512 VNNI tiles' (the int32 block sum is exact either
+ * way). The rows past the last whole tile go through the VNNI tiles. Why it gains little more
+ * than 1.1-1.25x on group-32 weights: each block of 32 needs its own product (half a tile's
+ * depth), a store and 16 rows of float steps, and the tile unit shares ports with the float
+ * steps, so their times add up (measured by parts, 256 rows: tile work 0.67 ms, float steps
+ * 0.42 ms, both 1.48 ms; a tile product plus its store alone ~8 ns a block, the float steps of
+ * a block alone ~6.5 ns, together ~15-17 ns however far ahead the product is issued). Linux
+ * hands out the tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM, once per process,
+ * at load): refused (an older kernel, a sandbox), the library runs its VNNI section alone
+ * (qgemm_isa 3). */
+#include <sys/syscall.h>
+#include <unistd.h>
+#define AMX_ROWS 16
+/* fewer rows stay on the VNNI tiles. Measured on the default model's four projections (Q4_1,
+ * bfloat16 x, 2 threads, an AVX-512 + AMX Xeon), time against the VNNI tiles': 16 rows 1.00x,
+ * 32 0.93x, 48 0.92x, 64 0.88x, 128 0.80-0.92x, 256 0.82-0.85x */
+#define AMX_MIN_ROWS 32
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+static int amx_ok;
+__attribute__((constructor)) static void amx_request(void) {
+    amx_ok = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+/* tmm0, tmm1: block sums C (16 rows x 16 int32); tmm2, tmm3: x codes A (16 rows x 32 bytes);
+ * tmm4, tmm5: weight codes B (8 rows of 4 K x 16 columns); two of each, used by turns, so that
+ * one block's loads and product need not wait for the previous block's */
+static void amx_configure(void) {
+    tile_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 2; t++) {
+        c.rows[t] = AMX_ROWS, c.colsb[t] = 64;
+        c.rows[2 + t] = AMX_ROWS, c.colsb[2 + t] = QB;
+        c.rows[4 + t] = QB / 4, c.colsb[4 + t] = 64;
+    }
+    _tile_loadconfig(&c);
+}
+
+/* a panel's codes -> tile rows of signed codes u - off, 512 bytes a block: int4 (4 x 64 bytes a
+ * block, low and high nibbles) row 2s the low nibbles of chunk s (K 8s..8s+3), row 2s + 1 its
+ * high ones; int8 (8 x 64 bytes a block, already rows) u - 128 */
+static void amx_unpack(const uint8_t *wp, int KB, int bits, int8_t *dst) {
+    if (bits == 4) {
+        const __m512i low4 = _mm512_set1_epi8(0x0F), eight = _mm512_set1_epi8(8);
+        for (long s = 0; s < (long)KB * 4; s++) {
+            const __m512i v = _mm512_loadu_si512(wp + 64 * s);
+            const __m512i lo = _mm512_and_si512(v, low4);
+            const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+            _mm512_store_si512(dst + 128 * s, _mm512_sub_epi8(lo, eight));
+            _mm512_store_si512(dst + 128 * s + 64, _mm512_sub_epi8(hi, eight));
+        }
+    } else {
+        const __m512i flip = _mm512_set1_epi8((char)0x80);
+        for (long s = 0; s < (long)KB * 8; s++)
+            _mm512_store_si512(dst + 64 * s, _mm512_xor_si512(_mm512_loadu_si512(wp + 64 * s), flip));
+    }
+}
+
+/* block b's products of the tile of rows whose codes start at xq (tile-major: 512 bytes a
+ * block) into tile c; AMX_STORE_SUMS(c) then writes them to cb[c]. A store waits for its
+ * product (tens of cycles) and holds up the instructions after it, so a block's product is
+ * issued before the float steps of the block before it and stored after them (measured: 1.09x
+ * at 256 rows against storing it at once; issuing it two blocks ahead gained nothing more) */
+#define AMX_BLOCK(c, ta, tb, b)                                                                  \
+    do {                                                                                         \
+        _tile_loadd(ta, xq + (long)(b) * AMX_ROWS * QB, QB);                                      \
+        _tile_loadd(tb, wb + (long)(b) * 512, 64);                                               \
+        _tile_zero(c);                                                                           \
+        _tile_dpbssd(c, ta, tb);                                                                 \
+    } while (0)
+#define AMX_STORE_SUMS(c)                                                                        \
+    do {                                                                                         \
+        _tile_stored(c, cb[c], 64);                                                              \
+        __asm__ volatile("" ::: "memory"); /* GCC's tile intrinsics do not say they write */     \
+    } while (0)
+
+/* rows 0..rows-1 (a multiple of 16) of x times one panel: wb its signed codes as tile rows
+ * (amx_unpack), sp/zp its scales and zeros; results to columns n0..n0+nc. t: the rows' codes and
+ * per-block (per-group) scalars regrouped by tile (`amx_regroup`): a tile's codes for a block
+ * are 512 contiguous bytes, its 16 scalars side by side */
+static void amx_panel(const acts *t, int rows, int bpg, const int8_t *wb, const void *sp,
+                      const void *zp, int sf, void *out, long N, long n0, int nc, int xdtype) {
+    const int K = t->K, KB = t->KB, G = t->G;
+    int32_t cb[2][AMX_ROWS * PANEL] __attribute__((aligned(64)));
+    for (int m0 = 0; m0 < rows; m0 += AMX_ROWS) {
+        const int8_t *xq = t->xq + (long)m0 * K;
+        const float *xs = t->xs + (long)m0 * KB, *xsg = t->xsg + (long)m0 * G;
+        /* the 16 rows' sums in named registers: an array would live in memory, written back
+         * around every tile instruction (asm statements that touch memory, to the compiler) */
+#define AMX_ROW_LIST(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11) X(12) X(13) X(14) X(15)
+#define AMX_DECL(m) __m512 f##m = _mm512_setzero_ps();
+#define AMX_ROW(m)                                                                               \
+    f##m = _mm512_fmadd_ps(                                                                      \
+        _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c + PANEL * (m))),                    \
+                      _mm512_set1_ps(xsb[m])),                                                   \
+        sv, f##m);
+#define AMX_ZERO(m) f##m = _mm512_fmadd_ps(_mm512_set1_ps(xsgg[m]), zv, f##m);
+#define AMX_STORE(m)                                                                             \
+    _mm512_storeu_ps(o, f##m);                                                                   \
+    store_row(o, nc, out, (long)(m0 + (m)) * N + n0, xdtype);
+/* block b's float steps, its sums in buffer i */
+#define AMX_SCALE(i, b)                                                                          \
+    do {                                                                                         \
+        const int32_t *c = cb[i];                                                                \
+        const float *xsb = xs + (long)(b) * AMX_ROWS;                                            \
+        const __m512 sv = scales16(sp, (long)((b) / bpg) * PANEL, sf);                           \
+        AMX_ROW_LIST(AMX_ROW)                                                                    \
+        if (zp && ((b) + 1) % bpg == 0) {                                                        \
+            const __m512 zv = zeros16(zp, sp, (long)((b) / bpg) * PANEL, sf);                    \
+            const float *xsgg = xsg + (long)((b) / bpg) * AMX_ROWS;                              \
+            AMX_ROW_LIST(AMX_ZERO)                                                               \
+        }                                                                                        \
+    } while (0)
+        AMX_ROW_LIST(AMX_DECL)
+        /* block b's sums in tile and buffer b % 2 */
+        AMX_BLOCK(0, 2, 4, 0);
+        AMX_STORE_SUMS(0);
+        for (int b = 0; b < KB; b += 2) {
+            if (b + 1 < KB) AMX_BLOCK(1, 3, 5, b + 1);
+            AMX_SCALE(0, b);
+            if (b + 1 < KB) {
+                AMX_STORE_SUMS(1);
+                if (b + 2 < KB) AMX_BLOCK(0, 2, 4, b + 2);
+                AMX_SCALE(1, b + 1);
+                if (b + 2 < KB) AMX_STORE_SUMS(0);
+            }
+        }
+        float o[PANEL];
+        AMX_ROW_LIST(AMX_STORE)
+#undef AMX_SCALE
+#undef AMX_STORE
+#undef AMX_ZERO
+#undef AMX_ROW
+#undef AMX_DECL
+#undef AMX_ROW_LIST
+    }
+}
+#undef AMX_BLOCK
+#undef AMX_STORE_SUMS
+
+/* rows [0, rows) (a multiple of 16) regrouped for amx_panel, per tile of 16 rows: per block
+ * the 16 rows' 32 codes one after another (512 bytes), and the 16 rows' values of each scalar
+ * side by side; into t's xq, xs and xsg (a's sizes) */
+static void amx_regroup(const acts *a, const acts *t, int rows) {
+    const int K = a->K, KB = a->KB, G = a->G;
+    for (int m0 = 0; m0 < rows; m0 += AMX_ROWS)
+        for (int m = 0; m < AMX_ROWS; m++) {
+            for (int b = 0; b < KB; b++) {
+                memcpy(t->xq + (long)m0 * K + ((long)b * AMX_ROWS + m) * QB,
+                       a->xq + (long)(m0 + m) * K + (long)b * QB, QB);
+                t->xs[(long)m0 * KB + (long)b * AMX_ROWS + m] = a->xs[(long)(m0 + m) * KB + b];
+            }
+            for (int g = 0; g < G; g++)
+                t->xsg[(long)m0 * G + (long)g * AMX_ROWS + m] = a->xsg[(long)(m0 + m) * G + g];
+        }
+}
+#endif
+
 #elif defined(__AVX2__)
 #if defined(__AVXVNNI__)
 #define ISA 2
@@ -608,8 +778,14 @@ static void panel(const acts *a, int M, int bits, int bpg, const uint8_t *wp, co
 }
 #endif
 
-/* Which section this build compiled: 3 AVX-512 VNNI, 2 AVX-VNNI, 1 AVX2, 0 portable. */
-int qgemm_isa(void) { return ISA; }
+/* Which section this build runs: 4 AMX (with AVX-512 VNNI for the rows past whole tiles), 3
+ * AVX-512 VNNI, 2 AVX-VNNI, 1 AVX2, 0 portable. */
+int qgemm_isa(void) {
+#ifdef AMX_ROWS
+    if (amx_ok) return 4;
+#endif
+    return ISA;
+}
 
 /* x_in [M, K] (row stride x_stride) times the packed weight (codes, scale, zero or NULL as in the
  * header; sf: their format there) -> out_ [M, N]. 1: shapes not supported (K or gs not a
@@ -631,41 +807,101 @@ int qgemm_a8(const void *x_in, long x_stride, int xdtype, int M, int K, int N, i
     quantize_x(x_in, x_stride, xdtype, M, gs, bits == 4 ? 8 : 128, &a, nthreads);
     const int P = (N + PANEL - 1) / PANEL, G = a.G, bpg = gs / QB;
     const long panel_bytes = (long)K * PANEL * bits / 8;
+    /* rows [0, Mw) by whole AMX tiles (none without AMX), rows [Mw, M) by the vector tiles */
+#ifdef AMX_ROWS
+    const int Mw = amx_ok && M >= AMX_MIN_ROWS ? M - M % AMX_ROWS : 0;
+#else
+    const int Mw = 0;
+#endif
+    const int Mr = M - Mw;
+    acts r = a; /* the rows past the whole tiles */
+    r.xq += (long)Mw * K, r.xs += (long)Mw * a.KB, r.xo += (long)Mw * a.KB;
+    r.xsg += (long)Mw * G;
+    void *out_r = (char *)out + (size_t)Mw * N * (xdtype == 0 ? 4 : 2);
 #ifdef PAIR_MIN_ROWS
     /* whole panels two at a time (the last, or a partial one, alone) */
-    const int step = M >= PAIR_MIN_ROWS ? 2 : 1, units = (P + step - 1) / step;
+    const int step = Mr >= PAIR_MIN_ROWS ? 2 : 1, units = (P + step - 1) / step;
 #else
     const int step = 1, units = P;
 #endif
-#pragma omp parallel for schedule(static) num_threads(nthreads)
-    for (int u = 0; u < units; u++) {
-        const int p = u * step;
-#ifdef PAIR_MIN_ROWS
-        const long n0 = (long)p * PANEL;
-        if (step == 2 && N - n0 >= 2 * PANEL) {
-            /* the pair after this one (this thread's next unit: the static schedule gives each
-             * thread consecutive ones) is asked for while this one computes: at 2-16 rows a
-             * pair's sums take about as long as streaming its weight, and without the prefetch
-             * the two added up (measured, default model, 2 threads, 256 tokens of context: a
-             * 5-row verify step 5.9-6.9 -> 4.9-6.1 ms, an 8-row one 8.4-9.8 -> 6.1-6.3, a
-             * batch-16 decode step 13.4-14.8 -> 11.2-11.9; batch 1 and 64 within noise) */
-            const int pf_next = N - n0 >= 4 * PANEL;
-            panel_pair(&a, M, bits, bpg, codes + p * panel_bytes, panel_bytes,
-                       scale_at(scale, (long)p * G * PANEL, sf),
-                       zero ? scale_at(zero, (long)p * G * PANEL, sf) : NULL, sf,
-                       (long)G * PANEL, out, N, n0, xdtype, pf_next);
-            continue;
+#ifdef AMX_ROWS
+    /* per thread: a panel's signed codes as tile rows (K * 16 bytes); the rows' codes and
+     * scalars regrouped by tile */
+    const size_t own = (size_t)K * PANEL;
+    int8_t *scratch = NULL;
+    char *regrouped = NULL;
+    acts t = a;
+    if (Mw) {
+        regrouped = aligned_alloc(64, (size_t)Mw * K + sizeof(float) * (size_t)Mw * (a.KB + a.G));
+        scratch = aligned_alloc(64, (size_t)nthreads * own);
+        if (!regrouped || !scratch) {
+            free(regrouped), free(scratch), free(buf);
+            return 2;
         }
-#endif
-        for (int q = p; q < p + step && q < P; q++) {
-            const long nq = (long)q * PANEL;
-            const int nc = N - nq < PANEL ? (int)(N - nq) : PANEL;
-            panel(&a, M, bits, bpg, codes + q * panel_bytes,
-                  scale_at(scale, (long)q * G * PANEL, sf),
-                  zero ? scale_at(zero, (long)q * G * PANEL, sf) : NULL, sf, out, N, nq, nc,
-                  xdtype);
-        }
+        t.xq = (int8_t *)regrouped;
+        t.xs = (float *)(regrouped + (size_t)Mw * K);
+        t.xsg = t.xs + (size_t)Mw * a.KB;
+        amx_regroup(&a, &t, Mw);
     }
+#endif
+#pragma omp parallel num_threads(nthreads)
+    {
+#ifdef AMX_ROWS
+#ifdef _OPENMP
+        const int tid = omp_get_thread_num();
+#else
+        const int tid = 0;
+#endif
+        int8_t *wb_own = scratch ? scratch + tid * own : NULL;
+        if (Mw) amx_configure();
+#endif
+#pragma omp for schedule(static)
+        for (int u = 0; u < units; u++) {
+            const int p = u * step;
+#ifdef AMX_ROWS
+            for (int q = p; Mw && q < p + step && q < P; q++) {
+                const long nq = (long)q * PANEL;
+                amx_unpack(codes + q * panel_bytes, a.KB, bits, wb_own);
+                amx_panel(&t, Mw, bpg, wb_own, scale_at(scale, nq * G, sf),
+                          zero ? scale_at(zero, nq * G, sf) : NULL, sf, out, N, nq,
+                          N - nq < PANEL ? (int)(N - nq) : PANEL, xdtype);
+            }
+#endif
+            if (!Mr) continue;
+#ifdef PAIR_MIN_ROWS
+            const long n0 = (long)p * PANEL;
+            if (step == 2 && N - n0 >= 2 * PANEL) {
+                /* the pair after this one (this thread's next unit: the static schedule gives
+                 * each thread consecutive ones) is asked for while this one computes: at 2-16
+                 * rows a pair's sums take about as long as streaming its weight, and without
+                 * the prefetch the two added up (measured, default model, 2 threads, 256 tokens
+                 * of context: a 5-row verify step 5.9-6.9 -> 4.9-6.1 ms, an 8-row one 8.4-9.8
+                 * -> 6.1-6.3, a batch-16 decode step 13.4-14.8 -> 11.2-11.9; batch 1 and 64
+                 * within noise) */
+                const int pf_next = N - n0 >= 4 * PANEL;
+                panel_pair(&r, Mr, bits, bpg, codes + p * panel_bytes, panel_bytes,
+                           scale_at(scale, (long)p * G * PANEL, sf),
+                           zero ? scale_at(zero, (long)p * G * PANEL, sf) : NULL, sf,
+                           (long)G * PANEL, out_r, N, n0, xdtype, pf_next);
+                continue;
+            }
+#endif
+            for (int q = p; q < p + step && q < P; q++) {
+                const long nq = (long)q * PANEL;
+                const int nc = N - nq < PANEL ? (int)(N - nq) : PANEL;
+                panel(&r, Mr, bits, bpg, codes + q * panel_bytes,
+                      scale_at(scale, (long)q * G * PANEL, sf),
+                      zero ? scale_at(zero, (long)q * G * PANEL, sf) : NULL, sf, out_r, N, nq,
+                      nc, xdtype);
+            }
+        }
+#ifdef AMX_ROWS
+        if (Mw) _tile_release();
+#endif
+    }
+#ifdef AMX_ROWS
+    free(scratch), free(regrouped);
+#endif
     free(buf);
     return 0;
 }

@@ -101,7 +101,7 @@ def test_matches_both_references(bits, group, zero, m, dtype):
 
 
 SECTIONS = {"portable": "portable", "avx2": "avx2", "avxvnni": "avxvnni",
-            "avx512vnni": "avx512vnni"}  # fmt: skip
+            "avx512vnni": "avx512vnni", "amx": "amx"}  # fmt: skip
 
 
 @pytest.mark.parametrize("level", SECTIONS)
@@ -117,6 +117,28 @@ def test_each_isa_section(level, bits, group, zero, monkeypatch):
         for dtype in (torch.float32, torch.bfloat16):
             x = activations(m, dtype)
             check(cpu_qgemm.matmul_a8(x, packed, lib), x, qt)
+
+
+@pytest.mark.parametrize("bits,group,zero", FORMATS)
+def test_amx_gives_the_avx512_vnni_bits(bits, group, zero, monkeypatch):
+    # the tile unit makes the same exact int32 block sums and the same float steps follow, in the
+    # same order: whole tiles of 16 rows (from 32 rows on) and the rows past them, NaN rows too
+    amx = cpu_qgemm.new_library()
+    if not amx.available() or cpu_qgemm.isa(amx) != "amx":
+        pytest.skip("no amx build on this host (no AMX, or the kernel refused the tile state)")
+    monkeypatch.setenv("PDSERVE_CPU_ISA", "avx512bf16")
+    vnni = cpu_qgemm.new_library()
+    assert cpu_qgemm.isa(vnni) == "avx512vnni"
+    qt = weight(bits, group, zero)
+    packed = pack(qt)
+    for m in (16, 31, 32, 33, 47, 64, 130):
+        for dtype in (torch.float32, torch.bfloat16):
+            x = activations(m, dtype)
+            x[m // 2, 3] = float("nan")
+            out, ref = cpu_qgemm.matmul_a8(x, packed, amx), cpu_qgemm.matmul_a8(x, packed, vnni)
+            assert torch.equal(out.isnan(), ref.isnan()), (m, dtype)
+            assert torch.equal(out.nan_to_num(0.0), ref.nan_to_num(0.0)), (m, dtype)
+            assert out[m // 2].isnan().all() and not out[0].isnan().any()
 
 
 def test_strided_and_float16_inputs():
