@@ -13,13 +13,13 @@ that the source must ask for, so they count only where the source (or a header n
 tests that level's macro in a preprocessor conditional (`__AVXVNNI__`, `__AVX512VNNI__`,
 `__AVX512BF16__`): a library without such code loads its avx512 build and the log says so.
 avx512bf16 is its own level because Cascade Lake has VNNI without BF16; amx (Sapphire Rapids on:
-AMX tiles with int8 products, `__AMX_INT8__`) sits above it, as every CPU with AMX has both.
-The order is linear, so
-a source with AVX-VNNI code but no AVX-512 VNNI code gets avx512 (no VNNI) on a CPU with both.
+AMX tiles with int8 products, `__AMX_INT8__`) sits above it, as every CPU with AMX has both. The
+order is linear, so a source with AVX-VNNI code but no AVX-512 VNNI code gets avx512 (no VNNI) on
+a CPU with both.
 
-`PDSERVE_CPU_ISA=portable|avx2|avxvnni|avx512|avx512vnni|avx512bf16|amx` caps the level: each library
-loads the highest level at or below it that it has code for and the CPU runs. A cap above what
-the CPU runs falls back to the CPU's highest with a warning (one setting can then serve a
+`PDSERVE_CPU_ISA=portable|avx2|avxvnni|avx512|avx512vnni|avx512bf16|amx` caps the level: each
+library loads the highest level at or below it that it has code for and the CPU runs. A cap above
+what the CPU runs falls back to the CPU's highest with a warning (one setting can then serve a
 mixed fleet); an unknown name is a ValueError. Off x86-64, and where /proc/cpuinfo cannot be
 read, only `portable` (plain -O3) exists.
 """
