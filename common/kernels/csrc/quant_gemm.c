@@ -502,7 +502,8 @@ static void amx_unpack(const uint8_t *wp, int KB, int bits, int8_t *dst) {
     } else {
         const __m512i flip = _mm512_set1_epi8((char)0x80);
         for (long s = 0; s < (long)KB * 8; s++)
-            _mm512_store_si512(dst + 64 * s, _mm512_xor_si512(_mm512_loadu_si512(wp + 64 * s), flip));
+            _mm512_store_si512(dst + 64 * s,
+                               _mm512_xor_si512(_mm512_loadu_si512(wp + 64 * s), flip));
     }
 }
 
@@ -537,7 +538,8 @@ static void amx_panel(const acts *t, int rows, int bpg, const int8_t *wb, const 
         const float *xs = t->xs + (long)m0 * KB, *xsg = t->xsg + (long)m0 * G;
         /* the 16 rows' sums in named registers: an array would live in memory, written back
          * around every tile instruction (asm statements that touch memory, to the compiler) */
-#define AMX_ROW_LIST(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11) X(12) X(13) X(14) X(15)
+#define AMX_ROW_LIST(X)                                                                          \
+    X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11) X(12) X(13) X(14) X(15)
 #define AMX_DECL(m) __m512 f##m = _mm512_setzero_ps();
 #define AMX_ROW(m)                                                                               \
     f##m = _mm512_fmadd_ps(                                                                      \
