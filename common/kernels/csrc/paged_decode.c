@@ -415,6 +415,11 @@ static inline __m128 reduce4_16(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
     return _mm_add_ps(_mm256_castps256_ps128(z), _mm256_extractf128_ps(z, 1));
 }
 
+/* 32 bfloat16 at base + idx as they are, in a float vector's register */
+static inline __m512 load32_raw(const void *base, long idx) {
+    return _mm512_castsi512_ps(_mm512_loadu_si512((const uint16_t *)base + idx));
+}
+
 #if defined(__AVX512BF16__)
 /* kvq 3: a bfloat16 cache read by a bfloat16 q (AVX-512 BF16). Scores: dpbf16 multiplies 32
  * pairs of q and K as they are stored and sums each pair into a float32 lane (the products are
@@ -436,10 +441,6 @@ static inline void unsplit32(__m512 lo, __m512 hi, float *dst) {
         _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
     _mm512_storeu_ps(dst, _mm512_permutex2var_ps(lo, first, hi));
     _mm512_storeu_ps(dst + 16, _mm512_permutex2var_ps(lo, second, hi));
-}
-/* 32 bfloat16 at base + idx as they are, in a float vector's register */
-static inline __m512 load32_raw(const void *base, long idx) {
-    return _mm512_castsi512_ps(_mm512_loadu_si512((const uint16_t *)base + idx));
 }
 static inline __m512 dot_pairs(__m512 acc, const void *q, long qi, const void *k, long ki) {
     return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512((const uint16_t *)q + qi),
