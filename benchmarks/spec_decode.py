@@ -12,8 +12,10 @@ keeping its fastest run (the machines are shared and noisy). Each engine first r
 untimed with 4 output tokens (warm-up; the prompts' KV then comes from the prefix cache), so the
 timed runs measure decoding, the part speculation changes. Reported: output tokens/s, mean accepted
 length (tokens a verifying sequence gains per step: 1 + accepted drafts / drafts), speedup over
-`none` in the same run, and how many requests' outputs equal `none`'s (greedy: all of them in
-float32; bfloat16 may flip near-ties).
+`none` in the same run, how many requests' outputs equal `none`'s (greedy: all of them in
+float32; bfloat16 may flip near-ties), and for `ngram` its bound on these outputs (`ngram_bound`:
+the speedup if a verify step cost no more than a decode step; what the model's own outputs allow
+prompt lookup to gain, whatever the kernels do).
 
     python benchmarks/spec_decode.py [--model default] [--dtype bfloat16] [--max-tokens 160]
         [--num-speculative-tokens 4] [--draft-layers 8] [--speculative-disable-by-batch-size N]
@@ -48,6 +50,7 @@ from common.api.tokenizer import Tokenizer  # noqa: E402
 from common.config import EngineConfig  # noqa: E402
 from common.engine.engine import Engine  # noqa: E402
 from common.engine.spec.governor import mean_accepted_length  # noqa: E402
+from common.engine.spec.proposers import ngram_propose  # noqa: E402
 from common.model.model_files import resolve_model  # noqa: E402
 from common.sampling_params import SamplingParams  # noqa: E402
 
@@ -114,10 +117,33 @@ class Row:
     mean_accepted_length: float
     same_as_none: int
     speedup: float = 0.0
+    bound: float = 0.0  # ngram: ngram_bound's figure on none's outputs
+
 
     @property
     def tokens_per_s(self) -> float:
         return self.output_tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+def ngram_bound(
+    prompts: list[list[int]], outputs: list[list[int]], k: int, min_n: int, max_n: int
+) -> float:
+    """The most n-gram speculation can gain on these greedy outputs: output tokens / target
+    steps, replaying each output with prompt lookup drafting before every step (as the engine's
+    proposer does) and a step gaining its drafts up to the first that differs from the output,
+    plus one token. The speedup if a verify step cost no more than a decode step."""
+    tokens = steps = 0
+    for prompt, out in zip(prompts, outputs):
+        i = 0
+        while i < len(out):
+            drafts = ngram_propose(prompt + out[:i], k, min_n, max_n)
+            kept = 0
+            while kept < len(drafts) and i + kept < len(out) and drafts[kept] == out[i + kept]:
+                kept += 1
+            i += kept + 1
+            steps += 1
+        tokens += len(out)
+    return tokens / steps if steps else 0.0
 
 
 def log(msg: str) -> None:
@@ -252,6 +278,11 @@ def main() -> int:
             )
             if ref:
                 row.speedup = row.tokens_per_s / (sum(len(o) for o in ref[0]) / ref[1])
+                if method == "ngram":
+                    row.bound = ngram_bound(
+                        prompts, ref[0], args.num_speculative_tokens, args.prompt_lookup_min,
+                        args.prompt_lookup_max,
+                    )  # fmt: skip
             rows.append(row)
     del engines
     gc.collect()
@@ -264,15 +295,21 @@ def main() -> int:
     )
     print(
         "| workload | batch | method | requests | output tokens | s | output tok/s "
-        "| mean accepted length | speedup vs none | same output as none |"
+        "| mean accepted length | speedup vs none | same output as none | n-gram bound |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in sorted(rows, key=lambda r: (r.workload, r.batch, methods.index(r.method))):
         print(
             f"| {r.workload} | {r.batch} | {r.method} | {r.requests} | {r.output_tokens} "
             f"| {r.seconds:.2f} | {r.tokens_per_s:.1f} | "
-            f"{r.mean_accepted_length:.2f} | {r.speedup:.2f}x | {r.same_as_none}/{r.requests} |"
+            f"{r.mean_accepted_length:.2f} | {r.speedup:.2f}x | {r.same_as_none}/{r.requests} | "
+            f"{f'{r.bound:.2f}x' if r.bound else '-'} |"
         )
+    print(
+        "\nn-gram bound: output tokens / target steps when drafts are looked up before every step "
+        "of none's outputs and a step keeps them up to the first wrong one (plus one token): the "
+        "speedup if verifying cost no more than a decode step, an upper bound for ngram's."
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
