@@ -152,6 +152,8 @@ def trace_figures(paths: list[str], since_s: float) -> dict:
     wall: list[float] = []
     cpu: list[float] = []
     unmeasured = 0
+    pauses: dict[int, list[float]] = {0: [], 1: [], 2: []}  # garbage collections, by generation
+    slow: dict[str, list[float]] = {}  # event-loop callbacks over the trace's SLOW_CALLBACK_S
     for path in paths:
         with open(path) as f:
             trace = json.load(f)
@@ -160,10 +162,25 @@ def trace_figures(paths: list[str], since_s: float) -> dict:
                 wall.append(wall_s)
                 cpu.append(cpu_s)
         unmeasured += trace["unmeasured"]
+        for start_s, generation, seconds, _ in trace.get("gc", []):
+            if start_s >= since_s:
+                pauses[generation].append(seconds)
+        for start_s, cpu_s, what in trace.get("slow", []):
+            if start_s >= since_s:
+                slow.setdefault(what, []).append(cpu_s)
     figures: dict = {
         "paced_router_read_to_write_tokens": len(wall),
         "paced_router_read_to_write_unmeasured": unmeasured,  # via the stream's task: all phase
     }
+    figures["paced_router_slow_callbacks"] = sum(len(v) for v in slow.values())
+    figures["paced_router_slow_callbacks_cpu_ms"] = 1e3 * sum(sum(v) for v in slow.values())
+    for what, seconds in sorted(slow.items(), key=lambda kv: -sum(kv[1]))[:5]:
+        print(f"slow callbacks: {len(seconds)} x {what}, {1e3 * sum(seconds):.1f} ms CPU, "
+              f"longest {1e3 * max(seconds):.1f} ms", file=sys.stderr)  # fmt: skip
+    for generation, seconds in pauses.items():
+        figures[f"paced_router_gc{generation}_collections"] = len(seconds)
+        figures[f"paced_router_gc{generation}_max_ms"] = 1e3 * max(seconds, default=0.0)
+        figures[f"paced_router_gc{generation}_total_ms"] = 1e3 * sum(seconds)
     for name, values in (("", wall), ("_cpu", cpu)):
         for q in (50, 90, 99):
             figures[f"paced_router_read_to_write{name}_p{q}_ms"] = 1e3 * pct(values, q / 100)

@@ -14,19 +14,25 @@ to itself). A flush writing several tokens of one stream counts each at the read
 stream's oldest chunk then waiting (the longest of them). SIGUSR2 writes the samples (JSON:
 `samples`, per token [read time (monotonic seconds, the host's one clock), wall seconds to the
 write, loop-thread CPU seconds to the write], and `unmeasured`, how many tokens went through the
-stream's task instead) to the path given.
+stream's task instead) to the path given, with `gc`: each of the interpreter's garbage
+collections in the loop's process meanwhile, [start (monotonic seconds), generation, wall
+seconds, objects collected] (gc.callbacks): a collection stops the loop for its length, so the
+tokens read then wait for it.
 
 The wrappers cost two clock reads per message and per flush (about a microsecond a token).
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
 import sys
 import time
 from typing import Any
+
+SLOW_CALLBACK_S = 0.001  # event-loop callbacks that took more of the loop thread's CPU: kept
 
 
 def run(out_path: str, argv: list[str]) -> int:
@@ -36,7 +42,9 @@ def run(out_path: str, argv: list[str]) -> int:
     from router.streaming import SSEResponse
 
     clock, cpu_clock = time.monotonic, time.thread_time
-    state: dict[str, Any] = {"on": False, "read": (0.0, 0.0), "samples": [], "unmeasured": 0}
+    state: dict[str, Any] = {
+        "on": False, "read": (0.0, 0.0), "samples": [], "unmeasured": 0, "gc": [], "gc_start": 0.0
+    }  # fmt: skip
     receive, on_put, flush = ControlPlane._receive, SSEResponse._on_put, SSEResponse._flush
 
     def traced_receive(self: ControlPlane, frames: list) -> None:
@@ -60,18 +68,49 @@ def run(out_path: str, argv: list[str]) -> int:
             sample = (read_s, clock() - read_s, cpu_clock() - read_cpu_s)
             state["samples"].extend([sample] * waiting)
 
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            state["gc_start"] = clock()
+        elif state["on"]:
+            start_s = state["gc_start"]
+            state["gc"].append((start_s, info["generation"], clock() - start_s, info["collected"]))
+
+    import asyncio.events
+
+    handle_run = asyncio.events.Handle._run
+    state["slow"] = []
+
+    def timed_run(self: Any) -> None:
+        t0, c0 = clock(), cpu_clock()
+        handle_run(self)
+        cpu_s = cpu_clock() - c0
+        if cpu_s > SLOW_CALLBACK_S and state["on"]:
+            state["slow"].append((t0, cpu_s, repr(getattr(self, "_callback", self))[:120]))
+
+    asyncio.events.Handle._run = timed_run  # type: ignore[method-assign]
+
     def start(*_: Any) -> None:
-        state["samples"], state["unmeasured"], state["on"] = [], 0, True
+        state["slow"] = []
+        state["samples"], state["unmeasured"], state["gc"], state["on"] = [], 0, [], True
 
     def stop(*_: Any) -> None:
         state["on"] = False
         with open(out_path + ".part", "w") as f:
-            json.dump({"samples": state["samples"], "unmeasured": state["unmeasured"]}, f)
+            json.dump(
+                {
+                    "samples": state["samples"],
+                    "unmeasured": state["unmeasured"],
+                    "gc": state["gc"],
+                    "slow": state["slow"],
+                },
+                f,
+            )
         os.replace(out_path + ".part", out_path)  # there whole, or not yet
 
     ControlPlane._receive = traced_receive  # type: ignore[method-assign]
     SSEResponse._on_put = traced_on_put  # type: ignore[method-assign]
     SSEResponse._flush = traced_flush  # type: ignore[method-assign]
+    gc.callbacks.append(on_gc)
     signal.signal(signal.SIGUSR1, start)
     signal.signal(signal.SIGUSR2, stop)
     sys.argv[0] = "pdserve"

@@ -119,7 +119,6 @@ class Row:
     speedup: float = 0.0
     bound: float = 0.0  # ngram: ngram_bound's figure on none's outputs
 
-
     @property
     def tokens_per_s(self) -> float:
         return self.output_tokens / self.seconds if self.seconds > 0 else 0.0

@@ -151,9 +151,9 @@ _flush_queues: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, FlushQueue] 
 )
 
 
-def flush_queue() -> FlushQueue:
-    """The running loop's `FlushQueue`."""
-    loop = asyncio.get_running_loop()
+def flush_queue(loop: asyncio.AbstractEventLoop | None = None) -> FlushQueue:
+    """The `FlushQueue` of `loop` (default: the running loop)."""
+    loop = loop or asyncio.get_running_loop()
     queue = _flush_queues.get(loop)
     if queue is None:
         queue = _flush_queues[loop] = FlushQueue(loop)

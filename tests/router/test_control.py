@@ -120,3 +120,65 @@ def test_a_message_of_several_frames_is_dropped_whole_and_the_rest_read_in_order
         dealer.close()
         plane.close()
         context.term()
+
+
+def test_a_wake_up_writes_its_tokens_as_it_ends_and_keeps_to_its_time_budget(monkeypatch) -> None:
+    # the tokens a wake-up brings are written as it ends (router.sse.FlushQueue, run by _drain,
+    # not after whatever the loop queued meanwhile), and a wake-up ends once DRAIN_BUDGET_S went
+    # by: its first message's tokens do not wait behind 64 others' handling
+    import asyncio
+
+    from router.sse import flush_queue
+
+    registry = Registry({"default"})
+    plane = ControlPlane(registry, PrefixIndex())
+    order: list[str] = []
+
+    class Writer(Recorder):
+        def on_token_batch(self, worker, msg) -> None:
+            super().on_token_batch(worker, msg)
+            flush_queue().add(lambda i=msg.outputs[0].token_ids[0]: order.append(f"write {i}"))
+            time.sleep(0.002)  # a message that takes longer than the whole budget
+
+    recorder = Writer()
+    plane.dispatcher = recorder  # type: ignore[assignment]
+    registry.register(b"d0", Register(
+        PROTOCOL_VERSION, "decode", "d0", "default", 16, 100, 4096, "float32", "h",
+    ))  # fmt: skip
+    monkeypatch.setattr(ControlPlane, "DRAIN_BUDGET_S", 0.001)
+
+    async def main() -> None:
+        address = plane.bind("127.0.0.1", 0)
+        context = zmq.Context()
+        dealer = context.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.IDENTITY, b"d0")
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(address)
+        try:
+            for i in range(3):
+                dealer.send(
+                    encode(TokenBatch([TokenOutput(f"r-{i}", [i], [], [], False, None, 3, 0)]))
+                )
+            assert plane.sock is not None
+            plane._loop = asyncio.get_running_loop()
+            time.sleep(0.2)  # all three there before the first wake-up
+            while len(recorder.got) < 3 and plane.sock.poll(1000):
+                plane._drain()
+                order.append("wake-up over")
+        finally:
+            dealer.close()
+            context.term()
+
+    try:
+        asyncio.run(main())
+    finally:
+        plane.close()
+    # one message a wake-up (each outlasts the budget), its token written before it returned
+    assert order == [
+        "write 0",
+        "wake-up over",
+        "write 1",
+        "wake-up over",
+        "write 2",
+        "wake-up over",
+    ]
