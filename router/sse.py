@@ -13,8 +13,9 @@ flow control). `expose_http_cycle` (the outermost ASGI layer, wrapped around the
 `router.server`) puts uvicorn's per-request cycle into the scope, where `direct_writer` finds
 the transport, the flow control and the framing; under any other server there is none and the
 stream's task writes through `send` as usual. And `FlushQueue`: the streams whose chunks wait
-to be written, all written by one loop callback once the callbacks running now are done (the
-control plane's read of a batch of worker messages), not one callback per stream.
+to be written, all written by one loop callback once the callbacks running now are done, not
+one callback per stream; the control plane runs it itself as each read of a batch of worker
+messages ends (router.control), so those tokens do not wait for the loop's other callbacks.
 
 Used by `router.streaming`.
 """
