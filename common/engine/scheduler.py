@@ -4,7 +4,13 @@ One step mixes decode tokens of running sequences with (chunked) prefill of new 
 budget, as vLLM v1 does, and the prompt tokens of a step under their own budget
 (`prefill_budget`, set by the engine from measured step costs: common.engine.step_budget).
 Running sequences go first, oldest first; when blocks run out the newest running sequence is
-preempted (its blocks freed, its tokens recomputed later). With speculative decoding a decoding
+preempted (its blocks freed, its tokens recomputed later). One exception, for the time to first
+token: while a running prompt is being prefilled in chunks, a waiting request whose prefill is
+short once its cached prefix is counted (at most a quarter of the prompt budget: a returning
+conversation, a shared system prompt) starts first, and that step's running chunks shrink to a
+quarter of the budget, so it does not wait behind the long prompt's remaining chunks
+(`_admit_short`; only where the blocks it takes leave every running sequence what this step
+needs, so it never causes a preemption). With speculative decoding a decoding
 sequence also gets slots (and budget) for up to `num_lookahead_tokens` draft tokens, when they
 fit without preempting anyone: the free blocks left after them must still cover what every
 running sequence behind it needs for this step's own tokens, and the token budget too.
@@ -22,6 +28,9 @@ from common.engine.sequence import SequenceState, SequenceStatus
 
 if TYPE_CHECKING:
     import torch
+
+MIN_SHARED_CHUNK = 16  # a running prompt's chunk in a step shared with short ones: a block
+SHORT_LOOKS = 2  # waiting requests matched against the prefix cache per step by _admit_short
 
 
 @dataclass
@@ -131,6 +140,10 @@ class Scheduler:
         preempted = False
         running = list(self.running)
         manager = self.block_manager
+        if self.waiting and any(s.num_tokens - s.num_computed_tokens > 1 for s in running):
+            budget, prompt_budget, started = self._admit_short(scheduled, budget, prompt_budget)
+            if started:  # this step stays short: the long prompts' chunks give way
+                prompt_budget = min(prompt_budget, max(MIN_SHARED_CHUNK, self.prefill_budget // 4))
         behind = self._blocks_needed_behind(running) if self.num_lookahead_tokens else []
         for index, seq in enumerate(running):
             if budget == 0:
@@ -176,6 +189,53 @@ class Scheduler:
             self._preempt(victim)
             budget = self._admit(scheduled, budget, prompt_budget)
         return scheduled
+
+    def _admit_short(
+        self, scheduled: list[ScheduledSeq], budget: int, prompt_budget: int
+    ) -> tuple[int, int, int]:
+        """Start the waiting sequences (holding no blocks yet, in order) whose prefill after
+        their prefix-cache hit is at most a quarter of the prompt budget, up to half of it in
+        all, where their blocks leave the running ones all they need this step; the others
+        drop the hit they were matched with and are not looked at again (a request is matched
+        here at most once; SHORT_LOOKS a step). Returns (token budget, prompt budget, started)."""
+        manager = self.block_manager
+        limit = max(1, prompt_budget // 4)
+        share = prompt_budget // 2
+        running_need = sum(
+            manager.num_new_blocks(
+                s, s.num_computed_tokens + min(s.num_tokens - s.num_computed_tokens, budget)
+            )
+            for s in self.running
+        )
+        started = looks = 0
+        for seq in list(self.waiting):
+            if len(self.running) >= self.max_num_seqs or share <= 0 or looks >= SHORT_LOOKS:
+                break
+            if seq.block_table or seq.long_prefill or not seq.reads_prefix_cache:
+                continue
+            looks += 1
+            hit = manager.match_prefix(seq)
+            n = seq.num_tokens - seq.num_computed_tokens
+            seq.long_prefill = n > limit  # looked at once: matching hashes its whole prompt
+            if (
+                n > min(limit, share, budget)
+                or manager.num_new_blocks(seq, seq.num_tokens) + running_need
+                > manager.pool.num_free
+                or not manager.ensure_slots(seq, seq.num_tokens)
+            ):
+                manager.free(seq)  # drops the hit: _admit matches it again in its turn
+                continue
+            if seq.num_output_tokens == 0:
+                seq.num_cached_tokens = hit
+            self.waiting.remove(seq)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            scheduled.append(ScheduledSeq(seq, n))
+            budget -= n
+            prompt_budget -= n
+            share -= n
+            started += 1
+        return budget, prompt_budget, started
 
     def _admit(self, scheduled: list[ScheduledSeq], budget: int, prompt_budget: int) -> int:
         """Start waiting sequences, in order, within the budgets and the free blocks; returns the

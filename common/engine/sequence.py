@@ -41,6 +41,7 @@ class SequenceState:
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
     prefix_queried: bool = False  # counted in the prefix cache's query metrics (once per request)
+    long_prefill: bool = False  # the scheduler found its prefill long: not started ahead of turn
     num_draft_computed_tokens: int = 0  # tokens whose KV a separate draft model holds
     finish_reason: str | None = None
     hold_blocks: bool = False  # prefill worker: keep the blocks after finishing, until released

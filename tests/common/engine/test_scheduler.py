@@ -245,3 +245,33 @@ def test_when_nothing_can_run_the_newest_waiting_holder_frees_its_blocks():
     assert [i.seq.request_id for i in batch] == ["a"]
     assert b.block_table == [] and list(sched.waiting) == [b]
     assert books(sched).ok
+
+
+def test_a_short_prefill_starts_ahead_of_a_long_prompts_chunks():
+    # a request whose prompt is mostly cached (a returning conversation) starts while a long
+    # prompt is being prefilled, in a step whose long chunk shrinks to a quarter of the budget;
+    # a waiting request with a long prefill keeps its turn
+    sched = make(num_blocks=128, budget=128)
+    sched.prefill_budget = 64  # prompt tokens a step (the engine sets it from measured costs)
+    first = seq("first", 40)
+    sched.add(first)
+    compute(sched, sched.schedule())
+    sched.remove(first)  # finished: its 10 blocks stay in the prefix cache
+    long = SequenceState("long", list(range(1000, 1200)), 200, PARAMS)
+    sched.add(long)
+    batch = sched.schedule()
+    assert [(i.seq.request_id, i.num_new_tokens) for i in batch] == [("long", 64)]
+    compute(sched, batch)
+    warm = SequenceState("warm", list(range(10, 50)) + [900, 901, 902, 903], 44, PARAMS)
+    sched.add(warm)
+    batch = sched.schedule()
+    assert [(i.seq.request_id, i.num_new_tokens) for i in batch] == [("warm", 4), ("long", 16)]
+    assert warm.num_cached_tokens == 40 and books(sched).ok
+    compute(sched, batch)
+    cold = SequenceState("cold", list(range(2000, 2100)), 100, PARAMS)
+    sched.add(cold)
+    batch = sched.schedule()
+    # the long prompt's chunk is whole again; the cold one waits behind it as before
+    assert [(i.seq.request_id, i.num_new_tokens) for i in batch] == [("long", 64), ("warm", 1)]
+    assert list(sched.waiting) == [cold] and cold.long_prefill and not cold.block_table
+    assert books(sched).ok
