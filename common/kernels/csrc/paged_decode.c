@@ -577,11 +577,10 @@ static inline __attribute__((always_inline)) void attend_group_avx512(
     while (t < t1) {
         const int count = t1 - t < 4 ? t1 - t : 4;
         block_rows(j, srow, t, t0, t1, count, D, kvq, esize, rows, kscale);
-        __m512 k[4][4]; /* [token][16 of D]; kvq 3: [token][32 of D, as stored] */
-        for (int d = 0; d < 4; d++)
+        __m512 k[4][4]; /* [token][16 of D]; kvq 3: [token][32 of D, as stored], two of them */
+        for (int d = 0; d < (kvq == 3 ? 2 : 4); d++)
             for (int i = 0; i < 4; i++)
-                k[i][d] = kvq == 3   ? (d < 2 ? load32_raw(j->k_cache, rows[i] + 32 * d)
-                                              : _mm512_setzero_ps())
+                k[i][d] = kvq == 3   ? load32_raw(j->k_cache, rows[i] + 32 * d)
                           : kvq == 1 ? load16_q(j->k_cache, rows[i] + 16 * d, j->kv_dtype)
                           : kvq == 2 ? load16_h(j->k_cache, rows[i] + 16 * d)
                                      : load16(j->k_cache, rows[i] + 16 * d, dtype);

@@ -789,6 +789,14 @@ int qgemm_isa(void) {
     return ISA;
 }
 
+/* How many of M rows this build's qgemm_a8 runs through AMX tiles (0 without AMX). */
+int qgemm_amx_rows(int M) {
+#ifdef AMX_ROWS
+    if (amx_ok && M >= AMX_MIN_ROWS) return M - M % AMX_ROWS;
+#endif
+    return 0;
+}
+
 /* x_in [M, K] (row stride x_stride) times the packed weight (codes, scale, zero or NULL as in the
  * header; sf: their format there) -> out_ [M, N]. 1: shapes not supported (K or gs not a
  * multiple of 32, float16 minimums with an int8 zero, an unknown sf), 2: no memory. */
@@ -810,11 +818,7 @@ int qgemm_a8(const void *x_in, long x_stride, int xdtype, int M, int K, int N, i
     const int P = (N + PANEL - 1) / PANEL, G = a.G, bpg = gs / QB;
     const long panel_bytes = (long)K * PANEL * bits / 8;
     /* rows [0, Mw) by whole AMX tiles (none without AMX), rows [Mw, M) by the vector tiles */
-#ifdef AMX_ROWS
-    const int Mw = amx_ok && M >= AMX_MIN_ROWS ? M - M % AMX_ROWS : 0;
-#else
-    const int Mw = 0;
-#endif
+    const int Mw = qgemm_amx_rows(M);
     const int Mr = M - Mw;
     acts r = a; /* the rows past the whole tiles */
     r.xq += (long)Mw * K, r.xs += (long)Mw * a.KB, r.xo += (long)Mw * a.KB;

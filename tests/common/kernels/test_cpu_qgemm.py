@@ -129,6 +129,10 @@ def test_amx_gives_the_avx512_vnni_bits(bits, group, zero, monkeypatch):
     monkeypatch.setenv("PDSERVE_CPU_ISA", "avx512bf16")
     vnni = cpu_qgemm.new_library()
     assert cpu_qgemm.isa(vnni) == "avx512vnni"
+    # the tile path runs (same bits either way, so the equality alone would not show it)
+    amx_rows = amx.get().qgemm_amx_rows
+    assert [amx_rows(m) for m in (16, 31, 32, 33, 47, 64, 130)] == [0, 0, 32, 32, 32, 64, 128]
+    assert vnni.get().qgemm_amx_rows(130) == 0
     qt = weight(bits, group, zero)
     packed = pack(qt)
     for m in (16, 31, 32, 33, 47, 64, 130):
