@@ -17,13 +17,16 @@ write, loop-thread CPU seconds to the write], and `unmeasured`, how many tokens 
 stream's task instead) to the path given, with `gc`: each of the interpreter's garbage
 collections in the loop's process meanwhile, [start (monotonic seconds), generation, wall
 seconds, objects collected] (gc.callbacks): a collection stops the loop for its length, so the
-tokens read then wait for it.
+tokens read then wait for it; and `slow`: the loop's callbacks that took over SLOW_CALLBACK_S of
+its thread's CPU, [start, CPU seconds, what ran].
 
-The wrappers cost two clock reads per message and per flush (about a microsecond a token).
+The wrappers cost two clock reads per message, per flush and per loop callback (about a
+microsecond a token).
 """
 
 from __future__ import annotations
 
+import asyncio.events
 import gc
 import json
 import os
@@ -43,7 +46,8 @@ def run(out_path: str, argv: list[str]) -> int:
 
     clock, cpu_clock = time.monotonic, time.thread_time
     state: dict[str, Any] = {
-        "on": False, "read": (0.0, 0.0), "samples": [], "unmeasured": 0, "gc": [], "gc_start": 0.0
+        "on": False, "read": (0.0, 0.0), "samples": [], "unmeasured": 0, "gc": [], "gc_start": 0.0,
+        "slow": [],
     }  # fmt: skip
     receive, on_put, flush = ControlPlane._receive, SSEResponse._on_put, SSEResponse._flush
 
@@ -75,10 +79,7 @@ def run(out_path: str, argv: list[str]) -> int:
             start_s = state["gc_start"]
             state["gc"].append((start_s, info["generation"], clock() - start_s, info["collected"]))
 
-    import asyncio.events
-
     handle_run = asyncio.events.Handle._run
-    state["slow"] = []
 
     def timed_run(self: Any) -> None:
         t0, c0 = clock(), cpu_clock()
@@ -90,8 +91,8 @@ def run(out_path: str, argv: list[str]) -> int:
     asyncio.events.Handle._run = timed_run  # type: ignore[method-assign]
 
     def start(*_: Any) -> None:
-        state["slow"] = []
-        state["samples"], state["unmeasured"], state["gc"], state["on"] = [], 0, [], True
+        state["samples"], state["unmeasured"], state["gc"], state["slow"] = [], 0, [], []
+        state["on"] = True
 
     def stop(*_: Any) -> None:
         state["on"] = False
