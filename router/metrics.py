@@ -111,6 +111,12 @@ WORKER_FAMILIES: dict[str, tuple[str, str, tuple[str, ...]]] = {
                                      "measured cheaper.", ("prefill", "decode")),
     "kv_peer_served_tokens_total": ("counter", "Tokens of KV blocks sent to peer workers that "
                                     "fetched them.", ("prefill", "decode")),
+    "cpu_borrowed_thread_steps_total": ("counter", "Engine steps run with more torch threads "
+                                        "than the worker's own, borrowed from idle workers on "
+                                        "the same machine (pdserve up --lend-cores).",
+                                        ("prefill", "decode")),
+    "cpu_core_give_back_wait_seconds_total": ("counter", "Time the worker waited for cores it "
+                                              "had lent to come back.", ("prefill", "decode")),
     **{name: (kind, help_, ("prefill", "decode"))
        for name, (kind, help_) in KV_TIER_FAMILIES.items()},
 }  # fmt: skip

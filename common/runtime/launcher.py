@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import common
+from common.runtime import cores
 from common.runtime.supervise import RestartPolicy, Supervisor
 
 # Where `common` lives: children get it on PYTHONPATH, so `python -m common.cli` works from any
@@ -101,9 +102,12 @@ class LocalCluster:
         supervise: bool = False,
         restart_policy: RestartPolicy | None = None,
         num_routers: int = 1,
+        lend_cores: int = 0,
     ) -> None:
         """`num_routers`: router processes serving the same workers ("router", "router-1", ...;
-        the first on `port` / `control_port`, the others on ports the OS gives)."""
+        the first on `port` / `control_port`, the others on ports the OS gives). `lend_cores`:
+        the cores the workers share, lending idle ones to each other (common.runtime.cores: a
+        ledger file in the cluster's scratch directory); 0: no lending."""
         self.model, self.workers = model, list(workers)
         self.num_routers = num_routers
         self.router_ports: list[tuple[int, int]] = []  # (http, control) of each router started
@@ -122,6 +126,8 @@ class LocalCluster:
         self._num_unnamed = 0
         self._specs: dict[str, WorkerSpec] = {}  # each worker process's name -> how to start it
         self.supervisor = Supervisor(restart_policy or RestartPolicy()) if supervise else None
+        self.lend_cores = lend_cores
+        self._ledger: Path | None = None
 
     # ---- addresses ------------------------------------------------------------------------------
 
@@ -237,7 +243,19 @@ class LocalCluster:
             args += ["--worker-id", spec.worker_id]
         args += ["--model", self.model, *spec.flags]
         extra = {"OMP_NUM_THREADS": str(spec.threads)} if spec.threads else {}
+        if self.lend_cores > 0:
+            extra[cores.LEDGER_ENV] = str(self._core_ledger())
         return self._spawn(name, args, extra)
+
+    def _core_ledger(self) -> Path:
+        """The workers' core ledger, made on first use (a slot per worker, restarts reuse the
+        dead one's, room for workers added later)."""
+        if self._ledger is None:
+            if self._scratch is None:
+                self._scratch = Path(tempfile.mkdtemp(prefix="pdserve-cluster-"))
+            self._ledger = self._scratch / "cores.ledger"
+            cores.create_ledger(self._ledger, self.lend_cores, max(16, 2 * len(self.workers)))
+        return self._ledger
 
     def _spawn(
         self, name: str, args: list[str], env: Mapping[str, str] | None = None
@@ -373,6 +391,7 @@ class LocalCluster:
         if self._scratch is not None:
             shutil.rmtree(self._scratch, ignore_errors=True)
             self._scratch = None
+            self._ledger = None
 
     def logs(self, chars: int = 3000) -> str:
         """The tail of every process's log (empty without a log_dir)."""

@@ -41,7 +41,8 @@ def cluster_from_args(
     if args.decode < 1 or args.prefill < 0:
         raise ValueError("--decode must be >= 1 and --prefill >= 0")
     # Workers share the machine: torch threads per worker so that together they fit the cores.
-    threads = str(args.num_threads or worker_threads(usable_cores(), args.prefill + args.decode))
+    cores = usable_cores()
+    threads = str(args.num_threads or worker_threads(cores, args.prefill + args.decode))
     engine_flags = ["--dtype", args.dtype, "--num-threads", threads]
     extra = args.engine_args[1:] if args.engine_args[:1] == ["--"] else args.engine_args
     engine_flags += extra
@@ -85,6 +86,8 @@ def cluster_from_args(
         env=env,
         supervise=True,
         restart_policy=RestartPolicy(max_restarts=args.max_worker_restarts),
+        # only where there is something to lend: several workers, more than one core
+        lend_cores=cores if args.lend_cores == "on" and cores > 1 else 0,
     )
 
 
@@ -228,6 +231,14 @@ def add_up_args(up: argparse.ArgumentParser) -> None:
         type=int,
         default=int(env("NUM_THREADS", "0")),
         help="torch threads per worker (default: cores / workers)",
+    )
+    up.add_argument(
+        "--lend-cores",
+        choices=("on", "off"),
+        default=env("LEND_CORES", "on"),
+        help="a CPU worker with nothing to compute lends its cores to the others for their "
+        "steps (a busy one gets them back within a step); off: each keeps its own threads "
+        "(env PDSERVE_LEND_CORES)",
     )
     up.add_argument(
         "--routing",

@@ -30,12 +30,13 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import msgspec
+import torch
 import zmq
 
 from common import protocol
 from common.engine.engine import Engine
 from common.protocol import Heartbeat, KVEvents, Register, RegisterAck
-from common.runtime import kv_events
+from common.runtime import cores, kv_events
 from common.runtime.auth import ClusterKeys
 from common.runtime.router_link import (
     RESOLVE_INTERVAL_S,
@@ -132,6 +133,10 @@ class WorkerBase(WorkerKV):
         self.loop_count = 0  # turns of `run`'s loop with no engine work waiting (see `progress`)
         self.registered = False  # a router accepted our Register (read by the readiness probe)
         self.started = False  # heartbeats run (new links start theirs at once)
+        # threads borrowed from idle workers on this machine (`pdserve up`; CPU engines only)
+        self.cores: cores.CoreLender | None = None
+        if os.environ.get(cores.LEDGER_ENV) and engine.runner.device.type == "cpu":
+            self.cores = cores.from_env(torch.get_num_threads(), torch.set_num_threads)
 
     def _add_link(self, address: str) -> RouterLink:
         link = RouterLink(address, self.worker_id, self.context, self._heartbeat, self.keys)
@@ -150,8 +155,11 @@ class WorkerBase(WorkerKV):
 
     def _heartbeat(self, link: RouterLink) -> Heartbeat:
         beat = engine_heartbeat(
-            self.worker_id, self.engine, lambda: {**self.counters(), **self.peer_fetch_counters()}
-        )
+            self.worker_id, self.engine, lambda: {
+                **self.counters(), **self.peer_fetch_counters(),
+                **(self.cores.counters() if self.cores is not None else {}),
+            },
+        )  # fmt: skip
         beat.loop_count = self.progress
         beat.draining = self.draining
         beat.kv_events_seq = link.kv_events_seq
@@ -283,10 +291,14 @@ class WorkerBase(WorkerKV):
         # so a worker waiting for a transfer leaves the cores to the others. A peer's fetch being
         # answered is work (a slice a turn): waiting between its slices would pace it at 10 ms.
         if not self.engine.has_unfinished() and not self.serving_peers():
+            if self.cores is not None:
+                self.cores.before_step(busy=False)  # lend our cores while we wait
             self._wait(IDLE_WAIT_MS if self.is_idle() else self.busy_wait_ms)
         for link in list(self.links.values()):
             for message in link.control.poll(timeout_ms=0):
                 self._dispatch(link, message)
+        if self.cores is not None:
+            self.cores.before_step(busy=self.engine.has_unfinished())
         self.step()
         self.publish_kv_events()
         # A turn with no work counts, and so does one spent waiting for KV still on its way
@@ -408,6 +420,9 @@ class WorkerBase(WorkerKV):
     def close(self) -> None:
         for link in self.links.values():
             link.close()
+        if self.cores is not None:
+            self.cores.close()
+            self.cores = None
         server = getattr(self, "fetch_server", None)  # set by attach_kv
         if server is not None:  # first: its answer's payload is a view into a sender's segment
             server.close()

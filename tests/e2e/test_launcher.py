@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import httpx
 
 from common.runtime.launcher import LocalCluster, parse_metrics
@@ -38,3 +40,36 @@ def test_routers_get_distinct_ports_from_the_os_and_stop(chat_model_dir, tmp_pat
         b.stop()
     assert all(p.poll() is not None for p in routers)
     assert a.dead() == ["router"] and b.dead() == ["router"]
+
+
+def test_workers_lend_idle_cores_to_each_other(chat_model_dir, tmp_path) -> None:
+    """With a core ledger (`pdserve up` makes one), the prefill worker computes a lone prompt on
+    both threads while the decode worker idles, and the decode worker then decodes on both
+    (common.runtime.cores); each says so in its counters."""
+    from tests.e2e.cluster import Cluster
+
+    cluster = Cluster(
+        str(chat_model_dir), tmp_path, router_flags=("--local-prefill-max-tokens", "0")
+    )
+    cluster.lend_cores = 2  # what `up` passes on a 2-core machine
+    with cluster:
+        cluster.wait_workers(prefill=1, decode=1)
+        body = {"model": str(chat_model_dir), "prompt": "Tell me a story " * 8,
+                "max_tokens": 24, "temperature": 0, "ignore_eos": True}  # fmt: skip
+        r = httpx.post(cluster.url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 24
+        borrowed: dict[str, float] = {}
+        for _ in range(100):  # the counters come with the workers' heartbeats
+            samples = parse_metrics(httpx.get(cluster.url + "/metrics", timeout=10).text)
+            borrowed = {
+                labels["worker"]: value
+                for name, labels, value in samples
+                if name == "pdserve:cpu_borrowed_thread_steps_total"
+            }
+            if borrowed.get("decode-0", 0) >= 20 and borrowed.get("prefill-0", 0) >= 1:
+                break
+            time.sleep(0.1)
+        assert borrowed.get("decode-0", 0) >= 20, (borrowed, cluster.logs())
+        assert borrowed.get("prefill-0", 0) >= 1, (borrowed, cluster.logs())
+        assert (cluster._scratch / "cores.ledger").exists()

@@ -1,0 +1,151 @@
+"""Core lending between the workers of one machine (common.runtime.cores): the borrowing rule,
+giving cores back, dead borrowers, slot claims."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from common.runtime import cores
+from common.runtime.cores import CoreLender, create_ledger
+
+
+@pytest.fixture
+def other_pid() -> Iterator[int]:
+    """A live process standing for a second worker (slots are claimed by pid)."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    yield proc.pid
+    proc.kill()
+    proc.wait()
+
+
+def dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+class Threads:
+    """Records what a lender sets torch's thread count to."""
+
+    def __init__(self) -> None:
+        self.calls: list[int] = []
+
+    def __call__(self, n: int) -> None:
+        self.calls.append(n)
+
+
+def test_a_busy_worker_borrows_an_idle_ones_cores_and_gives_them_back(
+    tmp_path: Path, other_pid: int
+) -> None:
+    ledger = tmp_path / "cores"
+    create_ledger(ledger, total_cores=2, slots=4)
+    decode_threads, prefill_threads = Threads(), Threads()
+    decode = CoreLender(ledger, 1, decode_threads)
+    prefill = CoreLender(ledger, 1, prefill_threads, pid=other_pid)
+    assert decode.slot != prefill.slot
+    # the prefill worker idles: the decode worker runs on both cores
+    assert prefill.before_step(busy=False) == 1
+    assert decode.before_step(busy=True) == 2
+    assert decode_threads.calls == [2]
+    assert decode.counters()["cpu_borrowed_thread_steps_total"] == 1
+    # a prompt arrives: the prefill worker waits until the decode worker's next step starts
+    got: list[int] = []
+    waiter = threading.Thread(target=lambda: got.append(prefill.before_step(busy=True)))
+    waiter.start()
+    time.sleep(0.01)
+    assert not got, "the prefill worker ran while its core was lent"
+    assert decode.before_step(busy=True) == 1  # sees the prefill worker busy: gives it back
+    waiter.join(timeout=5)
+    assert got == [1]
+    assert decode_threads.calls == [2, 1]
+    assert prefill.counters()["cpu_core_give_back_wait_seconds_total"] > 0
+    # both busy: nobody borrows, nobody waits
+    start = time.monotonic()
+    assert decode.before_step(busy=True) == 1 and prefill.before_step(busy=True) == 1
+    assert time.monotonic() - start < cores.GIVE_BACK_WAIT_S
+    # the decode worker's sequences finish: the prefill worker gets its core
+    decode.before_step(busy=False)
+    assert prefill.before_step(busy=True) == 2
+    decode.close()
+    prefill.close()
+
+
+def test_a_borrower_that_does_not_give_back_delays_a_step_by_at_most_the_wait(
+    tmp_path: Path, other_pid: int
+) -> None:
+    ledger = tmp_path / "cores"
+    create_ledger(ledger, total_cores=2, slots=2)
+    stuck = CoreLender(ledger, 1, Threads(), pid=other_pid)
+    assert stuck.before_step(busy=True) == 2  # then a long step: it does not look again
+    me = CoreLender(ledger, 1, Threads())
+    start = time.monotonic()
+    assert me.before_step(busy=True) == 1
+    waited = time.monotonic() - start
+    assert cores.GIVE_BACK_WAIT_S <= waited < cores.GIVE_BACK_WAIT_S + 0.5
+    me.close()
+    stuck.close()
+
+
+def test_a_dead_workers_slot_lends_and_is_claimed_again(tmp_path: Path, other_pid: int) -> None:
+    ledger = tmp_path / "cores"
+    create_ledger(ledger, total_cores=4, slots=3)
+    me = CoreLender(ledger, 2, Threads())
+    # a worker that died mid-step, holding its cores and two more
+    ghost = me._slots[1]
+    ghost[cores.OWN], ghost[cores.BUSY], ghost[cores.EXTRA] = 2, 1, 2
+    ghost[cores.PID] = dead_pid()
+    start = time.monotonic()
+    assert me.before_step(busy=True) == 4  # no wait, and its cores count as idle
+    assert time.monotonic() - start < cores.GIVE_BACK_WAIT_S
+    # its restarted successor takes the dead one's slot, not a fresh one
+    again = CoreLender(ledger, 2, Threads(), pid=other_pid)
+    assert again.slot == 1 and me.slot == 0
+    again.close()
+    me.close()
+
+
+def test_more_workers_than_cores_never_wait_on_each_other(tmp_path: Path, other_pid: int) -> None:
+    ledger = tmp_path / "cores"
+    create_ledger(ledger, total_cores=1, slots=3)
+    a = CoreLender(ledger, 1, Threads())
+    b = CoreLender(ledger, 1, Threads(), pid=other_pid)
+    start = time.monotonic()
+    for _ in range(5):
+        assert a.before_step(busy=True) == 1 and b.before_step(busy=True) == 1
+    assert time.monotonic() - start < cores.GIVE_BACK_WAIT_S
+    a.close()
+    b.close()
+
+
+def test_slots_run_out_and_a_bad_file_is_refused(tmp_path: Path, other_pid: int) -> None:
+    ledger = tmp_path / "cores"
+    create_ledger(ledger, total_cores=2, slots=1)
+    first = CoreLender(ledger, 1, Threads(), pid=other_pid)
+    with pytest.raises(ValueError, match="taken"):
+        CoreLender(ledger, 1, Threads())
+    first.close()
+    CoreLender(ledger, 1, Threads()).close()  # freed by close
+    junk = tmp_path / "junk"
+    junk.write_bytes(b"\0" * 64)
+    with pytest.raises(ValueError, match="not a core ledger"):
+        CoreLender(junk, 1, Threads())
+
+
+def test_from_env_is_off_without_a_ledger(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(cores.LEDGER_ENV, raising=False)
+    assert cores.from_env(1, Threads()) is None
+    monkeypatch.setenv(cores.LEDGER_ENV, str(tmp_path / "missing"))
+    assert cores.from_env(1, Threads()) is None  # logged, not raised: the worker still serves
+    ledger = tmp_path / "cores"
+    create_ledger(ledger, total_cores=2, slots=2)
+    monkeypatch.setenv(cores.LEDGER_ENV, str(ledger))
+    lender = cores.from_env(1, Threads())
+    assert lender is not None and lender.total == 2
+    lender.close()
