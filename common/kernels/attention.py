@@ -21,7 +21,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from common.kernels import cpu_attention, cpu_prefill, kv_quant
+from common.kernels import cpu_attention, cpu_ops, cpu_prefill, kv_quant
 
 
 @dataclass
@@ -104,7 +104,8 @@ def write_kv_cache(
     """Store new keys/values [num_tokens, num_kv_heads, head_dim] into their cache slots
     (quantized per (token, head) into an 8-bit cache and its scales)."""
     if k_cache.dtype != k.dtype:
-        kv_quant.write(k, v, k_cache, v_cache, k_scales, v_scales, slot_mapping)
+        if not cpu_ops.store_kv(k, v, k_cache, v_cache, k_scales, v_scales, slot_mapping):
+            kv_quant.write(k, v, k_cache, v_cache, k_scales, v_scales, slot_mapping)
         return
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)

@@ -4,11 +4,15 @@ At decode batch sizes the non-matmul part of a layer is a dozen tiny torch ops (
 RMSNorm's casts and reductions, rotary's slices and products, the KV-cache index copies, SiLU),
 each costing far more in dispatch than in arithmetic. `csrc/fused_ops.c` does each group in one
 call: `add_rms_norm`, `rope_qk` (q and k rotated in place, k and v stored into the cache) and
-`silu_mul`; `argmax` is the sampler's greedy pick over a step's logits (torch's max over
-bfloat16 vocabulary rows is a scalar loop: ~2 ms a batch-64 step). It is built on first use into
+`silu_mul`; `store_kv` (new K and V into an 8-bit cache with their scales, or a float16
+one: one call a layer instead of the dozen torch ops of common.kernels.kv_quant.write, which
+cost an int8-KV decode step at 4,000 tokens 2 ms); `argmax` is the sampler's greedy pick over
+a step's logits (torch's max over bfloat16 vocabulary rows is a scalar loop: ~2 ms a batch-64
+step). It is built on first use into
 `$PDSERVE_CACHE/kernels/` (no -ffast-math, no contraction: results round where torch's do) and
 called through ctypes. Called by common.model.llama's RMSNorm, RotaryEmbedding, Attention and
-MLP forwards and by common.engine.sampler; `supports(x)` is False (and the callers use their
+MLP forwards, common.kernels.attention.write_kv_cache (store_kv) and common.engine.sampler;
+`supports(x)` is False (and the callers use their
 eager torch code) off the CPU, for other dtypes, without a C compiler, or with
 PDSERVE_FUSED_OPS=0.
 """
@@ -50,7 +54,13 @@ _SIGNATURES = {
                 _ptr, _ptr, _c_long, _c_int],
     "silu_mul": [_ptr, _c_long, _ptr, _c_long, _c_int, _c_int, _c_int],
     "argmax_rows": [_ptr, _c_long, _c_int, _c_int, _c_int, _ptr],
+    "store_kv_rows": [_ptr, _c_long, _ptr, _c_long, _c_int, _c_int, _c_int, _c_int, _ptr,
+                      _c_long, _ptr, _ptr, _ptr, _ptr, _c_int],
 }  # fmt: skip
+# caches the C code stores into, with activations of another dtype (fused_ops.c's kv_dtype)
+_STORE_DTYPES = {torch.int8: 2, torch.float16: 4}
+if getattr(torch, "float8_e4m3fn", None) is not None:
+    _STORE_DTYPES[torch.float8_e4m3fn] = 3
 
 
 _LIB = CLibrary(_SOURCE, _FLAGS, _SIGNATURES, "the fused CPU ops")
@@ -181,3 +191,60 @@ def argmax(x: torch.Tensor) -> list[int]:
     if rc != 0:
         raise ValueError(f"argmax: rows of {x.shape[1]} not supported")
     return out.tolist()
+
+
+def store_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_scales: torch.Tensor | None,
+    v_scales: torch.Tensor | None,
+    slot_mapping: torch.Tensor,
+) -> bool:
+    """New keys and values [tokens, kv heads, D] into their slots of a cache not in their dtype:
+    an 8-bit one (int8 / fp8, quantized per (token, head) with float32 scales [blocks,
+    block_size, kv heads]) or a float16 one, the bytes common.kernels.kv_quant.write would
+    store. False (nothing written) where the C code does not take these tensors."""
+    T, kv_heads, head_dim = k.shape if k.dim() == 3 else (0, 0, 0)
+    kv_dtype = _STORE_DTYPES.get(k_cache.dtype)
+    eight_bit = kv_dtype in (2, 3)
+    if not (
+        supports(k)
+        and kv_dtype is not None
+        and v.dtype == k.dtype
+        and v.shape == k.shape
+        and all(t.stride(2) == 1 and t.stride(1) == head_dim for t in (k, v))
+        and k_cache.is_contiguous()
+        and v_cache.is_contiguous()
+        and v_cache.dtype == k_cache.dtype
+        and k_cache.shape[-2:] == (kv_heads, head_dim)
+        and v_cache.shape == k_cache.shape
+        and slot_mapping.shape == (T,)
+        and (
+            (k_scales is None and v_scales is None)
+            if not eight_bit
+            else (
+                k_scales is not None
+                and v_scales is not None
+                and all(
+                    s.dtype == torch.float32 and s.is_contiguous() and s.shape == k_cache.shape[:-1]
+                    for s in (k_scales, v_scales)
+                )
+            )
+        )
+    ):
+        return False
+    slots = slot_mapping.to(torch.int64).contiguous()
+    num_slots = k_cache.numel() // (kv_heads * head_dim)
+    rc = _library().store_kv_rows(
+        k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), T, kv_heads, head_dim,
+        _DTYPES[k.dtype], slots.data_ptr(), num_slots, k_cache.data_ptr(), v_cache.data_ptr(),
+        k_scales.data_ptr() if eight_bit else None, v_scales.data_ptr() if eight_bit else None,
+        kv_dtype,
+    )  # fmt: skip
+    if rc == 3:
+        raise IndexError(f"store_kv: a slot is outside the KV cache ({num_slots} slots)")
+    if rc != 0:
+        raise ValueError(f"store_kv: head_dim {head_dim} not supported")
+    return True

@@ -21,10 +21,9 @@
  * Projections are quantized (common/model/quant.py's format). dtype: 0 = float32, 1 = bfloat16;
  * every activation tensor is contiguous in that dtype. The KV cache is in that dtype too, or
  * 8-bit (kv_dtype 2 = int8, 3 = float8 e4m3) with float32 scales per (token, kv head): new K/V
- * rows are then quantized here as common/kernels/kv_quant.py does (absmax / 127 or / 448, the
- * same float32 division and round-to-nearest-even), so the cache bytes equal the per-op path's.
+ * rows are then quantized by fused_ops.c's store_kv_rows, as the per-op path's are (so the
+ * cache bytes equal its).
  */
-#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -40,6 +39,9 @@ int rope_qk(void *qkv, long qkv_stride, const int64_t *positions, const float *c
             void *v_cache, const int64_t *slot_mapping, long num_slots, int dtype);
 int silu_mul(const void *gate_up, long in_stride, void *out, long out_stride, int T, int I,
              int dtype);
+int store_kv_rows(const void *k, long k_stride, const void *v, long v_stride, int T, int Hkv,
+                  int D, int dtype, const int64_t *slots, long num_slots, void *k_cache,
+                  void *v_cache, float *k_scales, float *v_scales, int kv_dtype);
 int paged_decode_kv(const void *q, long q_stride, const void *k_cache, const void *v_cache,
                     const float *k_scales, const float *v_scales, const int32_t *block_tables,
                     const int32_t *seq_lens, void *out, int B, int H, int Hkv, int D, int bs,
@@ -80,78 +82,15 @@ typedef struct {
     int tokens, max_blocks, dtype, threads;
 } Step;
 
-/* float32 (|y| <= 448, finite) -> float8 e4m3fn, round to nearest even, as torch's cast. */
-static inline uint8_t f32_to_e4m3(float y) {
-    uint32_t bits;
-    memcpy(&bits, &y, 4);
-    const uint8_t sign = (bits >> 24) & 0x80;
-    bits &= 0x7fffffffu;
-    float a;
-    memcpy(&a, &bits, 4);
-    if (a < 0.015625f) return sign | (uint8_t)rintf(a * 512.f); /* below 2^-6: steps of 2^-9 */
-    /* keep 3 mantissa bits (ties to even); the exponent re-biased from 127 to 7 */
-    const uint32_t r = (bits + 0x7ffffu + ((bits >> 20) & 1)) >> 20;
-    return sign | (uint8_t)(r - (120u << 3));
-}
-
-/* float32 -> IEEE float16, round to nearest even (torch's cast); overflow to infinity. */
-static inline uint16_t f32_to_f16(float f) {
-    uint32_t x;
-    memcpy(&x, &f, 4);
-    const uint16_t sign = (x >> 16) & 0x8000;
-    const uint32_t a = x & 0x7fffffffu;
-    if (a >= 0x7f800000u) return sign | 0x7c00 | (a > 0x7f800000u ? 0x200 : 0); /* inf, NaN */
-    if (a >= 0x477ff000u) return sign | 0x7c00; /* 65520 and up round to infinity */
-    if (a < 0x38800000u) {                      /* below 2^-14: subnormal, steps of 2^-24 */
-        float v;
-        memcpy(&v, &a, 4);
-        return sign | (uint16_t)rintf(v * 16777216.f);
-    }
-    const uint32_t r = (a + 0xfffu + ((a >> 13) & 1)) >> 13; /* 10 mantissa bits, ties even */
-    return sign | (uint16_t)(r - (112u << 10));
-}
-
 /* The rotated k heads and the v heads of qkv [T, width] into their slots of a cache not in the
- * activations' dtype: an 8-bit one (quantized, one scale per (token, kv head)) or a float16 one
- * (converted); negative slots are padding. 3 for a slot past the cache, checked before anything
- * is written. */
+ * activations' dtype (fused_ops.c's store_kv_rows: quantized or converted). */
 static int store_kv_converted(const Layer *L, const Step *s, const void *qkv, int width) {
-    const int T = s->tokens, H = L->heads, Hkv = L->kv_heads, D = L->head_dim;
-    const float qmax = L->kv_dtype == 2 ? 127.f : 448.f;
-    for (int t = 0; t < T; t++)
-        if (s->slot_mapping[t] >= L->num_slots) return 3;
-    float row[D];
-    for (int t = 0; t < T; t++) {
-        const int64_t slot = s->slot_mapping[t];
-        if (slot < 0) continue;
-        for (int part = 0; part < 2; part++) { /* K, then V */
-            uint8_t *cache = part ? L->v_cache : L->k_cache;
-            float *scales = part ? L->v_scales : L->k_scales;
-            for (int j = 0; j < Hkv; j++) {
-                const long idx = (long)t * width + (long)(H + part * Hkv + j) * D;
-                for (int d = 0; d < D; d++)
-                    row[d] = s->dtype == 0 ? ((const float *)qkv)[idx + d]
-                                           : bf16_to_f32(((const uint16_t *)qkv)[idx + d]);
-                const long slot_row = slot * Hkv + j;
-                if (L->kv_dtype == 4) { /* float16: converted, no scale */
-                    uint16_t *dst16 = (uint16_t *)(part ? L->v_cache : L->k_cache) + slot_row * D;
-                    for (int d = 0; d < D; d++) dst16[d] = f32_to_f16(row[d]);
-                    continue;
-                }
-                float amax = 0.f;
-                for (int d = 0; d < D; d++) amax = fabsf(row[d]) > amax ? fabsf(row[d]) : amax;
-                const float scale = amax / qmax, div = scale > FLT_MIN ? scale : FLT_MIN;
-                scales[slot_row] = scale;
-                uint8_t *dst = cache + slot_row * D;
-                for (int d = 0; d < D; d++) {
-                    float y = row[d] / div;
-                    y = y > qmax ? qmax : y < -qmax ? -qmax : y;
-                    dst[d] = L->kv_dtype == 2 ? (uint8_t)(int8_t)rintf(y) : f32_to_e4m3(y);
-                }
-            }
-        }
-    }
-    return 0;
+    const size_t elem = s->dtype == 0 ? 4 : 2;
+    const char *k = (const char *)qkv + (size_t)L->heads * L->head_dim * elem;
+    const char *v = k + (size_t)L->kv_heads * L->head_dim * elem;
+    return store_kv_rows(k, width, v, width, s->tokens, L->kv_heads, L->head_dim, s->dtype,
+                         s->slot_mapping, L->num_slots, L->k_cache, L->v_cache, L->k_scales,
+                         L->v_scales, L->kv_dtype);
 }
 
 /* out [T, n] += bias [n], rounded to dtype as torch's `out + bias` rounds. */

@@ -1,5 +1,6 @@
 /* Fused element-wise ops of the decoder layer for the CPU path: residual add + RMSNorm, rotary
- * embedding of q and k in one pass (plus storing k and v into their KV-cache slots), SiLU * up;
+ * embedding of q and k in one pass (plus storing k and v into their KV-cache slots), storing
+ * K and V into a cache of another dtype (8-bit with scales, or float16), SiLU * up;
  * and each row's argmax, the sampler's greedy pick. Compiled on first use by
  * common/kernels/cpu_ops.py.
  *
@@ -14,6 +15,7 @@
  *
  * dtype: 0 = float32, 1 = bfloat16. Strides are in elements.
  */
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -211,6 +213,100 @@ int silu_mul(const void *gate_up, long in_stride, void *out, long out_stride, in
     }
 #pragma omp parallel for schedule(static)
     for (int t = 0; t < T; t++) silu_row(gate_up, in_stride, out, out_stride, t, I, dtype);
+    return 0;
+}
+
+/* float32 (|y| <= 448, finite) -> float8 e4m3fn, round to nearest even, as torch's cast. */
+static inline uint8_t f32_to_e4m3(float y) {
+    uint32_t bits;
+    memcpy(&bits, &y, 4);
+    const uint8_t sign = (bits >> 24) & 0x80;
+    bits &= 0x7fffffffu;
+    float a;
+    memcpy(&a, &bits, 4);
+    if (a < 0.015625f) return sign | (uint8_t)rintf(a * 512.f); /* below 2^-6: steps of 2^-9 */
+    /* keep 3 mantissa bits (ties to even); the exponent re-biased from 127 to 7 */
+    const uint32_t r = (bits + 0x7ffffu + ((bits >> 20) & 1)) >> 20;
+    return sign | (uint8_t)(r - (120u << 3));
+}
+
+/* float32 -> IEEE float16, round to nearest even (torch's cast); overflow to infinity. */
+static inline uint16_t f32_to_f16(float f) {
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    const uint16_t sign = (x >> 16) & 0x8000;
+    const uint32_t a = x & 0x7fffffffu;
+    if (a >= 0x7f800000u) return sign | 0x7c00 | (a > 0x7f800000u ? 0x200 : 0); /* inf, NaN */
+    if (a >= 0x477ff000u) return sign | 0x7c00; /* 65520 and up round to infinity */
+    if (a < 0x38800000u) {                      /* below 2^-14: subnormal, steps of 2^-24 */
+        float v;
+        memcpy(&v, &a, 4);
+        return sign | (uint16_t)rintf(v * 16777216.f);
+    }
+    const uint32_t r = (a + 0xfffu + ((a >> 13) & 1)) >> 13; /* 10 mantissa bits, ties even */
+    return sign | (uint16_t)(r - (112u << 10));
+}
+
+/* store_kv_rows's token t (below) */
+static void store_kv_token(const void *k, long k_stride, const void *v, long v_stride, int t,
+                           int Hkv, int D, int dtype, int64_t slot, void *k_cache, void *v_cache,
+                           float *k_scales, float *v_scales, int kv_dtype) {
+    const float qmax = kv_dtype == 2 ? 127.f : 448.f;
+    float row[D];
+    for (int part = 0; part < 2; part++) { /* K, then V */
+        const void *src = part ? v : k;
+        const long stride = part ? v_stride : k_stride;
+        uint8_t *cache = part ? v_cache : k_cache;
+        float *scales = part ? v_scales : k_scales;
+        for (int j = 0; j < Hkv; j++) {
+            load_row(src, t * stride + (long)j * D, D, dtype, row);
+            const long slot_row = slot * Hkv + j;
+            if (kv_dtype == 4) { /* float16: converted, no scale */
+                uint16_t *dst16 = (uint16_t *)cache + slot_row * D;
+                for (int d = 0; d < D; d++) dst16[d] = f32_to_f16(row[d]);
+                continue;
+            }
+            float amax = 0.f;
+            for (int d = 0; d < D; d++) amax = fabsf(row[d]) > amax ? fabsf(row[d]) : amax;
+            const float scale = amax / qmax, div = scale > FLT_MIN ? scale : FLT_MIN;
+            scales[slot_row] = scale;
+            uint8_t *dst = cache + slot_row * D;
+            for (int d = 0; d < D; d++) {
+                float y = row[d] / div;
+                y = y > qmax ? qmax : y < -qmax ? -qmax : y;
+                dst[d] = kv_dtype == 2 ? (uint8_t)(int8_t)rintf(y) : f32_to_e4m3(y);
+            }
+        }
+    }
+}
+
+/* New keys and values, token t's kv head j at k + t * k_stride + j * D (v alike; dtype 0 =
+ * float32, 1 = bfloat16), into their slots of a cache not in that dtype: kv_dtype 2 = int8 or
+ * 3 = float8 e4m3, each (token, kv head) row quantized with its float32 scale into k_scales /
+ * v_scales [slots, Hkv] as common/kernels/kv_quant.py does (absmax / 127 or / 448, the same
+ * float32 division, round to nearest even, so the bytes equal the torch path's); 4 = float16,
+ * converted as torch casts (no scales). Caches [slots, Hkv, D], contiguous. Negative slots are
+ * padding. Returns 1 for a bad shape or kv_dtype, 3 for a slot past the cache (checked before
+ * anything is written). Called by decode_layer.c and by common.kernels.cpu_ops.store_kv. */
+int store_kv_rows(const void *k, long k_stride, const void *v, long v_stride, int T, int Hkv,
+                  int D, int dtype, const int64_t *slots, long num_slots, void *k_cache,
+                  void *v_cache, float *k_scales, float *v_scales, int kv_dtype) {
+    if (D <= 0 || D > 1024 || Hkv <= 0 || kv_dtype < 2 || kv_dtype > 4) return 1;
+    if (kv_dtype != 4 && (k_scales == NULL || v_scales == NULL)) return 1;
+    for (int t = 0; t < T; t++)
+        if (slots[t] >= num_slots) return 3;
+    if ((long)T * Hkv * D < PARALLEL_MIN) {
+        for (int t = 0; t < T; t++)
+            if (slots[t] >= 0)
+                store_kv_token(k, k_stride, v, v_stride, t, Hkv, D, dtype, slots[t], k_cache,
+                               v_cache, k_scales, v_scales, kv_dtype);
+        return 0;
+    }
+#pragma omp parallel for schedule(static)
+    for (int t = 0; t < T; t++)
+        if (slots[t] >= 0)
+            store_kv_token(k, k_stride, v, v_stride, t, Hkv, D, dtype, slots[t], k_cache, v_cache,
+                           k_scales, v_scales, kv_dtype);
     return 0;
 }
 

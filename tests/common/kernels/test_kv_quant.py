@@ -148,3 +148,41 @@ def test_write_quantizes_each_token_and_head(kv_dtype):
         )
         assert (stored - x).abs().le(quant_error(x, kv_dtype) * 1.0001).all()
     assert k_scales.view(-1, 2)[0].eq(0).all()  # slots not written stay untouched
+
+
+@pytest.mark.parametrize("cache_dtype", [*KV_DTYPES, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_c_store_writes_the_torch_writers_bytes(cache_dtype, dtype):
+    """cpu_ops.store_kv (one C call a layer; write_kv_cache's CPU path) against
+    kv_quant.write: the same cache bytes and scales, from k and v as views of a fused qkv row
+    (as the attention layer has them), with a padding slot, rows of all sizes, zeros, huge ones."""
+    from common.kernels import cpu_ops
+
+    if not cpu_ops.available():
+        pytest.skip("no C compiler")
+    g = torch.Generator().manual_seed(11)
+    heads, kv_heads, head_dim, tokens = 6, 2, 64, 9
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=g)
+    qkv *= torch.logspace(-4, 4, tokens)[:, None]
+    qkv[2] = 0
+    qkv = qkv.to(dtype)
+    k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    v = qkv[:, (heads + kv_heads) * head_dim :].view(tokens, kv_heads, head_dim)
+    slots = torch.tensor([3, 17, -1, 30, 9, 0, 31, 12, 5])
+    eight_bit = kv_quant.is_8bit(cache_dtype)
+
+    def fresh():
+        cache = torch.zeros(4, 8, kv_heads, head_dim).to(cache_dtype)
+        scales = torch.full((4, 8, kv_heads), -1.0) if eight_bit else None
+        return cache, cache.clone(), scales, None if scales is None else scales.clone()
+
+    got, want = fresh(), fresh()
+    assert cpu_ops.store_kv(k, v, *got[:2], got[2], got[3], slots)
+    keep = slots >= 0  # the torch writer has no padding slots
+    kv_quant.write(k[keep], v[keep], *want[:2], want[2], want[3], slots[keep])
+    for a, b in zip(got, want):
+        if a is not None:
+            assert torch.equal(kv_quant.storage(a).view(torch.uint8).flatten(),
+                               kv_quant.storage(b).view(torch.uint8).flatten())  # fmt: skip
+    with pytest.raises(IndexError):
+        cpu_ops.store_kv(k, v, *got[:2], got[2], got[3], slots + 100)
