@@ -9,9 +9,9 @@
  * and the residual add are bit-exact against torch; RMSNorm differs only in the order of its
  * sum of squares, SiLU only in the last bits of exp (a vectorisable polynomial). No -ffast-math:
  * it would also set the process-wide flush-to-zero flags when the library loads.
- * Rows are independent: a prefill chunk's go across the OpenMP threads (torch's pool: the same
- * runtime, so the same thread count), a decode step's few on the calling thread, where a fork-join
- * costs more than the work (PARALLEL_MIN).
+ * Rows are independent: a prefill chunk's and a decode step's of a few rows on go across the
+ * OpenMP threads (torch's pool: the same runtime, so the same thread count), a step of one or
+ * two on the calling thread, where a fork-join costs more than the work (STEP_PARALLEL_MIN).
  *
  * dtype: 0 = float32, 1 = bfloat16. Strides are in elements.
  */
@@ -26,13 +26,15 @@
 static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 
 #define MAX_DIM 16384 /* widest RMSNorm row (cpu_ops.MAX_HIDDEN): the largest hidden size */
-/* values an op touches below which one thread does it. A 64 x 256-token prefill spent about a
- * tenth of its time in these ops on one thread while the other waited (perf, 2 threads). */
+/* values an op touches below which one thread does it (argmax, store_kv_rows). A 64 x 256-token
+ * prefill spent about a tenth of its time in these ops on one thread while the other waited
+ * (perf, 2 threads). */
 #define PARALLEL_MIN 32768L
-/* ... but SiLU (an exp and a division a value) pays for the fork-join from a few rows on: a
- * batch-16 decode step's silu_mul took 1.04 ms of its 11.1 on one thread, 0.53 on two (default
- * model, 2 threads, AVX-512 host); 4 rows 0.24 -> 0.17 ms */
-#define SILU_PARALLEL_MIN 4096L
+/* ... but inside a decode step (RMSNorm, rotary, SiLU: the threads' pool is awake, the step's
+ * matmuls just ran on it) the fork-join pays from a few rows on: a batch-16 decode step's SiLU
+ * took 1.04 ms of its 11.1 on one thread, 0.53 on two, rotary 0.58 -> 0.37, the two RMSNorms
+ * 0.47 -> 0.35 (default model, 2 threads, AVX-512 host; SiLU at 4 rows 0.24 -> 0.17 ms) */
+#define STEP_PARALLEL_MIN 4096L
 
 static inline void load_row(const void *base, long idx, int n, int dtype, float *restrict dst) {
     if (dtype == 0) {
@@ -97,7 +99,7 @@ int add_rms_norm(const void *x, long x_stride, void *residual, long res_stride,
     if (dim <= 0 || dim > MAX_DIM) return 1;
     float w[MAX_DIM];
     load_row(weight, 0, dim, dtype, w);
-    if ((long)rows * dim < PARALLEL_MIN) { /* not even an if(0) region: it costs ~0.5 us */
+    if ((long)rows * dim < STEP_PARALLEL_MIN) { /* not even an if(0) region: it costs ~0.5 us */
         for (int r = 0; r < rows; r++)
             rms_norm_row(x, x_stride, residual, res_stride, w, out, out_stride, r, dim, eps,
                          dtype);
@@ -176,7 +178,7 @@ int rope_qk(void *qkv, long qkv_stride, const int64_t *positions, const float *c
         if (positions[t] < 0 || positions[t] >= max_pos) return 2;
         if (k_cache != NULL && slot_mapping[t] >= num_slots) return 3;
     }
-    if ((long)T * (H + Hkv) * D < PARALLEL_MIN) {
+    if ((long)T * (H + Hkv) * D < STEP_PARALLEL_MIN) {
         for (int t = 0; t < T; t++)
             rope_row(qkv, qkv_stride, positions, cos_table, sin_table, t, H, Hkv, D, k_cache,
                      v_cache, slot_mapping, dtype);
@@ -211,7 +213,7 @@ static void silu_row(const void *gate_up, long in_stride, void *out, long out_st
 int silu_mul(const void *gate_up, long in_stride, void *out, long out_stride, int T, int I,
              int dtype) {
     if (I <= 0) return 1;
-    if ((long)T * I < SILU_PARALLEL_MIN) {
+    if ((long)T * I < STEP_PARALLEL_MIN) {
         for (int t = 0; t < T; t++) silu_row(gate_up, in_stride, out, out_stride, t, I, dtype);
         return 0;
     }
