@@ -10,13 +10,24 @@ tokens and are not fitted. `PrefillBudget` turns the fit into the chunk: the sma
 cost per token, the step's fixed part included, is within `SLACK` of the per-token cost alone
 (p >= fixed / (SLACK * per_prefill_token)).
 
+The fit is linear, and steps are not always: the kernels change with the rows (an int8 GEMM
+for a few, a dense one from 64 on), and a chunk after a long cached prefix spends most of its time
+attending to it (26 tokens after 1,500: ~100 ms on one core). Such steps read as a large fixed
+part, and the chunk came out at whole prompts: a 1,500-token prompt then held its worker for 1.3 s
+in one step while short requests behind it waited (benchmarks/kv_cluster.py). So the chunk is
+also held to `MAX_STEP_S` of prompt work at the prompt steps' measured seconds per prompt token
+(all included, fading): what a short request or a running sequence waits at most behind a long
+prompt, for one more fixed part per chunk.
+
 Why a limit at all: a step that prefills many prompts at once finishes all of them together at
 its end, and every running sequence waits for it; chunks of about this size finish prompts one
 after another in arrival order (the mean time to first token drops, by up to half under a burst)
 and keep the decode steps between them short, for at most `SLACK` more time per prompt token.
 Bigger chunks would not compute faster (that is what the fit says); smaller ones would spend more
 than `SLACK` on the fixed part. Until prompt steps of varied sizes tell the fixed part from the
-per-token part there is no limit (the engine's `max_num_batched_tokens`). Owned by the engine,
+per-token part only the `MAX_STEP_S` rule holds (from the second prompt step on: the chunk is
+recomputed every step until then), and before that no limit (the engine's
+`max_num_batched_tokens`). Owned by the engine,
 read by its scheduler each step.
 """
 
@@ -34,6 +45,8 @@ MIN_STEPS = 8  # steps with prompt tokens before the fit is used
 MIN_SPREAD = 0.05  # ... whose token counts vary by this share of their mean
 MIN_CHUNK = 16  # never smaller: a block's worth
 REFIT_STEPS = 8  # the chunk is recomputed every this many timed steps (a 3x3 solve each time)
+MAX_STEP_S = 0.25  # the prompt work one step takes at most, at the measured seconds per token
+RATIO_MIN_STEPS = 2  # prompt steps timed before the seconds per prompt token count
 
 
 class StepCosts:
@@ -45,6 +58,7 @@ class StepCosts:
         self._xty = np.zeros(2)  # ... of t, p * t
         self.prefill_steps = 0  # timed steps with prompt tokens
         self.decode_steps = 0  # timed steps without (not fitted)
+        self._seconds = self._tokens = 0.0  # fading sums over the prompt steps
 
     def record(self, prompt_tokens: int, decode_rows: int, seconds: float) -> None:
         """One step's work and its wall time."""
@@ -56,7 +70,16 @@ class StepCosts:
         x = np.array([1.0, float(prompt_tokens)])
         self._xtx = self.decay * self._xtx + np.outer(x, x)
         self._xty = self.decay * self._xty + x * seconds
+        self._seconds = self.decay * self._seconds + seconds
+        self._tokens = self.decay * self._tokens + prompt_tokens
         self.prefill_steps += 1
+
+    def seconds_per_prompt_token(self) -> float | None:
+        """The prompt steps' seconds over their prompt tokens (fading, everything included),
+        once RATIO_MIN_STEPS of them were timed (no spread needed, unlike the fit)."""
+        if self.prefill_steps < RATIO_MIN_STEPS or self._tokens <= 0:
+            return None
+        return self._seconds / self._tokens
 
     def _separable(self) -> bool:
         """Whether the prompt steps seen tell their fixed part from the per-token part: enough
@@ -95,6 +118,7 @@ class PrefillBudget:
         self.costs = costs if costs is not None else StepCosts()
         self._chunk = max_tokens if limit is None else limit
         self._fitted_at = -1  # timed steps when the chunk was last computed
+        self._measured = False  # ... from a fit or the seconds per prompt token
         self._logged = 0
 
     @classmethod
@@ -112,17 +136,26 @@ class PrefillBudget:
             return self.limit
         costs = self.costs
         timed = costs.prefill_steps + costs.decode_steps
-        if timed - self._fitted_at >= REFIT_STEPS or self._fitted_at < 0:
+        # every step until something is measured (a worker's first prompts are whole steps
+        # until then), then every REFIT_STEPS
+        if timed - self._fitted_at >= (REFIT_STEPS if self._measured else 1) or self._fitted_at < 0:
             self._fitted_at = timed
             self._chunk = self._measured_chunk()
         return self._chunk
 
     def _measured_chunk(self) -> int:
         fitted = self.costs.fit()
-        if fitted is None:
+        per_token_s = self.costs.seconds_per_prompt_token()
+        if fitted is None and per_token_s is None:
             return self.max_tokens
-        fixed, per_token = fitted
-        chunk = max(MIN_CHUNK, min(self.max_tokens, int(np.ceil(fixed / (SLACK * per_token)))))
+        self._measured = True
+        chunk = self.max_tokens
+        if fitted is not None:
+            fixed, per_token = fitted
+            chunk = min(chunk, int(np.ceil(fixed / (SLACK * per_token))))
+        if per_token_s is not None:
+            chunk = min(chunk, int(MAX_STEP_S / per_token_s))
+        chunk = max(MIN_CHUNK, chunk)
         # say it when it is first measured and when it moves by half or more
         if not self._logged or not (self._logged / 1.5 < chunk < self._logged * 1.5):
             self._logged = chunk
@@ -132,12 +165,19 @@ class PrefillBudget:
     def describe(self, chunk: int | None = None) -> str:
         """A line for logs: the chunk and the fit behind it."""
         fitted = self.costs.fit()
-        how = "fixed" if self.limit is not None else "measured" if fitted else "not measured yet"
+        per_token_s = self.costs.seconds_per_prompt_token()
+        measured = fitted is not None or per_token_s is not None
+        how = "fixed" if self.limit is not None else "measured" if measured else "not measured yet"
         line = f"prefill chunk {self.tokens() if chunk is None else chunk} tokens ({how})"
         if fitted:
             fixed, per_token = fitted
             line += (
                 f"; a prompt step = {1e3 * fixed:.2f} ms + {1e3 * per_token:.3f} ms per prompt "
                 "token"
+            )
+        if per_token_s is not None:
+            line += (
+                f"; {1e3 * per_token_s:.3f} ms per prompt token in all, at most "
+                f"{1e3 * MAX_STEP_S:.0f} ms of them a step"
             )
         return line

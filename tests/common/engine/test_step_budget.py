@@ -13,7 +13,14 @@ import random
 
 import pytest
 
-from common.engine.step_budget import MIN_CHUNK, MIN_STEPS, SLACK, PrefillBudget, StepCosts
+from common.engine.step_budget import (
+    MAX_STEP_S,
+    MIN_CHUNK,
+    MIN_STEPS,
+    SLACK,
+    PrefillBudget,
+    StepCosts,
+)
 from tests.common.engine.test_engine import GREEDY, hf_greedy, make_engine, prompts
 from tests.common.engine.test_scheduler import books, compute, make, seq
 
@@ -68,6 +75,26 @@ def test_the_chunk_is_where_the_fixed_cost_is_a_slack_share():
     per_token = (fixed + 0.0018 * chunk) / chunk
     assert per_token <= (1 + SLACK) * 0.0018 * (1 + 1e-6)
     assert f"prefill chunk {chunk} tokens (measured)" in budget.describe()
+
+
+def test_a_step_holds_at_most_max_step_s_of_prompt_work():
+    """Steps the linear fit reads as a large fixed part (a few tokens after a long cached
+    prefix, ~100 ms of attention on one core, beside whole 1,500-token prompts; measured on
+    benchmarks/kv_cluster.py's workload): the slack rule alone would take most of a prompt in one
+    step; the chunk is held to MAX_STEP_S at the measured seconds per prompt token."""
+    costs = StepCosts()
+    for i in range(40):
+        p = 1524 if i % 3 == 0 else 36
+        costs.record(p, 1, 0.105 + 0.00076 * p + (0.25 if p > 1000 else 0.0))
+    fixed, per_token = costs.fit()
+    assert fixed / (SLACK * per_token) > 1000  # the slack rule alone: most of a prompt a step
+    per_token_s = costs.seconds_per_prompt_token()
+    assert 0.0008 < per_token_s < 0.0013
+    budget = PrefillBudget(2048, None, costs)
+    assert budget.tokens() == int(MAX_STEP_S / per_token_s) < 400
+    assert "at most 250 ms of them a step" in budget.describe()
+    # nothing timed yet: no limit
+    assert StepCosts().seconds_per_prompt_token() is None
 
 
 def test_the_chunk_stays_within_its_bounds_and_follows_the_flag():
