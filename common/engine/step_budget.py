@@ -47,6 +47,10 @@ MIN_CHUNK = 16  # never smaller: a block's worth
 REFIT_STEPS = 8  # the chunk is recomputed every this many timed steps (a 3x3 solve each time)
 MAX_STEP_S = 0.25  # the prompt work one step takes at most, at the measured seconds per token
 RATIO_MIN_STEPS = 2  # prompt steps timed before the seconds per prompt token count
+# a process's first prompt steps pay one-time costs (kernel libraries built or loaded on first
+# use, first touches of the cache and scratch memory): measured 2.1 ms a prompt token against
+# 1.1 after them; they are not fitted (a 0 ms fixed part fitted from them made 16-token chunks)
+WARMUP_PROMPT_STEPS = 2
 
 
 class StepCosts:
@@ -59,6 +63,7 @@ class StepCosts:
         self.prefill_steps = 0  # timed steps with prompt tokens
         self.decode_steps = 0  # timed steps without (not fitted)
         self._seconds = self._tokens = 0.0  # fading sums over the prompt steps
+        self.warmup_steps = 0  # prompt steps not fitted (WARMUP_PROMPT_STEPS)
 
     def record(self, prompt_tokens: int, decode_rows: int, seconds: float) -> None:
         """One step's work and its wall time."""
@@ -66,6 +71,9 @@ class StepCosts:
             return
         if not prompt_tokens:
             self.decode_steps += 1
+            return
+        if self.warmup_steps < WARMUP_PROMPT_STEPS:
+            self.warmup_steps += 1
             return
         x = np.array([1.0, float(prompt_tokens)])
         self._xtx = self.decay * self._xtx + np.outer(x, x)

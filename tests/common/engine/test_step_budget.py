@@ -93,8 +93,12 @@ def test_a_step_holds_at_most_max_step_s_of_prompt_work():
     budget = PrefillBudget(2048, None, costs)
     assert budget.tokens() == int(MAX_STEP_S / per_token_s) < 400
     assert "at most 250 ms of them a step" in budget.describe()
-    # nothing timed yet: no limit
-    assert StepCosts().seconds_per_prompt_token() is None
+    # nothing timed yet: no limit; a process's first prompt steps (one-time costs) do not count
+    fresh = StepCosts()
+    assert fresh.seconds_per_prompt_token() is None
+    for seconds in (2.0, 2.0, 0.1, 0.1):
+        fresh.record(100, 0, seconds)
+    assert fresh.seconds_per_prompt_token() == pytest.approx(0.001)
 
 
 def test_the_chunk_stays_within_its_bounds_and_follows_the_flag():
