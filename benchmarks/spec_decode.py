@@ -182,6 +182,10 @@ def engine_config(args: argparse.Namespace, method: str) -> EngineConfig:
         dtype=args.dtype,
         kv_cache_memory="2GiB",
         num_threads=args.threads,
+        # every engine prefills the same prompts in the same steps: a chunk measured from each
+        # engine's own step times could differ, and how many rows a step has picks the kernels
+        # (int8 GEMM or dense), so "same output as none" would test chunking, not speculation
+        prefill_chunk="off",
         **extra,
     )
 

@@ -47,6 +47,11 @@ MIN_CHUNK = 16  # never smaller: a block's worth
 REFIT_STEPS = 8  # the chunk is recomputed every this many timed steps (a 3x3 solve each time)
 MAX_STEP_S = 0.25  # the prompt work one step takes at most, at the measured seconds per token
 RATIO_MIN_STEPS = 2  # prompt steps timed before the seconds per prompt token count
+# ... of at least this many prompt tokens: in a step of a few, the fixed part is most of it, and
+# the ratio would cut a batch of short prompts (spec_decode.py's chat, 8 x ~40 tokens) into
+# chunks, which changes the kernels a token's rows go through (int8 GEMM for few rows, dense for
+# many) and so its last bits, and greedy output, from one engine to the next
+RATIO_MIN_TOKENS = 128
 # a process's first prompt steps pay one-time costs (kernel libraries built or loaded on first
 # use, first touches of the cache and scratch memory): measured 2.1 ms a prompt token against
 # 1.1 after them; they are not fitted (a 0 ms fixed part fitted from them made 16-token chunks)
@@ -64,6 +69,7 @@ class StepCosts:
         self.decode_steps = 0  # timed steps without (not fitted)
         self._seconds = self._tokens = 0.0  # fading sums over the prompt steps
         self.warmup_steps = 0  # prompt steps not fitted (WARMUP_PROMPT_STEPS)
+        self.ratio_steps = 0  # prompt steps of RATIO_MIN_TOKENS or more, in the ratio
 
     def record(self, prompt_tokens: int, decode_rows: int, seconds: float) -> None:
         """One step's work and its wall time."""
@@ -78,14 +84,17 @@ class StepCosts:
         x = np.array([1.0, float(prompt_tokens)])
         self._xtx = self.decay * self._xtx + np.outer(x, x)
         self._xty = self.decay * self._xty + x * seconds
-        self._seconds = self.decay * self._seconds + seconds
-        self._tokens = self.decay * self._tokens + prompt_tokens
+        if prompt_tokens >= RATIO_MIN_TOKENS:
+            self._seconds = self.decay * self._seconds + seconds
+            self._tokens = self.decay * self._tokens + prompt_tokens
+            self.ratio_steps += 1
         self.prefill_steps += 1
 
     def seconds_per_prompt_token(self) -> float | None:
-        """The prompt steps' seconds over their prompt tokens (fading, everything included),
-        once RATIO_MIN_STEPS of them were timed (no spread needed, unlike the fit)."""
-        if self.prefill_steps < RATIO_MIN_STEPS or self._tokens <= 0:
+        """The prompt steps' seconds over their prompt tokens (fading, everything included;
+        steps of RATIO_MIN_TOKENS or more), once RATIO_MIN_STEPS of them were timed (no spread
+        needed, unlike the fit)."""
+        if self.ratio_steps < RATIO_MIN_STEPS or self._tokens <= 0:
             return None
         return self._seconds / self._tokens
 

@@ -96,8 +96,12 @@ def test_a_step_holds_at_most_max_step_s_of_prompt_work():
     # nothing timed yet: no limit; a process's first prompt steps (one-time costs) do not count
     fresh = StepCosts()
     assert fresh.seconds_per_prompt_token() is None
-    for seconds in (2.0, 2.0, 0.1, 0.1):
-        fresh.record(100, 0, seconds)
+    for seconds in (2.0, 2.0, 0.2, 0.2):
+        fresh.record(200, 0, seconds)
+    assert fresh.seconds_per_prompt_token() == pytest.approx(0.001)
+    # ... nor steps of a few prompt tokens, mostly fixed cost (they would cut short prompts)
+    for _ in range(10):
+        fresh.record(40, 0, 0.05)
     assert fresh.seconds_per_prompt_token() == pytest.approx(0.001)
 
 
