@@ -16,8 +16,9 @@ attending to it (26 tokens after 1,500: ~100 ms on one core). Such steps read as
 part, and the chunk came out at whole prompts: a 1,500-token prompt then held its worker for 1.3 s
 in one step while short requests behind it waited (benchmarks/kv_cluster.py). So the chunk is
 also held to `MAX_STEP_S` of prompt work at the prompt steps' measured seconds per prompt token
-(all included, fading): what a short request or a running sequence waits at most behind a long
-prompt, for one more fixed part per chunk.
+(all included, fading; steps of `RATIO_MIN_TOKENS` or more): what a short request or a running
+sequence waits at most behind a long prompt, for one more fixed part per chunk. A process's
+first `WARMUP_PROMPT_STEPS` prompt steps (one-time costs) are not counted at all.
 
 Why a limit at all: a step that prefills many prompts at once finishes all of them together at
 its end, and every running sequence waits for it; chunks of about this size finish prompts one
@@ -25,10 +26,10 @@ after another in arrival order (the mean time to first token drops, by up to hal
 and keep the decode steps between them short, for at most `SLACK` more time per prompt token.
 Bigger chunks would not compute faster (that is what the fit says); smaller ones would spend more
 than `SLACK` on the fixed part. Until prompt steps of varied sizes tell the fixed part from the
-per-token part only the `MAX_STEP_S` rule holds (from the second prompt step on: the chunk is
-recomputed every step until then), and before that no limit (the engine's
-`max_num_batched_tokens`). Owned by the engine,
-read by its scheduler each step.
+per-token part only the `MAX_STEP_S` rule holds (once `RATIO_MIN_STEPS` steps of
+`RATIO_MIN_TOKENS` count; the chunk is recomputed every step until something is measured), and
+before that there is no limit (the engine's `max_num_batched_tokens`). Owned by the engine, read
+by its scheduler each step.
 """
 
 from __future__ import annotations

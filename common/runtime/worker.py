@@ -12,7 +12,9 @@ layers, idle turns), so a router can tell a stuck loop from a long step. After e
 reports its prefix-cache changes to every router (`KVEvents`: block keys stored and evicted,
 per tier: the cache, and the KV tier's RAM and disk (`common.runtime.kv_events`), numbered per
 router; a full snapshot after registering or when a router asks with `KVResync`),
-which feed prefix-aware routing. Asked with `BlockBooksQuery`, it answers with its engine's block
+which feed prefix-aware routing. Under `pdserve up` on the CPU, before each step it takes the
+cores idle workers on the machine lend (`common.runtime.cores`), and lends its own while it
+waits. Asked with `BlockBooksQuery`, it answers with its engine's block
 audit. Both roles own a KV sender and a KV receiver (`attach_kv`): besides the prompt handoff
 (prefill pushes, decode receives) a worker fetches prefixes from peers and answers their fetches
 (`common.runtime.worker_kv`): a dispatch carrying a `PeerHint` waits while the fetch runs, then is
