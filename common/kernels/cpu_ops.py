@@ -210,7 +210,8 @@ def store_kv(
     kv_dtype = _STORE_DTYPES.get(k_cache.dtype)
     eight_bit = kv_dtype in (2, 3)
     if not (
-        supports(k)
+        k.dim() == 3
+        and supports(k)
         and kv_dtype is not None
         and v.dtype == k.dtype
         and v.shape == k.shape
