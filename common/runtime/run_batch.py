@@ -235,6 +235,8 @@ def run_batch_command(args: argparse.Namespace) -> int:
     engine = Engine(
         config, source.hf_config, iter_weights(source), eos_token_ids=tokenizer.eos_token_ids
     )
+    if config.warm_up:
+        engine.warm_up()
     seed_generators(config.seed)  # unseeded sampled requests: same --seed, same output file
     if args.input_file == "-":
         input_lines = sys.stdin.read().splitlines()

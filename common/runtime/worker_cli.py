@@ -5,14 +5,15 @@ Owns `--router`, `--worker-id`, `--cluster-secret-file`, the KV receiver's flags
 worker the blocks it fetches from peers) and the health endpoint's flags
 (`--health-port`, `--health-host`, `--health-stall-timeout-s`; each also read from a PDSERVE_*
 variable; the engine flags come from `common.config.add_engine_args`), turning the parsed flags
-into a loaded `Engine`, seeding the process's random generators from `--seed`, and running the
-worker beside its health endpoint (`serve`). Called by `prefill.cli` and `decode.cli`; heavy
-imports happen inside the functions so that `pdserve --help` stays fast.
+into a loaded, warmed-up `Engine` (`--warm-up`), seeding the process's random generators from
+`--seed`, and running the worker beside its health endpoint (`serve`). Called by `prefill.cli`
+and `decode.cli`; heavy imports happen inside the functions so that `pdserve --help` stays fast.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import random
 from typing import TYPE_CHECKING
@@ -21,6 +22,8 @@ if TYPE_CHECKING:
     from common.config import EngineConfig
     from common.engine.engine import Engine
     from common.runtime.worker import WorkerBase
+
+log = logging.getLogger(__name__)
 
 DEFAULT_ROUTER = "tcp://127.0.0.1:8001"
 
@@ -141,7 +144,9 @@ def build_engine(args: argparse.Namespace) -> Engine:
     engine = load_engine(config)
     if engine.runner.device.type == "cpu":
         build_cpu_kernels()
-    seed_generators(config.seed)
+    if config.warm_up:
+        log.info("warm-up: %.2f s", engine.warm_up())
+    seed_generators(config.seed)  # after the warm-up: what it drew does not count
     return engine
 
 

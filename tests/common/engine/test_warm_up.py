@@ -1,0 +1,85 @@
+"""Engine.warm_up: throwaway requests at start that leave no trace, and the workers' --warm-up."""
+
+from __future__ import annotations
+
+import pytest
+
+from common.cli import build_parser
+from common.engine.engine import Engine
+from common.runtime import worker_cli
+from common.sampling_params import SamplingParams
+from tests.common.engine.test_engine import assert_block_pool_full, make_engine, prompts
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+
+
+@pytest.mark.parametrize("tiny_model", ["llama"], indirect=True)
+@pytest.mark.parametrize("speculative", ["none", "ngram"])
+def test_warm_up_leaves_counters_cache_and_output_as_a_fresh_engine_has_them(
+    tiny_model, speculative
+) -> None:
+    _, hf_model, _ = tiny_model
+    fresh = make_engine(hf_model, speculative=speculative)
+    warmed = make_engine(hf_model, speculative=speculative)
+    before = warmed.stats()
+    assert warmed.warm_up() > 0
+    assert warmed.stats() == before  # every counter and gauge, the free blocks included
+    assert_block_pool_full(warmed)  # nothing running, held or cached
+    assert not warmed.block_books().errors
+    if speculative == "ngram":
+        assert warmed.governor is not None and warmed.governor is not fresh.governor
+    batch = prompts(4)
+    expected = [s.output_token_ids for s in fresh.generate(batch, GREEDY)]
+    assert [s.output_token_ids for s in warmed.generate(batch, GREEDY)] == expected
+    # the first real requests' counters are theirs alone
+    assert warmed.stats()["prefill_kv_computed_tokens_total"] == sum(len(p) for p in batch)
+    assert warmed.stats() == fresh.stats()
+
+
+@pytest.mark.parametrize("tiny_model", ["llama"], indirect=True)
+def test_warm_up_prompts_are_not_cached(tiny_model) -> None:
+    """Prefix caching is off while it runs: a later prompt equal to a warm-up prompt finds no
+    cached block (and a worker has no KV event to send about them)."""
+    _, hf_model, _ = tiny_model
+    engine = make_engine(hf_model)
+    seen: list[list[int]] = []
+    generate = engine.generate
+
+    def recording(batch, params):
+        seen.extend(list(p) for p in batch)
+        return generate(batch, params)
+
+    engine.generate = recording
+    engine.warm_up()
+    engine.generate = generate
+    assert seen and max(len(p) for p in seen) > 64  # a prompt step past the C layers' rows
+    assert engine.block_manager.enable_prefix_caching
+    engine.generate([seen[0]], GREEDY)
+    assert engine.stats()["prefix_cache_hits_total"] == 0
+
+
+@pytest.mark.parametrize("tiny_model", ["llama"], indirect=True)
+def test_warm_up_refuses_once_requests_came(tiny_model) -> None:
+    _, hf_model, _ = tiny_model
+    engine = make_engine(hf_model)
+    engine.add_request("r", prompts(1)[0], GREEDY)
+    with pytest.raises(RuntimeError, match="before the first request"):
+        engine.warm_up()
+
+
+@pytest.mark.parametrize("tiny_model", ["llama"], indirect=True)
+@pytest.mark.parametrize("flags,calls", [((), 1), (("--no-warm-up",), 0)])
+def test_workers_warm_up_unless_told_not_to(tiny_model, monkeypatch, flags, calls) -> None:
+    _, hf_model, _ = tiny_model
+    counted: list[Engine] = []
+    original = Engine.warm_up
+
+    def counting(self: Engine) -> float:
+        counted.append(self)
+        return original(self)
+
+    monkeypatch.setattr(Engine, "warm_up", counting)
+    monkeypatch.setattr(worker_cli, "load_engine", lambda config: make_engine(hf_model))
+    args = build_parser().parse_args(["decode", "--model", "tiny", *flags])
+    engine = worker_cli.build_engine(args)
+    assert len(counted) == calls and all(e is engine for e in counted)
