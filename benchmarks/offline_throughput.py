@@ -113,7 +113,6 @@ def run_pdserve(
     dtype: str,
     prompts: list[list[int]],
     itl_prompt: list[int],
-    warmup_prompt: list[int],
     output_len: int,
     threads: int,
     limits: machine_limits.Limits | None,
@@ -124,7 +123,7 @@ def run_pdserve(
     )
     device = engine.runner.device
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
-    engine.generate([warmup_prompt], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    engine.warm_up()  # as `pdserve run-batch` and the workers start (--warm-up)
 
     log(f"pdserve {dtype}: {len(prompts)} requests")
     hits_before = engine.stats()["prefix_cache_hits_total"]
@@ -401,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
     cache: dict[str, dict[str, float]] = {}
     for dtype in args.dtypes:
         tp, lr, cache[dtype] = run_pdserve(
-            dtype, prompts, itl_prompt, warmup_prompt, args.output_len, threads, limits
+            dtype, prompts, itl_prompt, args.output_len, threads, limits
         )
         rows.append(tp)
         lat.append(lr)
