@@ -7,9 +7,11 @@ step calls it once per sequence and layer. `csrc/prefill_attention.c` computes t
 softmax and the weighted sum of V in float32 with register-blocked tiles (see its header); every
 query's result is independent of how the prompt is chunked. Built on first use into
 `$PDSERVE_CACHE/kernels/` at the host's ISA level (common.kernels.cbuild) and called through
-ctypes (which releases the GIL). Called by common.kernels.attention's prefill path; `supports`
-is False (and SDPA runs) off the CPU, for other dtypes or head sizes, without a C compiler, or
-with PDSERVE_CPU_KERNELS=0.
+ctypes (which releases the GIL). On a CPU with AMX, bfloat16 inputs run both products on the
+tile unit (measured, 2 threads, 9 query / 3 KV heads of 64: 1,524 tokens 13.7 -> 6.9 ms, 256
+tokens 0.47 -> 0.36 ms; torch's SDPA 6.0 and 0.28), chunk-invariant as well. Called by
+common.kernels.attention's prefill path; `supports` is False (and SDPA runs) off the CPU, for
+other dtypes or head sizes, without a C compiler, or with PDSERVE_CPU_KERNELS=0.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ _c_int, _c_long, _ptr = ctypes.c_int, ctypes.c_long, ctypes.c_void_p
 _SIGNATURES = {
     "prefill_attention": [_ptr, _c_long, _ptr, _c_long, _ptr, _c_long, _ptr, _c_int, _c_int,
                           _c_int, _c_int, _c_int, ctypes.c_float, _c_int, _c_int],
+    "prefill_uses_amx": [],
 }  # fmt: skip
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 HEAD_DIMS = (64, 128)
@@ -50,6 +53,13 @@ def available() -> bool:
 def _token_major(x: torch.Tensor) -> bool:
     """[tokens, heads, D] with heads and D contiguous within a token (any token stride)."""
     return x.stride(2) == 1 and x.stride(1) == x.shape[2] and x.stride(0) >= x.shape[1] * x.shape[2]
+
+
+def uses_amx(lib: CLibrary | None = None) -> bool:
+    """Whether bfloat16 inputs take the kernel's AMX tile path (an amx build on a CPU that
+    granted the tile state): the weights are then rounded to bfloat16 before the V product."""
+    lib = lib or _LIB
+    return lib.available() and bool(lib.get().prefill_uses_amx())
 
 
 def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:

@@ -13,9 +13,9 @@ that the source must ask for, so they count only where the source (or a header n
 tests that level's macro in a preprocessor conditional (`__AVXVNNI__`, `__AVX512VNNI__`,
 `__AVX512BF16__`): a library without such code loads its avx512 build and the log says so.
 avx512bf16 is its own level because Cascade Lake has VNNI without BF16; amx (Sapphire Rapids on:
-AMX tiles with int8 products, `__AMX_INT8__`) sits above it, as every CPU with AMX has both. The
-order is linear, so a source with AVX-VNNI code but no AVX-512 VNNI code gets avx512 (no VNNI) on
-a CPU with both.
+AMX tiles with int8 and bfloat16 products, `__AMX_INT8__` or `__AMX_BF16__`) sits above it, as
+every CPU with AMX has both. The order is linear, so a source with AVX-VNNI code but no AVX-512
+VNNI code gets avx512 (no VNNI) on a CPU with both.
 
 `PDSERVE_CPU_ISA=portable|avx2|avxvnni|avx512|avx512vnni|avx512bf16|amx` caps the level: each
 library loads the highest level at or below it that it has code for and the CPU runs. A cap above
@@ -67,9 +67,10 @@ LEVELS = (
           ("__AVX512VNNI__",)),
     Level("avx512bf16", (*_AVX512, "-mavx512vnni", "-mavx512bf16"),
           _AVX512_CPU | {"avx512_vnni", "avx512_bf16"}, ("__AVX512BF16__",)),
-    Level("amx", (*_AVX512, "-mavx512vnni", "-mavx512bf16", "-mamx-tile", "-mamx-int8"),
-          _AVX512_CPU | {"avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8"},
-          ("__AMX_INT8__",)),
+    Level("amx", (*_AVX512, "-mavx512vnni", "-mavx512bf16", "-mamx-tile", "-mamx-int8",
+                  "-mamx-bf16"),
+          _AVX512_CPU | {"avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16"},
+          ("__AMX_INT8__", "__AMX_BF16__")),
 )  # fmt: skip
 BY_NAME = {level.name: level for level in LEVELS}
 

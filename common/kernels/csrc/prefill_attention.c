@@ -20,7 +20,10 @@
  * Each query's result is computed by the same operations in the same order whatever the unit, the
  * thread count or q_len: a prompt split into chunks gets the bits of the whole prompt's pass.
  * Float32 throughout, FMA where the ISA level has it (a GCC vector type of 16 floats: AVX-512,
- * two AVX2 vectors, or four SSE ones); exp is vecmath.h's exp_approx (about 1 ulp).
+ * two AVX2 vectors, or four SSE ones); exp is vecmath.h's exp_approx (about 1 ulp). In an amx
+ * build on a CPU that grants the tile state, bfloat16 inputs take the AMX path instead (both
+ * products on the tile unit, the weights rounded to bfloat16 before the V product: see
+ * unit_amx), with the same chunking guarantee; `prefill_uses_amx` says which.
  */
 #include <math.h>
 #include <stdint.h>
@@ -30,6 +33,18 @@
 #include "vecmath.h"
 #ifdef _OPENMP
 #include <omp.h>
+#endif
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define AMX_ATTENTION 1
+/* Linux hands out the tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM, once per
+ * process, at load); refused, the vector path below serves bfloat16 too */
+static int amx_ok;
+__attribute__((constructor)) static void amx_request(void) {
+    amx_ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+}
 #endif
 
 typedef float v16 __attribute__((vector_size(64)));
@@ -192,6 +207,188 @@ static inline __attribute__((always_inline)) void unit(
     }
 }
 
+#ifdef AMX_ATTENTION
+/* The AMX path (bfloat16 q, k, v on a CPU with AMX tiles that granted them): the two products on
+ * the tile unit, the softmax as above.
+ *   S = q . k: a tile of 16 query vectors x 32 dims of q (bfloat16, as stored) times K in dim
+ *     pairs (Kp [D/2][kpad][2]: a tile row holds 16 keys' values of two dims), D/32 products a
+ *     tile of 16 x 16 scores, float32 sums of the exact bfloat16 products; then * scale;
+ *   softmax_row as the vector path (float32), the weights then rounded once to bfloat16 (P);
+ *   O = P V: a tile of 16 query vectors x 32 keys of P times V in key pairs (Vp [kpad/2][D][2]),
+ *     accumulated over the keys in tiles of 16 x 16 dims (64 dims at a time), float32.
+ * Each score and each output value is one tile element, made by the same instructions over the
+ * same keys whatever else is in its tile: keys past a query's position have weight 0, and a
+ * unit's extra key tiles add exact zeros, so chunking changes no bit, as on the vector path.
+ * Units are 16 tokens (16 * G query vectors: whole tiles for every G). Tolerance against the
+ * float32 path: the weights' rounding, at most 2^-9 of each, so |error| <= 2^-9 max |v| beside the
+ * output's own bfloat16 rounding. */
+#define AMX_TQ 16
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+/* tmm0-3: float32 sums (16 x 16); tmm4: A (16 rows x 32 bfloat16); tmm5: B (16 pair rows) */
+static void amx_configure(void) {
+    tile_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 6; t++) c.rows[t] = 16, c.colsb[t] = 64;
+    _tile_loadconfig(&c);
+}
+
+/* O[:, dh..dh+63] of rows rb..rb+15: tile c's 16 dims from dh + 16c */
+#define AMX_PV_DIMS(c)                                                                          \
+    do {                                                                                        \
+        _tile_loadd(5, Vp + ((long)(j0 / 2) * D + dh + 16 * (c)) * 2, 4L * D);                   \
+        _tile_dpbf16ps(c, 4, 5);                                                                \
+    } while (0)
+
+static void unit_amx(int D, const uint16_t *q, long qs, uint16_t *out, int q_len, int k_len,
+                     int H, int G, int hk, int t0, int t1, const uint16_t *Kp,
+                     const uint16_t *Vp, long kpad, float scale, uint16_t *Qb, float *S,
+                     uint16_t *P, float *O, float *inv) {
+    const int base = k_len - q_len; /* position of query 0 */
+    const int nq = (t1 - t0) * G, nqv = (nq + 15) / 16 * 16;
+    const int kmax = base + t1, kend = (kmax + KB - 1) / KB * KB;
+    const long spad = kpad;
+    for (int r = 0; r < nqv; r++) {
+        uint16_t *dst = Qb + (long)r * D;
+        if (r < nq)
+            memcpy(dst, q + (long)(t0 + r / G) * qs + (long)(hk * G + r % G) * D, 2 * D);
+        else
+            memset(dst, 0, 2 * D);
+    }
+    /* GCC's tile intrinsics do not say they read or write memory: these barriers keep the
+     * plain loads and stores of Qb, S, P and O on their side of the tile loads and stores */
+    __asm__ volatile("" ::: "memory");
+    for (int rb = 0; rb < nqv; rb += 16)
+        for (int j0 = 0; j0 < kend; j0 += 16) {
+            _tile_zero(0);
+            for (int dc = 0; dc < D / 32; dc++) {
+                _tile_loadd(4, Qb + (long)rb * D + 32 * dc, 2L * D);
+                _tile_loadd(5, Kp + ((long)dc * 16 * kpad + j0) * 2, 4 * kpad);
+                _tile_dpbf16ps(0, 4, 5);
+            }
+            _tile_stored(0, S + (long)rb * spad + j0, 4 * spad);
+        }
+    __asm__ volatile("" ::: "memory");
+    for (int r = 0; r < nqv; r++) {
+        float *s = S + (long)r * spad;
+        for (int j = 0; j < kend; j += 16) st(s + j, ld(s + j) * scale);
+        const int n = r < nq ? base + t0 + r / G + 1 : 1; /* padding rows: any finite row */
+        inv[r] = softmax_row(s, n, kend);
+        uint16_t *p = P + (long)r * spad;
+        for (int j = 0; j < kend; j++) p[j] = f32_to_bf16(s[j]);
+    }
+    __asm__ volatile("" ::: "memory");
+    for (int rb = 0; rb < nqv; rb += 16)
+        for (int dh = 0; dh < D; dh += 64) {
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int j0 = 0; j0 < kend; j0 += 32) {
+                _tile_loadd(4, P + (long)rb * spad + j0, 2 * spad);
+                AMX_PV_DIMS(0);
+                AMX_PV_DIMS(1);
+                AMX_PV_DIMS(2);
+                AMX_PV_DIMS(3);
+            }
+            float *o = O + (long)rb * D + dh;
+            _tile_stored(0, o, 4L * D);
+            _tile_stored(1, o + 16, 4L * D);
+            _tile_stored(2, o + 32, 4L * D);
+            _tile_stored(3, o + 48, 4L * D);
+            __asm__ volatile("" ::: "memory");
+        }
+    for (int r = 0; r < nq; r++) {
+        const long dst = ((long)(t0 + r / G) * H + hk * G + r % G) * D;
+        const float *o = O + (long)r * D;
+        for (int d = 0; d < D; d++) out[dst + d] = f32_to_bf16(o[d] * inv[r]);
+    }
+}
+#undef AMX_PV_DIMS
+
+/* prefill_attention's bfloat16 case on the tile unit (see above); same returns */
+static int prefill_amx(const uint16_t *q, long q_stride, const uint16_t *k, long k_stride,
+                       const uint16_t *v, long v_stride, uint16_t *out, int q_len, int k_len,
+                       int H, int Hkv, int D, float scale, int nthreads) {
+    const int G = H / Hkv;
+    const long kpad = (k_len + KB - 1) / KB * KB, spad = kpad;
+    uint16_t *Kp = malloc(sizeof(uint16_t) * (size_t)Hkv * D * kpad);
+    uint16_t *Vp = malloc(sizeof(uint16_t) * (size_t)Hkv * D * kpad);
+    if (!Kp || !Vp) {
+        free(Kp);
+        free(Vp);
+        return 2;
+    }
+    /* K and V of each KV head in pairs (see above), per 64 keys; pad keys 0 (finite scores) */
+    const int chunks = (int)((kpad + 63) / 64);
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int c = 0; c < Hkv * chunks; c++) {
+        const int hk = c / chunks;
+        const long j0 = (long)(c % chunks) * 64, j1 = j0 + 64 < kpad ? j0 + 64 : kpad;
+        uint16_t *kp = Kp + (long)hk * D * kpad, *vp = Vp + (long)hk * D * kpad;
+        for (long j = j0; j < j1; j++) {
+            const uint16_t *kr = k + j * k_stride + (long)hk * D;
+            const uint16_t *vr = v + j * v_stride + (long)hk * D;
+            for (int d = 0; d < D; d++) {
+                kp[((long)(d / 2) * kpad + j) * 2 + (d & 1)] = j < k_len ? kr[d] : 0;
+                vp[((j / 2) * D + d) * 2 + (j & 1)] = j < k_len ? vr[d] : 0;
+            }
+        }
+    }
+    const int tiles = (q_len + AMX_TQ - 1) / AMX_TQ, units = Hkv * tiles, nqv = AMX_TQ * G;
+    const int nqv_max = (nqv + 15) / 16 * 16;
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads)
+    {
+        uint16_t *Qb = malloc(sizeof(uint16_t) * (size_t)nqv_max * D);
+        float *S = malloc(sizeof(float) * (size_t)nqv_max * spad);
+        uint16_t *P = malloc(sizeof(uint16_t) * (size_t)nqv_max * spad);
+        float *O = malloc(sizeof(float) * (size_t)nqv_max * D);
+        float *inv = malloc(sizeof(float) * (size_t)nqv_max);
+        const int ok = Qb && S && P && O && inv;
+        if (!ok) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        amx_configure();
+        /* the last tiles (the most keys) first: the long units start early */
+#pragma omp for schedule(dynamic, 1)
+        for (int u = 0; u < units; u++) {
+            if (!ok) continue;
+            const int tile = tiles - 1 - u / Hkv, hk = u % Hkv;
+            const int t0 = tile * AMX_TQ, t1 = t0 + AMX_TQ < q_len ? t0 + AMX_TQ : q_len;
+            unit_amx(D, q, q_stride, out, q_len, k_len, H, G, hk, t0, t1,
+                     Kp + (long)hk * D * kpad, Vp + (long)hk * D * kpad, kpad, scale, Qb, S, P,
+                     O, inv);
+        }
+        _tile_release();
+        free(Qb);
+        free(S);
+        free(P);
+        free(O);
+        free(inv);
+    }
+    free(Kp);
+    free(Vp);
+    return failed ? 2 : 0;
+}
+#endif
+
+/* Whether bfloat16 inputs take the tile unit's path (an AMX build that got the tile state). */
+int prefill_uses_amx(void) {
+#ifdef AMX_ATTENTION
+    return amx_ok;
+#else
+    return 0;
+#endif
+}
+
 /* 0: done; 1: shapes not supported (D not 64 or 128, H not a multiple of Hkv, q_len > k_len,
  * an unknown dtype); 2: no memory. */
 int prefill_attention(const void *q, long q_stride, const void *k, long k_stride, const void *v,
@@ -201,6 +398,11 @@ int prefill_attention(const void *q, long q_stride, const void *k, long k_stride
         (dtype != 0 && dtype != 1))
         return 1;
     if (q_len == 0) return 0;
+#ifdef AMX_ATTENTION
+    if (dtype == 1 && amx_ok)
+        return prefill_amx(q, q_stride, k, k_stride, v, v_stride, out, q_len, k_len, H, Hkv, D,
+                           scale, nthreads);
+#endif
     const int G = H / Hkv;
     const int TQ = (TARGET_QV + G - 1) / G;
     const long kpad = (k_len + KB - 1) / KB * KB, spad = kpad;

@@ -5,7 +5,9 @@ about 1 ulp, sums over at most k_len terms) from inputs that float32 holds exact
 bfloat16 ones); with O(1) values, as here, its error against float64 stays below ~1e-6 (measured
 up to 1e-6 at 300 keys): float32 is held to 2e-5. A bfloat16 output is that value rounded once to
 bfloat16 (a relative 2^-9 at most), so bfloat16 is held to rtol 2^-8 plus the float32 bound.
-Every ISA section the host builds (portable, AVX2, AVX-512) is checked the same way.
+The AMX path (bfloat16 on a CPU with AMX tiles) rounds the softmax weights to bfloat16 before the
+V product, as torch's SDPA does: each weight off by at most 2^-9 of itself, so an output by at most
+2^-9 max|v| more. Every ISA section the host builds (portable, AVX2, AVX-512, AMX) is checked.
 """
 
 from __future__ import annotations
@@ -46,10 +48,12 @@ def inputs(q_len, k_len, heads, kv_heads, dim, dtype, seed=0):
     return draw(q_len, heads), draw(k_len, kv_heads), draw(k_len, kv_heads)
 
 
-def check(out: torch.Tensor, q, k, v, scale: float) -> None:
+def check(out: torch.Tensor, q, k, v, scale: float, lib=None) -> None:
     assert out.dtype == q.dtype and out.shape == q.shape
-    rtol = 2.0**-8 if q.dtype == torch.bfloat16 else 0.0
-    torch.testing.assert_close(out.double(), reference(q, k, v, scale), rtol=rtol, atol=2e-5)
+    bf16 = q.dtype == torch.bfloat16
+    rtol = 2.0**-8 if bf16 else 0.0
+    atol = 2e-5 + (2.0**-9 * v.abs().max().item() if bf16 and cpu_prefill.uses_amx(lib) else 0)
+    torch.testing.assert_close(out.double(), reference(q, k, v, scale), rtol=rtol, atol=atol)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -125,7 +129,7 @@ def test_attention_prefill_path_uses_it_and_sdpa_agrees(dtype, monkeypatch):
     assert (ours.double() - exact).abs().max() <= (sdpa.double() - exact).abs().max()
 
 
-@pytest.mark.parametrize("level", ["portable", "avx2", "avx512"])
+@pytest.mark.parametrize("level", ["portable", "avx2", "avx512", "amx"])
 def test_each_isa_section(level, monkeypatch):
     if not any(lv.name == level and isa.runs(lv) for lv in isa.LEVELS):
         pytest.skip(f"this host does not run {level}")
@@ -137,4 +141,25 @@ def test_each_isa_section(level, monkeypatch):
         for dtype in (torch.float32, torch.bfloat16):
             q, k, v = inputs(*case, dtype)
             scale = case[4] ** -0.5
-            check(cpu_prefill.prefill_attention(q, k, v, scale, lib), q, k, v, scale)
+            check(cpu_prefill.prefill_attention(q, k, v, scale, lib), q, k, v, scale, lib)
+
+
+def test_the_amx_path_against_the_vector_path(monkeypatch):
+    """bfloat16 through the tile unit against the AVX-512 build's float32 products: the weights'
+    rounding (2^-9 max|v|) and both outputs' own (2^-8 relative) apart; chunks keep their bits."""
+    amx = cpu_prefill.new_library()
+    if not amx.available() or amx.level != "amx" or not cpu_prefill.uses_amx(amx):
+        pytest.skip("no AMX build here (no AMX, or the kernel refused the tile state)")
+    monkeypatch.setenv(isa.ENV, "avx512")
+    vector = cpu_prefill.new_library()
+    assert vector.available() and not cpu_prefill.uses_amx(vector)
+    for case in [*CASES, (700, 700, 9, 3, 64), (33, 513, 8, 2, 128)]:
+        q, k, v = inputs(*case, torch.bfloat16, seed=len(case) + case[0])
+        scale = case[4] ** -0.5
+        ours = cpu_prefill.prefill_attention(q, k, v, scale, amx)
+        theirs = cpu_prefill.prefill_attention(q, k, v, scale, vector)
+        atol = 2.0**-9 * v.abs().max().item()
+        torch.testing.assert_close(ours.double(), theirs.double(), rtol=2.0**-8, atol=atol)
+        cut = case[0] // 3
+        part = cpu_prefill.prefill_attention(q[cut:], k, v, scale, amx)
+        assert torch.equal(part, ours[cut:])
