@@ -209,19 +209,22 @@ static inline __attribute__((always_inline)) void unit(
 
 #ifdef AMX_ATTENTION
 /* The AMX path (bfloat16 q, k, v on a CPU with AMX tiles that granted them): the two products on
- * the tile unit, the softmax as above.
- *   S = q . k: a tile of 16 query vectors x 32 dims of q (bfloat16, as stored) times K in dim
- *     pairs (Kp [D/2][kpad][2]: a tile row holds 16 keys' values of two dims), D/32 products a
- *     tile of 16 x 16 scores, float32 sums of the exact bfloat16 products; then * scale;
- *   softmax_row as the vector path (float32), the weights then rounded once to bfloat16 (P);
- *   O = P V: a tile of 16 query vectors x 32 keys of P times V in key pairs (Vp [kpad/2][D][2]),
- *     accumulated over the keys in tiles of 16 x 16 dims (64 dims at a time), float32.
+ * the tile unit, the softmax in float32 vectors.
+ *   S = q . k: tiles of 16 query vectors x 32 dims of q (bfloat16, as stored) times K in dim
+ *     pairs, D/32 products a tile of 16 x 16 scores (float32 sums of the exact bfloat16
+ *     products), two key tiles at a time; K is repacked per KV head tile by tile (Kp: per 16
+ *     keys and 32 dims, 16 rows of the 16 keys' two dims, 1 KiB contiguous);
+ *   per query vector, the softmax over its keys (scaled scores, lane-wise maximum and sums as
+ *     softmax_row) writing the weights rounded once to bfloat16 (P);
+ *   O = P V: tiles of 16 query vectors x 32 keys of P times V in key pairs (Vp: per 32 keys and
+ *     16 dims, 16 rows of two keys' 16 dims, 1 KiB contiguous), summed over the keys in tiles of
+ *     16 x 16 dims, 64 dims at a time, float32.
  * Each score and each output value is one tile element, made by the same instructions over the
  * same keys whatever else is in its tile: keys past a query's position have weight 0, and a
  * unit's extra key tiles add exact zeros, so chunking changes no bit, as on the vector path.
- * Units are 16 tokens (16 * G query vectors: whole tiles for every G). Tolerance against the
- * float32 path: the weights' rounding, at most 2^-9 of each, so |error| <= 2^-9 max |v| beside the
- * output's own bfloat16 rounding. */
+ * Units are 16 tokens (16 * G query vectors: whole tiles for every G). Against the float32
+ * products: the weights' rounding, at most 2^-9 of each, so |error| <= 2^-9 max |v| beside the
+ * output's own bfloat16 rounding (torch's SDPA rounds its weights so too). */
 #define AMX_TQ 16
 
 typedef struct {
@@ -230,20 +233,75 @@ typedef struct {
     uint8_t rows[16];
 } tile_config;
 
-/* tmm0-3: float32 sums (16 x 16); tmm4: A (16 rows x 32 bfloat16); tmm5: B (16 pair rows) */
+/* all eight tiles 16 rows x 64 bytes. Scores: tmm0, tmm6 sums, tmm1-4 q (D/32 of them), tmm5 K.
+ * Values: tmm0-3 sums (64 dims), tmm4 P, tmm5-7 V. */
 static void amx_configure(void) {
     tile_config c;
     memset(&c, 0, sizeof c);
     c.palette = 1;
-    for (int t = 0; t < 6; t++) c.rows[t] = 16, c.colsb[t] = 64;
+    for (int t = 0; t < 8; t++) c.rows[t] = 16, c.colsb[t] = 64;
     _tile_loadconfig(&c);
 }
 
-/* O[:, dh..dh+63] of rows rb..rb+15: tile c's 16 dims from dh + 16c */
-#define AMX_PV_DIMS(c)                                                                          \
+typedef uint16_t vu16 __attribute__((vector_size(32)));
+
+/* one query vector's softmax on the AMX path: s holds kend raw scores (a multiple of 16), the
+ * first n its keys; P gets exp(scale s - max) of those as bfloat16 (rounded to nearest even, as
+ * f32_to_bf16), 0 past them; returns 1 / the float32 sum of the unrounded weights. Lane-wise
+ * maximum and sums, then the 16 lanes in order: the same operations for every row of n keys. */
+static inline float softmax_row_amx(const float *s, int n, int kend, float scale, uint16_t *P) {
+    /* lanes past n hold -inf in the maximum and add +0 to the sums: the 16-key blocks wholly
+     * past them are left out (no bit changes), their weights written as zeros */
+    const int nj = (n + 15) / 16 * 16 < kend ? (n + 15) / 16 * 16 : kend;
+    memset(P + nj, 0, sizeof(uint16_t) * (kend - nj));
+    kend = nj;
+    v16 m = splat(-INFINITY);
+    for (int j = 0; j < kend; j += 16) {
+        const v16 x = sel(LANES + j < n, ld(s + j) * scale, splat(-INFINITY));
+        m = sel(x > m, x, m);
+    }
+    float mx = m[0];
+    for (int c = 1; c < 16; c++) mx = m[c] > mx ? m[c] : mx;
+    v16 sum = {};
+    for (int j = 0; j < kend; j += 16) {
+        const v16 e = sel(LANES + j < n, exp16(ld(s + j) * scale - mx), splat(0.0f));
+        sum += e;
+        const vi16 u = (vi16)e;
+        const vi16 r = (u + 0x7fff + ((u >> 16) & 1)) >> 16; /* e >= 0: no sign, NaN stays NaN */
+        const vu16 h = __builtin_convertvector(r, vu16);
+        memcpy(P + j, &h, sizeof h);
+    }
+    float total = 0.0f;
+    for (int c = 0; c < 16; c++) total += sum[c];
+    return 1.0f / total;
+}
+
+/* rows rb..rb+15 x keys j0..j0+31 of S: two tiles of 16 keys, tmm0 and tmm6 */
+#define AMX_SCORES_PAIR(DC)                                                                     \
     do {                                                                                        \
-        _tile_loadd(5, Vp + ((long)(j0 / 2) * D + dh + 16 * (c)) * 2, 4L * D);                   \
-        _tile_dpbf16ps(c, 4, 5);                                                                \
+        const uint16_t *kb = Kp + (long)(j0 / 16) * (DC) * 512;                                  \
+        _tile_zero(0);                                                                          \
+        _tile_zero(6);                                                                          \
+        _tile_loadd(5, kb, 64);                                                                 \
+        _tile_dpbf16ps(0, 1, 5);                                                                \
+        _tile_loadd(7, kb + (DC) * 512, 64);                                                    \
+        _tile_dpbf16ps(6, 1, 7);                                                                \
+        _tile_loadd(5, kb + 512, 64);                                                           \
+        _tile_dpbf16ps(0, 2, 5);                                                                \
+        _tile_loadd(7, kb + ((DC) + 1) * 512, 64);                                              \
+        _tile_dpbf16ps(6, 2, 7);                                                                \
+        if ((DC) == 4) {                                                                        \
+            _tile_loadd(5, kb + 2 * 512, 64);                                                   \
+            _tile_dpbf16ps(0, 3, 5);                                                            \
+            _tile_loadd(7, kb + 6 * 512, 64);                                                   \
+            _tile_dpbf16ps(6, 3, 7);                                                            \
+            _tile_loadd(5, kb + 3 * 512, 64);                                                   \
+            _tile_dpbf16ps(0, 4, 5);                                                            \
+            _tile_loadd(7, kb + 7 * 512, 64);                                                   \
+            _tile_dpbf16ps(6, 4, 7);                                                            \
+        }                                                                                       \
+        _tile_stored(0, S + (long)rb * spad + j0, 4 * spad);                                     \
+        _tile_stored(6, S + (long)rb * spad + j0 + 16, 4 * spad);                                \
     } while (0)
 
 static void unit_amx(int D, const uint16_t *q, long qs, uint16_t *out, int q_len, int k_len,
@@ -264,24 +322,22 @@ static void unit_amx(int D, const uint16_t *q, long qs, uint16_t *out, int q_len
     /* GCC's tile intrinsics do not say they read or write memory: these barriers keep the
      * plain loads and stores of Qb, S, P and O on their side of the tile loads and stores */
     __asm__ volatile("" ::: "memory");
-    for (int rb = 0; rb < nqv; rb += 16)
-        for (int j0 = 0; j0 < kend; j0 += 16) {
-            _tile_zero(0);
-            for (int dc = 0; dc < D / 32; dc++) {
-                _tile_loadd(4, Qb + (long)rb * D + 32 * dc, 2L * D);
-                _tile_loadd(5, Kp + ((long)dc * 16 * kpad + j0) * 2, 4 * kpad);
-                _tile_dpbf16ps(0, 4, 5);
-            }
-            _tile_stored(0, S + (long)rb * spad + j0, 4 * spad);
+    for (int rb = 0; rb < nqv; rb += 16) {
+        const uint16_t *qb = Qb + (long)rb * D;
+        _tile_loadd(1, qb, 2L * D);
+        _tile_loadd(2, qb + 32, 2L * D);
+        if (D == 128) {
+            _tile_loadd(3, qb + 64, 2L * D);
+            _tile_loadd(4, qb + 96, 2L * D);
+            for (int j0 = 0; j0 < kend; j0 += 32) AMX_SCORES_PAIR(4);
+        } else {
+            for (int j0 = 0; j0 < kend; j0 += 32) AMX_SCORES_PAIR(2);
         }
+    }
     __asm__ volatile("" ::: "memory");
     for (int r = 0; r < nqv; r++) {
-        float *s = S + (long)r * spad;
-        for (int j = 0; j < kend; j += 16) st(s + j, ld(s + j) * scale);
         const int n = r < nq ? base + t0 + r / G + 1 : 1; /* padding rows: any finite row */
-        inv[r] = softmax_row(s, n, kend);
-        uint16_t *p = P + (long)r * spad;
-        for (int j = 0; j < kend; j++) p[j] = f32_to_bf16(s[j]);
+        inv[r] = softmax_row_amx(S + (long)r * spad, n, kend, scale, P + (long)r * spad);
     }
     __asm__ volatile("" ::: "memory");
     for (int rb = 0; rb < nqv; rb += 16)
@@ -291,11 +347,16 @@ static void unit_amx(int D, const uint16_t *q, long qs, uint16_t *out, int q_len
             _tile_zero(2);
             _tile_zero(3);
             for (int j0 = 0; j0 < kend; j0 += 32) {
+                const uint16_t *vb = Vp + ((long)(j0 / 32) * (D / 16) + dh / 16) * 512;
                 _tile_loadd(4, P + (long)rb * spad + j0, 2 * spad);
-                AMX_PV_DIMS(0);
-                AMX_PV_DIMS(1);
-                AMX_PV_DIMS(2);
-                AMX_PV_DIMS(3);
+                _tile_loadd(5, vb, 64);
+                _tile_dpbf16ps(0, 4, 5);
+                _tile_loadd(6, vb + 512, 64);
+                _tile_dpbf16ps(1, 4, 6);
+                _tile_loadd(7, vb + 2 * 512, 64);
+                _tile_dpbf16ps(2, 4, 7);
+                _tile_loadd(5, vb + 3 * 512, 64);
+                _tile_dpbf16ps(3, 4, 5);
             }
             float *o = O + (long)rb * D + dh;
             _tile_stored(0, o, 4L * D);
@@ -310,7 +371,7 @@ static void unit_amx(int D, const uint16_t *q, long qs, uint16_t *out, int q_len
         for (int d = 0; d < D; d++) out[dst + d] = f32_to_bf16(o[d] * inv[r]);
     }
 }
-#undef AMX_PV_DIMS
+#undef AMX_SCORES_PAIR
 
 /* prefill_attention's bfloat16 case on the tile unit (see above); same returns */
 static int prefill_amx(const uint16_t *q, long q_stride, const uint16_t *k, long k_stride,
@@ -325,7 +386,7 @@ static int prefill_amx(const uint16_t *q, long q_stride, const uint16_t *k, long
         free(Vp);
         return 2;
     }
-    /* K and V of each KV head in pairs (see above), per 64 keys; pad keys 0 (finite scores) */
+    /* K and V of each KV head in tiles (see above), per 64 keys; pad keys 0 (finite scores) */
     const int chunks = (int)((kpad + 63) / 64);
 #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int c = 0; c < Hkv * chunks; c++) {
@@ -335,9 +396,13 @@ static int prefill_amx(const uint16_t *q, long q_stride, const uint16_t *k, long
         for (long j = j0; j < j1; j++) {
             const uint16_t *kr = k + j * k_stride + (long)hk * D;
             const uint16_t *vr = v + j * v_stride + (long)hk * D;
+            /* K: block j / 16, dim chunk d / 32, row (d % 32) / 2, lane j % 16, pair d % 2 */
+            uint16_t *kt = kp + (j / 16) * (D / 32) * 512 + (j % 16) * 2;
+            /* V: block j / 32, dim block d / 16, row (j % 32) / 2, lane d % 16, pair j % 2 */
+            uint16_t *vt = vp + (j / 32) * (D / 16) * 512 + ((j % 32) / 2) * 32 + (j % 2);
             for (int d = 0; d < D; d++) {
-                kp[((long)(d / 2) * kpad + j) * 2 + (d & 1)] = j < k_len ? kr[d] : 0;
-                vp[((j / 2) * D + d) * 2 + (j & 1)] = j < k_len ? vr[d] : 0;
+                kt[(d / 32) * 512 + ((d % 32) / 2) * 32 + (d % 2)] = j < k_len ? kr[d] : 0;
+                vt[(d / 16) * 512 + (d % 16) * 2] = j < k_len ? vr[d] : 0;
             }
         }
     }
