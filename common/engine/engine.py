@@ -160,6 +160,8 @@ class Engine(KVHandoff):
         if self.seqs or self.held or self.reserved:
             raise RuntimeError("warm_up runs before the first request")
         start = time.perf_counter()
+        if self.max_model_len < 8:  # no room for its prompts and tokens: nothing worth warming
+            return 0.0
         # a prompt step of more rows than the C decode layers take (the dense path's batches),
         # then decode steps of two rows and of one
         long_len = max(1, min(WARM_UP_PROMPT_TOKENS, self.max_model_len - 4))

@@ -59,6 +59,18 @@ def test_warm_up_prompts_are_not_cached(tiny_model) -> None:
 
 
 @pytest.mark.parametrize("tiny_model", ["llama"], indirect=True)
+@pytest.mark.parametrize("max_model_len", [8, 9, 40])
+def test_warm_up_fits_short_contexts(tiny_model, max_model_len) -> None:
+    _, hf_model, _ = tiny_model
+    engine = make_engine(hf_model, max_model_len=max_model_len)
+    before = engine.stats()
+    engine.warm_up()
+    assert engine.stats() == before
+    out = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0.0))
+    assert len(out[0].output_token_ids) == 3
+
+
+@pytest.mark.parametrize("tiny_model", ["llama"], indirect=True)
 def test_warm_up_refuses_once_requests_came(tiny_model) -> None:
     _, hf_model, _ = tiny_model
     engine = make_engine(hf_model)
