@@ -393,16 +393,32 @@ static int prefill_amx(const uint16_t *q, long q_stride, const uint16_t *k, long
         const int hk = c / chunks;
         const long j0 = (long)(c % chunks) * 64, j1 = j0 + 64 < kpad ? j0 + 64 : kpad;
         uint16_t *kp = Kp + (long)hk * D * kpad, *vp = Vp + (long)hk * D * kpad;
+        /* K: block j / 16, dim chunk d / 32, row (d % 32) / 2, lane j % 16, pair d % 2: each
+         * key's dim pairs move as 32-bit units */
         for (long j = j0; j < j1; j++) {
+            uint32_t *kt = (uint32_t *)(kp + (j / 16) * (D / 32) * 512) + (j % 16);
             const uint16_t *kr = k + j * k_stride + (long)hk * D;
-            const uint16_t *vr = v + j * v_stride + (long)hk * D;
-            /* K: block j / 16, dim chunk d / 32, row (d % 32) / 2, lane j % 16, pair d % 2 */
-            uint16_t *kt = kp + (j / 16) * (D / 32) * 512 + (j % 16) * 2;
-            /* V: block j / 32, dim block d / 16, row (j % 32) / 2, lane d % 16, pair j % 2 */
-            uint16_t *vt = vp + (j / 32) * (D / 16) * 512 + ((j % 32) / 2) * 32 + (j % 2);
-            for (int d = 0; d < D; d++) {
-                kt[(d / 32) * 512 + ((d % 32) / 2) * 32 + (d % 2)] = j < k_len ? kr[d] : 0;
-                vt[(d / 16) * 512 + (d % 16) * 2] = j < k_len ? vr[d] : 0;
+            for (int p = 0; p < D / 2; p++) {
+                uint32_t pair = 0;
+                if (j < k_len) memcpy(&pair, kr + 2 * p, 4);
+                kt[(p / 16) * 256 + (p % 16) * 16] = pair;
+            }
+        }
+        /* V: block j / 32, dim block d / 16, row (j % 32) / 2, lane d % 16, pair j % 2: two
+         * keys' 16 dims interleaved into one 64-byte row */
+        const __m512i mix = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25,
+                                             9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2,
+                                             17, 1, 16, 0);
+        for (long j = j0; j < j1; j += 2) {
+            uint16_t *vt = vp + (j / 32) * (D / 16) * 512 + ((j % 32) / 2) * 32;
+            const uint16_t *v0 = v + j * v_stride + (long)hk * D, *v1 = v0 + v_stride;
+            for (int d = 0; d < D; d += 16) {
+                const __m256i a = j < k_len ? _mm256_loadu_si256((const __m256i *)(v0 + d))
+                                            : _mm256_setzero_si256();
+                const __m256i b = j + 1 < k_len ? _mm256_loadu_si256((const __m256i *)(v1 + d))
+                                                : _mm256_setzero_si256();
+                const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
+                _mm512_storeu_si512(vt + (d / 16) * 512, _mm512_permutexvar_epi16(mix, both));
             }
         }
     }
