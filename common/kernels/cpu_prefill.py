@@ -9,7 +9,7 @@ query's result is independent of how the prompt is chunked. Built on first use i
 `$PDSERVE_CACHE/kernels/` at the host's ISA level (common.kernels.cbuild) and called through
 ctypes (which releases the GIL). On a CPU with AMX, bfloat16 inputs run both products on the
 tile unit (measured, 2 threads, 9 query / 3 KV heads of 64: 1,524 tokens 13.7 -> 5.7-6.0 ms, 256
-tokens 0.47 -> 0.35 ms; torch's SDPA 5.5-6.2 and 0.25-0.28), chunk-invariant as well. Called by
+tokens 0.47 -> 0.27 ms; torch's SDPA 5.5-7.2 and 0.25-0.28), chunk-invariant as well. Called by
 common.kernels.attention's prefill path; `supports` is False (and SDPA runs) off the CPU, for
 other dtypes or head sizes, without a C compiler, or with PDSERVE_CPU_KERNELS=0.
 """
