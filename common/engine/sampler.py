@@ -130,11 +130,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, states: list[SamplingState]) -> list[SampleResult]:
         assert logits.dim() == 2 and logits.shape[0] == len(states), (logits.shape, len(states))
         blocked = [_min_tokens_blocked(s) for s in states]
-        needs_processing = (
-            any(blocked)
-            or any(s.params.has_penalties or s.params.logit_bias for s in states)
-            or any(s.token_bitmask is not None for s in states)
-        )
+        needs_processing = _needs_processing(states, blocked)
         wants_logprobs = any(s.params.logprobs is not None for s in states)
         if all(s.params.greedy for s in states) and not needs_processing and not wants_logprobs:
             # Fast path, the common all-greedy decode batch: one argmax (exact in any dtype).
@@ -168,6 +164,16 @@ class Sampler:
             for i, t in zip(random_rows, picked):
                 token_ids[i] = t
         return _results(logits, token_ids, states, raw)
+
+    def greedy_picks(self, logits: torch.Tensor, states: list[SamplingState]) -> list[int] | None:
+        """Each row's argmax of the raw logits where every row is greedy and nothing changes
+        its scores (no min_tokens mask, logit bias, penalty or grammar mask): the tokens
+        process_logits(...).max() would give, without its float32 copy. None otherwise."""
+        if not all(s.params.greedy for s in states):
+            return None
+        if _needs_processing(states, [_min_tokens_blocked(s) for s in states]):
+            return None
+        return _argmax(logits)
 
     def process_logits(self, logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
         """The float32 scores each row's token is drawn from, as a new tensor.
@@ -203,6 +209,15 @@ class Sampler:
             buf = torch.empty(max(rows, keep), vocab, dtype=torch.float32, device=device)
             self._buffers[name] = buf
         return buf[:rows]
+
+
+def _needs_processing(states: list[SamplingState], blocked: list[list[int]]) -> bool:
+    """Whether any row's scores differ from its logits: min_tokens, penalties, bias, grammar."""
+    return (
+        any(blocked)
+        or any(s.params.has_penalties or s.params.logit_bias for s in states)
+        or any(s.token_bitmask is not None for s in states)
+    )
 
 
 def _sample(x: torch.Tensor, states: list[SamplingState], scratch: torch.Tensor) -> list[int]:

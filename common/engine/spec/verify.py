@@ -135,8 +135,11 @@ class Verifier:
                 for state, mask in zip(states[start:], masks):
                     state.token_bitmask = mask
             start += len(item.draft_token_ids) + 1
-        scores = self.sampler.process_logits(logits, states)
-        argmax = scores.max(dim=-1).indices.tolist()
+        # all greedy and nothing to apply (the common case): the raw logits' argmax, no copy
+        argmax = self.sampler.greedy_picks(logits, states)
+        if argmax is None:
+            scores = self.sampler.process_logits(logits, states)
+            argmax = scores.max(dim=-1).indices.tolist()
         results = []
         start = 0
         for item in items:

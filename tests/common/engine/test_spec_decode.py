@@ -603,3 +603,34 @@ def test_verify_steps_are_not_prompt_steps_of_the_prefill_chunk_fit(tiny_llama):
     # fitted); every later step verified
     assert costs.warmup_steps + costs.prefill_steps == 1
     assert costs.decode_steps == engine.num_steps - 1
+
+
+def test_greedy_verify_takes_the_raw_argmax_and_keeps_the_output(tiny_llama, monkeypatch):
+    """All-greedy verify steps with nothing to apply pick the raw logits' argmax (no float32
+    copy through process_logits), with plain decoding's output; a logit bias takes the full
+    path again."""
+    from common.engine.sampler import Sampler
+
+    calls = {"process": 0, "fast": 0}
+    process, fast = Sampler.process_logits, Sampler.greedy_picks
+
+    def counted_process(self, logits, states):
+        calls["process"] += 1
+        return process(self, logits, states)
+
+    def counted_fast(self, logits, states):
+        picks = fast(self, logits, states)
+        calls["fast"] += picks is not None
+        return picks
+
+    monkeypatch.setattr(Sampler, "process_logits", counted_process)
+    monkeypatch.setattr(Sampler, "greedy_picks", counted_fast)
+    ps = [repetitive(seed) for seed in range(3)]
+    plain = outputs(make_plain_engine(tiny_llama[0]), ps, GREEDY)
+    engine = make_engine(tiny_llama, "ngram")
+    assert outputs(engine, ps, GREEDY) == plain
+    assert calls["fast"] > 0 and calls["process"] == 0
+    # +100 on one token: the output repeats it, so prompt lookup drafts it from the output
+    forced = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logit_bias={42: 100})
+    assert outputs(engine, ps[:1], forced) == [[42] * 12]
+    assert calls["process"] > 0
