@@ -196,3 +196,36 @@ def test_rows_of_one_sequence_equal_each_row_alone(cache, dtype, heads, kv_heads
             assert torch.equal(alone[0], together[i]), lens[i]
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,first_len", [(2, 40), (3, 300), (5, 350), (8, 509), (8, 1030)])
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 1)])
+def test_a_lone_verify_steps_rows_equal_each_row_alone(dtype, rows, first_len, heads, kv_heads):
+    """One sequence's k + 1 rows alone in the step: too few (group, kv head) units for the
+    threads, so the kernel cuts the group smaller and deals the pieces out in turn; each row's
+    bits must still be that row's alone (below, at and across the 512-token split)."""
+    block_size, head_dim = 16, 64
+    lens = list(range(first_len, first_len + rows))
+    g = torch.Generator().manual_seed(rows * 1000 + first_len)
+    max_blocks = -(-lens[-1] // block_size) + 1
+    shape = (max_blocks + 3, block_size, kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=g).to(dtype)
+    v_cache = torch.randn(shape, generator=g).to(dtype)
+    table = torch.randperm(shape[0], generator=g)[:max_blocks].int()
+    tables = table.expand(rows, max_blocks).contiguous()
+    q = torch.randn(rows, heads, head_dim, generator=g).to(dtype)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        together = cpu_attention.paged_decode_attention(
+            q, k_cache, v_cache, tables, seq_lens, 0.125
+        )
+        for i in range(rows):
+            alone = cpu_attention.paged_decode_attention(
+                q[i : i + 1], k_cache, v_cache, tables[i : i + 1], seq_lens[i : i + 1], 0.125
+            )
+            assert torch.equal(alone[0], together[i]), lens[i]
+    finally:
+        torch.set_num_threads(threads)
