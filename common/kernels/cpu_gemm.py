@@ -11,14 +11,6 @@ dequantization) costs ~0.1 ms against milliseconds of GEMM once the batch reache
 Results are float32 products of the very weights the 16-bit or dequantized reference uses,
 rounded once to x's dtype. Called by common.kernels.cpu_quant (the "f32tiles" path) and
 common.model.layers.Linear (16-bit dense weights).
-
-`packed_linear` runs oneDNN's prepacked-weight matmul with the batch's rows padded to one of a few
-counts per octave (`padded_rows`): oneDNN makes a primitive for each new row count, ~5-7 ms for
-one of the default model's shapes (3072x576, bfloat16, 2 threads), so a prefill step whose
-prompt chunk plus decode rows came to a count not seen before paid ~30 ms for its five shapes
-(measured: 900 prompt tokens 252-254 ms, 901 288 ms the first time), and the primitive cache
-(1,024 entries) cannot hold every count a server meets. A row's result does not depend on the
-rows beside it (checked bit for bit at 130-1,030 rows on three shapes, and by the tests).
 """
 
 from __future__ import annotations
@@ -34,35 +26,7 @@ MIN_ROWS = 128  # quantized weights: from this batch (tokens) on the tiles win h
 # 2 threads: 3072x576 at 16 / 64 / 128 rows 1.07 vs 1.66, 4.2 vs 6.7, 5.5 vs 12.6 ms; the 49152-row
 # LM head breaks even at 32 and wins from 64: 66 vs 99 ms)
 MIN_ROWS_DENSE = 64
-PAD_FROM_ROWS = 128  # below: decode batches, whose counts repeat step after step
 _tiles = threading.local()  # each thread's tile buffer
-
-
-def padded_rows(m: int) -> int:
-    """m rounded up to a multiple of 1/16 to 1/32 of its power of two (at least 8): at most 16
-    counts per octave, at most 6.25% more rows; m itself below PAD_FROM_ROWS."""
-    if m < PAD_FROM_ROWS:
-        return m
-    step = max(8, 1 << (m.bit_length() - 5))
-    return -(-m // step) * step
-
-
-def packed_linear(
-    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None
-) -> torch.Tensor:
-    """oneDNN's prepacked-weight linear (torch.ops.mkldnn._linear_pointwise) of x [..., K], its
-    rows padded with zeros to `padded_rows` (see the module docstring); the same values."""
-    x2 = x.reshape(-1, x.shape[-1])
-    m = x2.shape[0]
-    rows = padded_rows(m)
-    if rows != m:
-        padded = x2.new_zeros(rows, x2.shape[1])
-        padded[:m] = x2
-        x2 = padded
-    out = torch.ops.mkldnn._linear_pointwise(x2, packed, bias, "none", [], "")
-    if rows != m:
-        out = out[:m]
-    return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
 def tiled_matmul(

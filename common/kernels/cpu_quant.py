@@ -49,7 +49,7 @@ import torch.nn.functional as F
 
 from common.kernels import cpu_qgemm
 from common.kernels.cbuild import REDUCTION_FLAGS, CLibrary
-from common.kernels.cpu_gemm import MIN_ROWS, packed_linear, tiled_matmul
+from common.kernels.cpu_gemm import MIN_ROWS, tiled_matmul
 from common.kernels.quant_weight import QuantWeight
 
 log = logging.getLogger(__name__)
@@ -258,7 +258,7 @@ def run_path(path: str, x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
     if path == "dense":
         weight, packed = _prepared(w, path, x.dtype, _dense_copy)
         if packed is not None:
-            return packed_linear(x, packed)
+            return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
         return F.linear(x, weight)
     return F.linear(x, w.dequantize(x.dtype))
 

@@ -39,7 +39,7 @@ class Linear(nn.Linear):
             if cpu_gemm.applies_dense(x, self.weight):  # a 16-bit prefill: float32 GEMM tiles
                 return cpu_gemm.dense_matmul(x, self.weight, self.bias)
             return F.linear(x, self.weight, self.bias)
-        return cpu_gemm.packed_linear(x, self.packed, self.bias)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
 class RMSNorm(nn.Module):

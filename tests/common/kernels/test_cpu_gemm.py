@@ -72,35 +72,3 @@ def test_linear_takes_the_tiles_for_a_prefill_batch_only(monkeypatch) -> None:
         fewer = x[:-1]  # one row short of the threshold: torch's own 16-bit matmul
         assert torch.equal(layer(fewer), F.linear(fewer, layer.weight, layer.bias))
     assert calls == [cpu_gemm.MIN_ROWS_DENSE]  # the prefill batch went through the tiles, only it
-
-
-def test_padded_rows_few_counts_per_octave_and_little_padding():
-    assert [cpu_gemm.padded_rows(m) for m in (1, 64, cpu_gemm.PAD_FROM_ROWS - 1)] == [
-        1, 64, cpu_gemm.PAD_FROM_ROWS - 1,
-    ]  # fmt: skip
-    for lo in (128, 256, 1024, 4096):
-        counts = {cpu_gemm.padded_rows(m) for m in range(lo, 2 * lo)}
-        assert len(counts - {2 * lo}) <= 16  # 2 * lo: the next octave's first
-        for m in range(lo, 2 * lo, 7):
-            p = cpu_gemm.padded_rows(m)
-            assert m <= p <= m * 1.0625 and cpu_gemm.padded_rows(p) == p
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("m", [5, 130, 301])
-def test_packed_linear_gives_the_unpadded_values(dtype, m):
-    """Padding the rows changes no row's result (oneDNN's rows are independent), with a bias
-    and with leading dimensions."""
-    g = torch.Generator().manual_seed(m)
-    weight = torch.randn(96, 40, generator=g).to(dtype)
-    bias = torch.randn(96, generator=g).to(dtype)
-    try:
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
-    except RuntimeError:
-        pytest.skip("no oneDNN prepacked linear for this dtype here")
-    x = torch.randn(m, 40, generator=g).to(dtype)
-    want = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-    got = cpu_gemm.packed_linear(x, packed, bias)
-    assert got.shape == (m, 96) and torch.equal(got, want)
-    x3 = x.reshape(1, m, 40)
-    assert torch.equal(cpu_gemm.packed_linear(x3, packed, bias), want.reshape(1, m, 96))
