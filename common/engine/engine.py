@@ -6,7 +6,8 @@ bookkeeping: appending the accepted tokens (cut at a stop), rolling the KV of re
 and counting drafts. The scheduler decides what runs, the proposer (`common.engine.spec.proposers`)
 drafts, the model runner turns rows of tokens into logits, the sampler and the verifier
 (`common.engine.spec.verify`) pick the tokens, `common.engine.prompt_logprobs` scores prompts
-on the same forward. `block_books` audits where every KV block is.
+on the same forward, `common.engine.warm_up` runs the start-up requests. `block_books` audits
+where every KV block is.
 Used in-process by `pdserve run-batch` and the benchmarks, and inside the prefill/decode workers.
 """
 
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from common.config import EngineConfig
-from common.engine import kv_tier
+from common.engine import kv_tier, warm_up
 from common.engine import prompt_logprobs as scoring
 from common.engine.block_manager import BlockBooks, BlockManager
 from common.engine.block_pool import BlockPool
@@ -58,10 +59,6 @@ class RequestOutput:
 
 
 CPU_SPECULATIVE_MAX_BATCH = 2  # --speculative-disable-by-batch-size's default on a CPU
-# Engine.warm_up's long prompt: more rows than the C decode layers take (cpu_layer's
-# DENSE_FLOOR_ROWS, 64), so a prompt-sized step's kernels run once; its token ids count from here
-WARM_UP_PROMPT_TOKENS = 96
-WARM_UP_FIRST_TOKEN = 100
 
 
 def config_eos_ids(hf_config) -> frozenset[int]:
@@ -147,55 +144,8 @@ class Engine(KVHandoff):
         self.check_books_when_idle = False  # tests: audit the blocks whenever the engine idles
 
     def warm_up(self) -> float:
-        """Run throwaway requests through the paths a first real request takes, so that it does
-        not pay their one-time costs: measured on the default model (CPU, 2 threads), a fresh
-        engine's first 16-token request took 445 ms against ~30 ms, the first 300-token prompt
-        656 ms against 101 (weight repacking for the int8-activation kernels, the dense copies
-        and oneDNN's first calls for prompt-sized steps, first calls of the C kernels). Call it
-        before the first request (workers do, before they register: --warm-up). Leaves no trace
-        a client can see: prefix caching is off meanwhile (no blocks cached, no KV events), and
-        the counters (stats), the speculation governor and the KV tier's measured costs are as
-        they were; the prompt-step budget keeps these steps as its warm-up ones (step_budget:
-        one-time costs, not fitted). Returns the seconds it took."""
-        if self.seqs or self.held or self.reserved:
-            raise RuntimeError("warm_up runs before the first request")
-        start = time.perf_counter()
-        if self.max_model_len < 8:  # no room for its prompts and tokens: nothing worth warming
-            return 0.0
-        # a prompt step of more rows than the C decode layers take (the dense path's batches),
-        # then decode steps of two rows and of one
-        long_len = max(1, min(WARM_UP_PROMPT_TOKENS, self.max_model_len - 4))
-        short_len = max(1, min(8, long_len))
-        span = max(1, self.vocab_size - WARM_UP_FIRST_TOKEN)
-        first = min(WARM_UP_FIRST_TOKEN, self.vocab_size - 1)
-        long_prompt = [first + (7 * i) % span for i in range(long_len)]
-        short_prompt = [first + (11 * i + 3) % span for i in range(short_len)]
-        counters = (
-            self.num_steps, self.num_prefill_tokens, self.num_drafts, self.num_draft_tokens,
-            self.num_accepted_tokens, self.scheduler.num_preemptions, self.pool.query_tokens,
-            self.pool.hit_tokens,
-        )  # fmt: skip
-        caching = self.block_manager.enable_prefix_caching
-        self.block_manager.enable_prefix_caching = False
-        try:
-            params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
-            self.generate([long_prompt, short_prompt], params)
-            self.generate(
-                [short_prompt], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
-            )
-        finally:
-            self.block_manager.enable_prefix_caching = caching
-            (
-                self.num_steps, self.num_prefill_tokens, self.num_drafts, self.num_draft_tokens,
-                self.num_accepted_tokens, self.scheduler.num_preemptions, self.pool.query_tokens,
-                self.pool.hit_tokens,
-            ) = counters  # fmt: skip
-            if self.governor is not None:
-                self.governor = SpeculationGovernor()
-                self.shadow = ShadowDrafts(self._free_draft)
-            if self.tier is not None:
-                self.tier.costs = type(self.tier.costs)()
-        return time.perf_counter() - start
+        """Throwaway requests before the first one (common.engine.warm_up); returns seconds."""
+        return warm_up.warm_up(self)
 
     def _speculative_max_batch(self) -> int:
         """Most running sequences that still draft (0: no limit). On a CPU a verify row costs
