@@ -229,10 +229,13 @@ class RouterLink:
 
 def register_any(
     links: list[RouterLink], make: Callable[[RouterLink], Register], timeout_s: float = 60.0
-) -> None:
+) -> list[tuple[RouterLink, protocol.ControlMessage]]:
     """Send Register to every router until at least one accepts (the others may answer later:
-    the worker loop handles their acks); RuntimeError if one refuses outright or none answers."""
+    the worker loop handles their acks); RuntimeError if one refuses outright or none answers.
+    Returns the commands that arrived with the acks (a router may dispatch work the moment it
+    accepts): the caller handles them, in order, as its loop would have."""
     deadline = time.monotonic() + timeout_s
+    early: list[tuple[RouterLink, protocol.ControlMessage]] = []
     while time.monotonic() < deadline:
         for link in links:
             if not link.registered:
@@ -240,13 +243,15 @@ def register_any(
         wait_ms = 1000
         for link in links:
             for reply in link.control.poll(timeout_ms=wait_ms):
-                if isinstance(reply, RegisterAck):
-                    if not reply.accepted:
-                        raise RuntimeError(f"the router refused this worker: {reply.reason}")
+                if not isinstance(reply, RegisterAck):
+                    early.append((link, reply))
+                elif not reply.accepted:
+                    raise RuntimeError(f"the router refused this worker: {reply.reason}")
+                elif not link.registered:
                     link.registered = True
                     log.info("registered with %s", link.address)
             wait_ms = 0
         if any(link.registered for link in links):
-            return
+            return early
     addresses = ", ".join(link.address for link in links) or "(none resolved)"
     raise RuntimeError(f"no answer from the router at {addresses}")

@@ -275,11 +275,13 @@ class WorkerBase(WorkerKV):
         signal.signal(signal.SIGINT, on_signal)
 
     def run(self) -> None:
-        register_any(list(self.links.values()), self.registration)
+        early = register_any(list(self.links.values()), self.registration)
         self.registered = True
         for link in self.links.values():
             link.start()
         self.started = True
+        for link, message in early:  # sent the moment the router accepted us: not lost
+            self._dispatch(link, message)
         try:
             while self.running and not self._drained():
                 self.turn()

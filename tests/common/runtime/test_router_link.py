@@ -83,3 +83,42 @@ def test_a_worker_serves_two_routers_and_outlives_one(tiny_llama) -> None:
         worker.close()
         b.stop()
         ctx.term()
+
+
+def test_a_command_that_comes_with_the_registration_ack_is_kept() -> None:
+    """A router may dispatch the moment it accepts a worker: a command read in the same poll as
+    the ack goes back to the caller, not dropped (it once lost a decode worker's first Reserve)."""
+    from common import protocol
+    from common.protocol import Register, RegisterAck, Reserve
+    from common.runtime.router_link import RouterLink, register_any
+
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    link = RouterLink(f"tcp://127.0.0.1:{port}", "w-early", ctx, lambda _: None)  # type: ignore[arg-type,return-value]
+    identity = link.control.sock.getsockopt(zmq.IDENTITY)
+    try:
+        ack = protocol.encode(RegisterAck(accepted=True))
+        reserve = protocol.encode(Reserve("r-first", [1, 2, 3], protocol.SamplingParams()))
+        deadline = time.monotonic() + 10
+        while True:  # queued for the worker before it even sends its Register
+            try:
+                router.send_multipart([identity, ack])
+                break
+            except zmq.ZMQError:  # not connected yet
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+        router.send_multipart([identity, reserve])
+        time.sleep(0.2)
+        registration = Register(
+            protocol.PROTOCOL_VERSION, "decode", "w-early", "tiny", 16, 64, 256, "float32", "h"
+        )
+        early = register_any([link], lambda _: registration)
+        assert link.registered
+        assert [(got_link, type(msg).__name__) for got_link, msg in early] == [(link, "Reserve")]
+        assert early[0][1].request_id == "r-first"
+    finally:
+        link.close()
+        router.close(0)
+        ctx.term()
