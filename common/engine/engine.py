@@ -111,12 +111,11 @@ class Engine(KVHandoff):
         # decode steps they stand for: one row takes the order of two.
         cpu_quant.set_uniform_rows(True)
         self.verifier = Verifier(self.eos_token_ids)
-        self.max_draft = config.num_speculative_tokens if self.proposer else 0  # per step
         self.scheduler = Scheduler(
             self.block_manager,
             config.max_num_seqs,
             config.max_num_batched_tokens,
-            num_lookahead_tokens=self.max_draft,
+            num_lookahead_tokens=config.num_speculative_tokens if self.proposer else 0,
             max_model_len=self.max_model_len,
             speculative_max_batch=self._speculative_max_batch(),
         )
@@ -124,9 +123,11 @@ class Engine(KVHandoff):
         self.prefill_budget = PrefillBudget.from_flag(
             config.prefill_chunk, config.max_num_batched_tokens
         )
-        adaptive = self.proposer is not None and config.speculative_adaptive
-        self.governor = SpeculationGovernor(max_draft=self.max_draft) if adaptive else None
-        # free (n-gram) drafts watched while drafting is paused: it resumes once they would pay
+        self.governor = (
+            SpeculationGovernor() if self.proposer and config.speculative_adaptive else None
+        )
+        # n-gram drafts cost nothing to make: while drafting is paused, what they would have
+        # gained is watched, and drafting resumes as soon as it would pay
         self.shadow = ShadowDrafts(self._free_draft) if self.governor is not None else None
         self.num_steps = 0  # steps that ran a batch: progress, for the workers' stall checks
         self.num_drafts = 0  # verify rows with at least one draft token
@@ -256,9 +257,8 @@ class Engine(KVHandoff):
         """Run one scheduled step; report each sequence that got a token."""
         governor = self.governor
         num_running = len(self.scheduler.running)
-        if governor is not None:  # whether this step drafts, and how far
+        if governor is not None:
             self.scheduler.drafting = governor.allow(num_running)
-            self.scheduler.num_lookahead_tokens = governor.draft_length(num_running, self.max_draft)
         start = time.perf_counter()
         self.scheduler.prefill_budget = self.prefill_budget.tokens()
         batch = self.scheduler.schedule()

@@ -62,7 +62,7 @@ def warm_up(engine: Engine) -> float:
             e.num_accepted_tokens, scheduler.num_preemptions, pool.query_tokens, pool.hit_tokens,
         ) = counters  # fmt: skip
         if engine.governor is not None:
-            engine.governor = SpeculationGovernor(max_draft=engine.max_draft)
+            engine.governor = SpeculationGovernor()
             engine.shadow = ShadowDrafts(engine._free_draft)
         if engine.tier is not None:
             engine.tier.costs = type(engine.tier.costs)()

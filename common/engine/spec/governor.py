@@ -5,10 +5,7 @@ than plain ones (`--speculative-adaptive`), and tries again later. The engine as
 step (`allow`) and tells it how each decode step went (`record`). `ShadowDrafts` watches what a
 free proposer (n-gram lookup) would have drafted while drafting is paused and how much of it the
 model then produced: the governor resumes as soon as that says drafting would pay (`shadow`),
-instead of waiting out its pause while the copying it was made for goes by. `DraftLengths`
-picks, per batch size, how many tokens a step drafts (`draft_length`): the length with the fewest
-measured seconds per output token, since what a verify step of k + 1 rows costs against a plain
-step differs by machine (on a 2-core CPU 1.17x at 2 rows and 1.73x at 5; on a GPU about 1x).
+instead of waiting out its pause while the copying it was made for goes by.
 """
 
 from __future__ import annotations
@@ -61,10 +58,7 @@ class SpeculationGovernor:
         alpha: float = 0.1,
         margin: float = 1.1,
         min_shadows: int = 3,
-        max_draft: int = 0,
     ) -> None:
-        # with max_draft > 1, the length each step drafts is measured too (DraftLengths)
-        self.lengths = DraftLengths(max_draft, alpha=alpha) if max_draft > 1 else None
         self.pause_steps = pause_steps
         self.probe_steps = probe_steps
         self.min_steps = min_steps
@@ -83,10 +77,6 @@ class SpeculationGovernor:
             return False
         return True
 
-    def draft_length(self, batch_size: int, default: int) -> int:
-        """Tokens this step drafts per sequence (at most `default`, the configured number)."""
-        return default if self.lengths is None else self.lengths.choose(batch_size)
-
     def record(self, batch_size: int, drafted: bool, seconds: float, num_tokens: int) -> None:
         """A decode step of `batch_size` sequences took `seconds` for `num_tokens` new tokens."""
         if num_tokens <= 0:
@@ -96,8 +86,6 @@ class SpeculationGovernor:
         if not drafted:
             pace.plain = self._average(pace.plain, per_token)
             return
-        if self.lengths is not None:
-            self.lengths.record(batch_size, per_token)
         pace.drafting = self._average(pace.drafting, per_token)
         pace.step = self._average(pace.step, seconds)
         pace.drafting_steps += 1
@@ -135,66 +123,6 @@ class SpeculationGovernor:
     def _average(self, old: float | None, new: float, alpha: float | None = None) -> float:
         alpha = self.alpha if alpha is None else alpha
         return new if old is None else (1 - alpha) * old + alpha * new
-
-
-def candidate_lengths(max_draft: int) -> list[int]:
-    """The draft lengths tried: every one up to 4, then powers of two, and `max_draft`."""
-    lengths = {k for k in range(1, min(max_draft, 4) + 1)}
-    lengths |= {1 << i for i in range(max_draft.bit_length()) if 1 << i <= max_draft}
-    return sorted(lengths | {max_draft})
-
-
-class DraftLengths:
-    """Per number of running sequences, the draft length with the fewest seconds per output
-    token, as measured here. Each candidate (`candidate_lengths`) first drafts `warm_steps`
-    steps, longest first; then the best by exponential average drafts, except every
-    `explore_every`-th step, which tries the others in turn (acceptance changes as the text
-    does, and so may the best length). A step drafts at most the chosen length: a shorter
-    n-gram match drafts fewer. Only steps that verified drafts count (`record`)."""
-
-    def __init__(
-        self, max_draft: int, warm_steps: int = 8, explore_every: int = 16, alpha: float = 0.1
-    ) -> None:
-        self.candidates = candidate_lengths(max_draft)
-        self.warm_steps = warm_steps
-        self.explore_every = explore_every
-        self.alpha = alpha
-        self._per_token: dict[int, dict[int, float]] = {}  # batch size -> length -> s/token
-        self._steps: dict[int, dict[int, int]] = {}  # batch size -> length -> steps measured
-        self._turns: dict[int, int] = {}
-        self._chosen: dict[int, int] = {}  # batch size -> the length its last step drafted
-
-    def choose(self, batch_size: int) -> int:
-        """The length this step drafts at `batch_size`; call once per step that may draft."""
-        steps = self._steps.setdefault(batch_size, {})
-        turn = self._turns[batch_size] = self._turns.get(batch_size, 0) + 1
-        warming = [k for k in reversed(self.candidates) if steps.get(k, 0) < self.warm_steps]
-        if warming:
-            length = warming[0]
-        else:
-            length = self.best(batch_size)
-            if turn % self.explore_every == 0:
-                others = [k for k in self.candidates if k != length]
-                length = others[(turn // self.explore_every) % len(others)]
-        self._chosen[batch_size] = length
-        return length
-
-    def record(self, batch_size: int, per_token: float) -> None:
-        """The step just drafted at `batch_size` (the length `choose` gave) took `per_token`
-        seconds per output token."""
-        length = self._chosen.get(batch_size)
-        if length is None:
-            return
-        steps = self._steps.setdefault(batch_size, {})
-        steps[length] = steps.get(length, 0) + 1
-        table = self._per_token.setdefault(batch_size, {})
-        old = table.get(length, per_token)
-        table[length] = (1 - self.alpha) * old + self.alpha * per_token
-
-    def best(self, batch_size: int) -> int:
-        """The length with the fewest measured seconds per token (the longest before any)."""
-        table = self._per_token.get(batch_size, {})
-        return min(table, key=table.__getitem__) if table else self.candidates[-1]
 
 
 @dataclass

@@ -17,13 +17,7 @@ from common.cli import build_parser
 from common.config import EngineConfig, config_from_args
 from common.engine.engine import Engine
 from common.engine.scheduler import ScheduledSeq
-from common.engine.spec.governor import (
-    DraftLengths,
-    ShadowDrafts,
-    SpeculationGovernor,
-    candidate_lengths,
-    mean_accepted_length,
-)
+from common.engine.spec.governor import ShadowDrafts, SpeculationGovernor, mean_accepted_length
 from common.engine.spec.proposers import ngram_propose
 from common.engine.spec.verify import greedy_accept, rejection_sample
 from common.sampling_params import SamplingParams
@@ -527,57 +521,6 @@ def test_governor_resumes_a_pause_when_shadow_drafts_would_pay() -> None:
     assert not gov.paused(1) and gov.num_resumes == 1 and gov.allow(1)
     gov.shadow(2, 5)  # a batch size never paused: nothing to resume
     assert gov.num_resumes == 1
-
-
-def test_draft_lengths_settle_on_the_fewest_seconds_a_token_and_follow_a_change() -> None:
-    assert candidate_lengths(1) == [1] and candidate_lengths(4) == [1, 2, 3, 4]
-    assert candidate_lengths(6) == [1, 2, 3, 4, 6]
-    assert candidate_lengths(16) == [1, 2, 3, 4, 8, 16]
-    lengths = DraftLengths(4, warm_steps=2, explore_every=4, alpha=1.0)
-
-    def run(steps: int, per_token: dict[int, float]) -> list[int]:
-        chosen = []
-        for _ in range(steps):
-            chosen.append(lengths.choose(1))
-            lengths.record(1, per_token[chosen[-1]])
-        return chosen
-
-    # a CPU's costs: 2 drafts give the fewest seconds a token
-    cpu = {1: 0.8, 2: 0.6, 3: 0.7, 4: 0.9}
-    assert run(8, cpu) == [4, 4, 3, 3, 2, 2, 1, 1]  # each measured, longest first
-    assert run(16, cpu) == [2, 2, 2, 1, 2, 2, 2, 3, 2, 2, 2, 4, 2, 2, 2, 1]  # every 4th explores
-    assert lengths.choose(2) == 4  # another batch size measures afresh
-    # the text turns into copying: 4 drafts now pay most, found at its next exploration
-    copying = {1: 0.8, 2: 0.6, 3: 0.5, 4: 0.3}
-    chosen = run(12, copying)
-    assert chosen == [2, 2, 2, 3, 3, 3, 3, 4, 4, 4, 4, 1]  # 3 then 4 found by exploring
-    assert lengths.best(1) == 4
-    # the governor drafts the configured length unless it measures lengths
-    assert SpeculationGovernor().draft_length(1, 5) == 5
-    assert SpeculationGovernor(max_draft=5).draft_length(1, 5) == 5  # longest first
-
-
-def test_adaptive_engine_measures_draft_lengths_and_keeps_the_output(tiny_llama) -> None:
-    prompts_ = [repetitive(3), repetitive(4)]
-    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    plain = outputs(make_engine(tiny_llama), prompts_, params)
-    engine = make_engine(tiny_llama, "ngram", speculative_adaptive=True)
-    lengths = engine.governor.lengths
-    assert lengths is not None and lengths.candidates == [1, 2, 3, 4]
-    lengths.warm_steps = 1
-    drafted = []
-    propose = engine.proposer.propose
-
-    def watch(items: list[ScheduledSeq]) -> None:
-        propose(items)
-        drafted.extend(len(item.draft_token_ids) for item in items)
-
-    engine.proposer.propose = watch
-    assert outputs(engine, prompts_, params) == plain
-    assert max(drafted) <= 4 and min(drafted) <= 2  # shorter drafts were tried
-    measured = set(lengths._steps.get(1, {})) | set(lengths._steps.get(2, {}))
-    assert len(measured) >= 2
-    assert_block_pool_full(engine)
 
 
 def test_adaptive_ngram_drafting_comes_back_when_the_model_starts_copying(tiny_llama) -> None:
