@@ -133,6 +133,73 @@ static inline void rotate_head(float *restrict h, const float *restrict c,
     memcpy(h, out, sizeof(float) * D);
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+/* f32_to_bf16 (vecmath.h) on 16 lanes: the 16-bit results in 32-bit lanes */
+static inline __m512i bf16_bits16(__m512 v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_srli_epi32(
+        _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd), 16);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(
+        _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+    return _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7fc0));
+}
+static inline __m512 round_bf16_16(__m512 v) { /* round_bf16 on 16 lanes */
+    return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits16(v), 16));
+}
+static inline __m512 load16_at(const void *base, long idx, int dtype) {
+    if (dtype == 0) return _mm512_loadu_ps((const float *)base + idx);
+    const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + idx));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+static inline void store16_at(void *base, long idx, int dtype, __m512 v) {
+    if (dtype == 0)
+        _mm512_storeu_ps((float *)base + idx, v);
+    else /* v is already rounded: its high halves are the bfloat16 values */
+        _mm256_storeu_si256((__m256i *)((uint16_t *)base + idx),
+                            _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16)));
+}
+
+/* rotate_head on every head of a row, 16 lanes at a time, straight from and to qkv (and the k
+ * heads to their cache slot): the same operations in the same order (no FMA), so the same
+ * bits. For head sizes with half % 16 == 0. The compiler's 8-lane loops through float copies
+ * took 1.1 ms a layer for 2,048 tokens (2 threads). */
+static void rotate_heads_avx512(void *qkv, long row, const float *restrict c,
+                                const float *restrict s, int H, int Hkv, int D, void *k_cache,
+                                int64_t slot, int dtype) {
+    const int half = D / 2;
+    for (int h = 0; h < H + Hkv; h++) {
+        const long idx = row + (long)h * D;
+        const long kidx = (slot * Hkv + (h - H)) * D;
+        for (int i = 0; i < half; i += 16) {
+            const __m512 x1 = load16_at(qkv, idx + i, dtype);
+            const __m512 x2 = load16_at(qkv, idx + half + i, dtype);
+            const __m512 c1 = _mm512_loadu_ps(c + i), s1 = _mm512_loadu_ps(s + i);
+            const __m512 c2 = _mm512_loadu_ps(c + half + i), s2 = _mm512_loadu_ps(s + half + i);
+            const __m512 neg2 = _mm512_castsi512_ps(
+                _mm512_xor_si512(_mm512_castps_si512(x2), _mm512_set1_epi32((int)0x80000000)));
+            __m512 o1, o2;
+            if (dtype == 0) {
+                o1 = _mm512_add_ps(_mm512_mul_ps(x1, c1), _mm512_mul_ps(neg2, s1));
+                o2 = _mm512_add_ps(_mm512_mul_ps(x2, c2), _mm512_mul_ps(x1, s2));
+            } else {
+                o1 = round_bf16_16(_mm512_add_ps(round_bf16_16(_mm512_mul_ps(x1, c1)),
+                                                 round_bf16_16(_mm512_mul_ps(neg2, s1))));
+                o2 = round_bf16_16(_mm512_add_ps(round_bf16_16(_mm512_mul_ps(x2, c2)),
+                                                 round_bf16_16(_mm512_mul_ps(x1, s2))));
+            }
+            store16_at(qkv, idx + i, dtype, o1);
+            store16_at(qkv, idx + half + i, dtype, o2);
+            if (slot >= 0 && h >= H) {
+                store16_at(k_cache, kidx + i, dtype, o1);
+                store16_at(k_cache, kidx + half + i, dtype, o2);
+            }
+        }
+    }
+}
+#endif
+
 /* rope_qk's row t (below) */
 static void rope_row(void *qkv, long qkv_stride, const int64_t *positions,
                      const float *cos_table, const float *sin_table, int t, int H, int Hkv,
@@ -151,6 +218,11 @@ static void rope_row(void *qkv, long qkv_stride, const int64_t *positions,
     }
     const long row = t * qkv_stride;
     const int64_t slot = k_cache != NULL ? slot_mapping[t] : -1;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    if ((D / 2) % 16 == 0)
+        rotate_heads_avx512(qkv, row, c, s, H, Hkv, D, k_cache, slot, dtype);
+    else
+#endif
     for (int h = 0; h < heads; h++) {
         const long idx = row + (long)h * D;
         load_row(qkv, idx, D, dtype, head);

@@ -92,6 +92,28 @@ def test_rope_qk_bit_exact_against_eager(dtype, heads, kv_heads, head_dim):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_qk_non_finite_tiny_and_huge_values_as_eager(dtype):
+    """Infinities, subnormal and overflowing products round as the eager ops round them, bit
+    for bit, and NaN stays NaN where eager's is (its bits differ: a bfloat16 NaN is 0x7fc0 here,
+    the sign and payload are not kept); a 16-lane and a scalar head size."""
+    for heads, kv_heads, head_dim in [(2, 1, 64), (2, 1, 6)]:
+        qkv = _qkv(3, heads, kv_heads, head_dim, dtype, seed=7)
+        special = [float("nan"), float("inf"), -float("inf"), 1e-39, -3e-41, 3.3e38, -3.3e38]
+        for i, value in enumerate(special):
+            qkv[i % 3, (5 * i) % (heads * head_dim)] = value
+        cos, sin = _tables(16, head_dim)
+        positions = torch.tensor([1, 5, 9])
+        qk_width = (heads + kv_heads) * head_dim
+        qk = qkv[:, :qk_width].view(3, heads + kv_heads, head_dim)
+        expected = _rotate(qk, cos[positions].to(dtype)[:, None], sin[positions].to(dtype)[:, None])
+        cpu_ops.rope_qk(qkv, positions, cos, sin, heads, kv_heads, head_dim)
+        bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+        nan = qk.isnan()
+        assert torch.equal(nan, expected.isnan()) and nan.any()
+        assert torch.equal(qk[~nan].view(bits), expected[~nan].view(bits))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_rope_qk_stores_k_and_v_like_write_kv_cache(dtype):
     heads, kv_heads, head_dim, block_size, tokens = 6, 2, 32, 4, 7
     qkv = _qkv(tokens, heads, kv_heads, head_dim, dtype, seed=1)
