@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from common.kernels import cpu_attention, cpu_ops, cpu_qgemm, cpu_quant
+from common.kernels import cpu_attention, cpu_dense, cpu_ops, cpu_qgemm, cpu_quant
 from common.kernels.cbuild import CLibrary
 from common.kernels.quant_weight import QuantWeight
 
@@ -60,7 +60,7 @@ VERIFY_QUERY_LEN, MAX_VERIFY_ROWS = 8, 512
 # run) serves only larger batches (common.model.model_runner; cpu_quant.set_dense_weights). A
 # verify step of more rows runs here where the tune put c or a8 first at its size.
 DENSE_FLOOR_ROWS = 64
-_FUSED_PATHS = ("c", "a8")  # the cpu_quant paths the C layers run a projection through
+_FUSED_PATHS = ("c", "a8", "amxbf16")  # the cpu_quant paths the C layers run projections by
 _p, _i, _f, _l = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_long
 
 
@@ -91,7 +91,7 @@ _LIB = CLibrary(
         "decode_layers": [ctypes.POINTER(_Layer), _i, ctypes.POINTER(_Step), _p, _p],
     },
     "the CPU decode layer",
-    parts=[cpu_ops._LIB, cpu_attention._LIB, cpu_quant._LIB, cpu_qgemm._LIB],
+    parts=[cpu_ops._LIB, cpu_attention._LIB, cpu_quant._LIB, cpu_qgemm._LIB, cpu_dense._LIB],
 )
 
 
@@ -245,10 +245,16 @@ def _fits(t: torch.Tensor, x: torch.Tensor) -> bool:
 
 
 def _proj(w: QuantWeight, bias: torch.Tensor | None, x: torch.Tensor, panels: list) -> _Proj:
-    """The projection through the path cpu_quant chose for x's rows (c or a8): pointers into the
-    weight's own tensors (`c_weights`) or into its a8 panels, which go into `panels`."""
+    """The projection through the path cpu_quant chose for x's rows (c, a8 or amxbf16): pointers
+    into the weight's own tensors (`c_weights`) or into its a8 panels or AMX tiles, which go
+    into `panels`."""
     bias_ptr = None if bias is None else bias.data_ptr()
-    if cpu_quant.path_for(w, x) == "a8":
+    path = cpu_quant.path_for(w, x)
+    if path == "amxbf16":  # dense bfloat16 tiles: no scales, 16 bits a weight
+        packed = cpu_quant.amx_weights(w)
+        panels.append(packed)
+        return _Proj(packed.data_ptr(), None, None, bias_ptr, 16, 0, 0, w.n, w.k, 2)
+    if path == "a8":
         packed = cpu_quant.a8_weights(w)
         panels.append(packed)
         zero = None if packed.zero is None else packed.zero.data_ptr()

@@ -19,6 +19,9 @@ Paths, all computing x [M, K] @ W.T for W = the dequantized weight:
              CPU has them): the prompt steps' path where it measures faster. Exactly `dequant`'s
              products; it costs 2 (bfloat16) or 4 (float32) bytes per weight, so it applies only
              where `set_dense_weights` allowed it (EngineConfig.dense_weight_memory).
+  amxbf16    common.kernels.cpu_dense: bfloat16 x times such a copy (bfloat16, in the AMX tile
+             layout) on the tile unit, float32 sums over all of K; AMX-BF16 hosts, within the
+             same budget (one more copy). The C decode layers run it too (unlike dense).
   dequant    dequantize to x's dtype, then F.linear: the reference.
 Which runs is `kernel_choice` (EngineConfig.kernel_choice, --kernel-choice, set by
 common.kernels.tune.prepare at an engine's start):
@@ -47,7 +50,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from common.kernels import cpu_qgemm
+from common.kernels import cpu_dense, cpu_qgemm
 from common.kernels.cbuild import REDUCTION_FLAGS, CLibrary
 from common.kernels.cpu_gemm import MIN_ROWS, tiled_matmul
 from common.kernels.quant_weight import QuantWeight
@@ -70,7 +73,7 @@ TABLE: list[tuple[int, int, tuple[str, ...]]] = [
     (8, MIN_ROWS - 1, ("a8", "int8pack", "c", "dequant")),  # int8pack: per channel only
     (8, 1 << 30, ("a8", "f32tiles", "int8pack", "c", "dequant")),
 ]
-PATHS = ("c", "f32tiles", "int4pack", "int8pack", "a8", "dense", "dequant")
+PATHS = ("c", "f32tiles", "int4pack", "int8pack", "a8", "dense", "amxbf16", "dequant")
 ACTIVATION_MODES = ("auto", "int8", "float")
 activations = "auto"  # see the module docstring; set_activations changes it
 KERNEL_CHOICES = ("auto", "table", *PATHS)
@@ -135,8 +138,10 @@ def set_uniform_rows(on: bool) -> None:
 
 
 def dense_bytes(weights: list[QuantWeight], dtype: torch.dtype) -> int:
-    """What the dense path's copies of `weights` take for x in `dtype`."""
-    return sum(w.n * w.k for w in weights) * torch.empty(0, dtype=dtype).element_size()
+    """What the dense paths' copies of `weights` take for x in `dtype` (bfloat16 on an AMX
+    host: oneDNN's and amxbf16's, one each)."""
+    copies = 2 if dtype == torch.bfloat16 and cpu_dense.available() else 1
+    return copies * sum(w.n * w.k for w in weights) * torch.empty(0, dtype=dtype).element_size()
 
 
 def int8_activations() -> bool:
@@ -175,6 +180,14 @@ def applies(path: str, w: QuantWeight, x: torch.Tensor) -> bool:
         return w.bits == 8 and w.group_size == w.k and w.zero is None and x.dtype in _TORCH_DTYPES
     if path == "dense":
         return dense_weights and x.shape[0] > dense_min_rows and x.dtype in _TORCH_DTYPES
+    if path == "amxbf16":
+        return (
+            dense_weights
+            and x.dtype == torch.bfloat16
+            and cpu_dense.MIN_ROWS < x.shape[0] <= cpu_dense.MAX_ROWS
+            and cpu_dense.supports(w.n, w.k)
+            and cpu_dense.available()
+        )
     return path == "dequant"
 
 
@@ -260,6 +273,8 @@ def run_path(path: str, x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
         if packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
         return F.linear(x, weight)
+    if path == "amxbf16":
+        return cpu_dense.matmul(x if x.stride(1) == 1 else x.contiguous(), amx_weights(w))
     return F.linear(x, w.dequantize(x.dtype))
 
 
@@ -267,6 +282,12 @@ def a8_weights(w: QuantWeight) -> cpu_qgemm.PackedWeight:
     """The weight in the a8 path's panels, made once and kept on it (the C decode layers call
     that kernel on it too)."""
     return _prepared(w, "a8", None, cpu_qgemm.pack)
+
+
+def amx_weights(w: QuantWeight) -> torch.Tensor:
+    """The weight dequantized to bfloat16 in the AMX tile layout, made once and kept on it (the
+    C decode layers call that kernel on it too)."""
+    return _prepared(w, "amxbf16", None, lambda w: cpu_dense.pack(w.dequantize(torch.bfloat16)))
 
 
 def _prepared(w: QuantWeight, path: str, dtype: torch.dtype | None, make):

@@ -52,13 +52,14 @@ from common.kernels.quant_weight import QuantWeight
 
 log = logging.getLogger(__name__)
 
-VERSION = 3  # of the method and the file: part of the key (2: a8 is credited like c; 3: dense)
+VERSION = 5  # of the method and the file: part of the key (2: a8 credited like c; 3: dense;
+# 4: amxbf16; 5: amxbf16 from 17 rows)
 M_POINTS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 MAX_ROWS = 2048
 # the C decode layers (common.kernels.cpu_layer) fold about this many torch calls of a decoder
 # layer into one C call where its four projections all take c or a8: their sums are credited
 LAYER_OPS = 12
-FUSED_PATHS = ("c", "a8")
+FUSED_PATHS = ("c", "a8", "amxbf16")
 _DECODER_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 # best of, at M <= 16 and above (longer calls, smaller spread); then more of the unconfirmed
 ROUNDS, ROUNDS_LARGE, EXTRA_ROUNDS = 5, 3, 3
@@ -134,11 +135,12 @@ def cache_path(key: dict) -> Path:
 
 
 def allowed_paths(dtype: torch.dtype) -> list[str]:
-    """The paths the activation mode lets run (a8 only where int8 activations may; dense only
-    where its copies were allowed)."""
+    """The paths the activation mode lets run (a8 only where int8 activations may; dense and
+    amxbf16 only where their copies were allowed)."""
+    a8_ok, dense_ok = cpu_quant.int8_activations(), cpu_quant.dense_weights
     return [
         p for p in cpu_quant.PATHS
-        if (p != "a8" or cpu_quant.int8_activations()) and (p != "dense" or cpu_quant.dense_weights)
+        if (p != "a8" or a8_ok) and (p not in ("dense", "amxbf16") or dense_ok)
     ]  # fmt: skip
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from common.kernels import cbuild, cpu_attention, cpu_layer, cpu_ops, cpu_quant, isa
+from common.kernels import cbuild, cpu_attention, cpu_dense, cpu_layer, cpu_ops, cpu_quant, isa
 
 ROOT = Path(__file__).resolve().parents[3]
 COMPILER = cbuild.find_compiler()
@@ -166,6 +166,7 @@ LIBRARIES = {
     "paged_decode": cpu_attention._LIB,
     "fused_ops": cpu_ops._LIB,
     "quant_matmul": cpu_quant._LIB,
+    "dense_amx": cpu_dense._LIB,
     "decode_layer": cpu_layer._LIB,
 }
 # Each library's reference tests. decode_layer links the other three's sources, each compiled at
@@ -175,6 +176,7 @@ REFERENCE_TESTS = {
     "paged_decode": "tests/common/kernels/test_cpu_attention.py",
     "fused_ops": "tests/common/kernels/test_cpu_ops.py",
     "quant_matmul": "tests/common/model/test_quant.py",
+    "dense_amx": "tests/common/kernels/test_cpu_dense.py",
     "decode_layer": "tests/common/kernels/test_cpu_layer.py",
 }
 SELECT = (
@@ -185,8 +187,8 @@ SELECT = (
 CHILD = """
 import json, sys
 import pytest
-from common.kernels import cpu_attention, cpu_layer, cpu_ops, cpu_quant
-libs = [cpu_attention._LIB, cpu_ops._LIB, cpu_quant._LIB, cpu_layer._LIB]
+from common.kernels import cpu_attention, cpu_dense, cpu_layer, cpu_ops, cpu_quant
+libs = [cpu_attention._LIB, cpu_ops._LIB, cpu_quant._LIB, cpu_dense._LIB, cpu_layer._LIB]
 assert all(lib.available() for lib in libs)
 print(json.dumps({lib.source.stem: [lib.level, lib.lib._name] for lib in libs}), flush=True)
 sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", "-x", "-k", sys.argv[1], *sys.argv[2:]]))

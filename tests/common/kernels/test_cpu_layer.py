@@ -222,6 +222,31 @@ def test_a8_projections_run_inside_the_c_layers(tiny_llama, mode, dtype, monkeyp
     assert torch.equal(fused, per_op), (fused.float() - per_op.float()).abs().max()
 
 
+@pytest.mark.parametrize("mode", ["int4", "int8"])
+def test_amx_bf16_projections_run_inside_the_c_layers(tiny_llama, mode, monkeypatch) -> None:
+    """The dense bfloat16 copies on AMX tiles (cpu_quant's amxbf16): the C layers call that
+    kernel themselves, bit-identical to the per-op path, and close to the float reference."""
+    from common.kernels import cpu_dense
+
+    if not cpu_dense.available():
+        pytest.skip("no AMX-BF16 here")
+    hf_model, _ = tiny_llama
+    monkeypatch.setattr(cpu_dense, "MIN_ROWS", 0)  # it serves 17+ rows: here 3
+    runner = _runner(hf_model, mode, "bfloat16", kernel="amxbf16")
+    assert cpu_quant.dense_weights  # the tiny model's copies fit the auto budget
+    inputs = _prefill_then_decode_inputs(runner)
+    per_op = _forward(runner, inputs, False, monkeypatch)
+    fused = _forward(runner, inputs, True, monkeypatch)
+    assert _stack_in_use(runner)
+    weight = runner.model.layers[0].mlp.gate_up_proj.kernel_weight()
+    rows = torch.zeros(len(CONTEXTS), weight.k, dtype=torch.bfloat16)
+    assert cpu_quant.path_for(weight, rows) == "amxbf16"
+    assert torch.equal(fused, per_op), (fused.float() - per_op.float()).abs().max()
+    plain = _runner(hf_model, mode, "bfloat16", kernel="dequant")  # the reference
+    reference = _forward(plain, _prefill_then_decode_inputs(plain), False, monkeypatch)
+    torch.testing.assert_close(fused.float(), reference.float(), rtol=0.05, atol=0.05)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_half_scale_a8_panels_inside_the_c_layers(tiny_llama, dtype, monkeypatch) -> None:
     """Scales and zeros as a GGUF Q4_1 weight has them (float16 scale and minimum; a bfloat16

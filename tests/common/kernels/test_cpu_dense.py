@@ -1,0 +1,86 @@
+"""common/kernels/cpu_dense.py (csrc/dense_amx.c): the bfloat16 matmul on AMX tiles against a
+float64 reference, its layout, rows independent of each other, and what it refuses. Skipped
+where the host (or a forced ISA level below amx) has no AMX-BF16."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common.kernels import cpu_dense
+
+needs_amx = pytest.mark.skipif(not cpu_dense.available(), reason="no AMX-BF16 here")
+
+
+def test_pack_puts_each_pair_of_k_where_the_tile_reads_it() -> None:
+    n, k = 32, 64
+    weight = torch.arange(n * k, dtype=torch.float32).reshape(n, k).to(torch.bfloat16)
+    packed = cpu_dense.pack(weight)
+    assert packed.shape == (2, 2, 16, 16, 2)
+    # panel p, tile t, pair row r, column c, element e: W[16p + c, 32t + 2r + e]
+    for p, t, r, c, e in [(0, 0, 0, 0, 0), (1, 1, 15, 15, 1), (0, 1, 3, 7, 1), (1, 0, 9, 2, 0)]:
+        assert packed[p, t, r, c, e] == weight[16 * p + c, 32 * t + 2 * r + e]
+    with pytest.raises(ValueError, match="needs"):
+        cpu_dense.pack(torch.zeros(20, 64))  # not whole panels
+    with pytest.raises(ValueError, match="needs"):
+        cpu_dense.pack(torch.zeros(32, 48))  # not whole tiles
+    assert cpu_dense.supports(960, 576) and not cpu_dense.supports(8, 32)
+
+
+@needs_amx
+@pytest.mark.parametrize("m", [1, 3, 16, 33, 64, 130])
+@pytest.mark.parametrize("n,k", [(48, 64), (96, 256), (960, 576)])  # 48: an odd panel count
+def test_matmul_matches_float64(m, n, k) -> None:
+    g = torch.Generator().manual_seed(m * n + k)
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    weight = torch.randn(n, k, generator=g).to(torch.bfloat16)
+    out = cpu_dense.matmul(x, cpu_dense.pack(weight))
+    assert out.dtype == torch.bfloat16 and out.shape == (m, n)
+    ref = x.double() @ weight.double().T
+    # one rounding to bfloat16 (2^-9 relative) after float32 sums over k products (exact
+    # products, k roundings of 2^-24): half a bfloat16 ulp of each output plus a sliver
+    err = (out.double() - ref).abs()
+    assert (err <= ref.abs() * 2**-8 + 1e-4 * ref.abs().max()).all(), err.max()
+
+
+@needs_amx
+def test_a_row_gives_the_same_bits_alone_and_in_a_batch() -> None:
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(70, 576, generator=g).to(torch.bfloat16)
+    packed = cpu_dense.pack(torch.randn(960, 576, generator=g))
+    batch = cpu_dense.matmul(x, packed)
+    for row in (0, 31, 32, 69):  # in a whole 32-row block, at its edges, in the padded tail
+        assert torch.equal(cpu_dense.matmul(x[row : row + 1], packed)[0], batch[row])
+    strided = torch.randn(70, 700, generator=g).to(torch.bfloat16)[:, :576]  # rows 700 apart
+    dense = strided.contiguous()
+    assert torch.equal(cpu_dense.matmul(strided, packed), cpu_dense.matmul(dense, packed))
+
+
+@needs_amx
+def test_wrong_inputs_are_refused() -> None:
+    packed = cpu_dense.pack(torch.zeros(32, 64))
+    with pytest.raises(ValueError, match="bfloat16"):
+        cpu_dense.matmul(torch.zeros(2, 64), packed)  # float32
+    with pytest.raises(ValueError, match="bfloat16"):
+        cpu_dense.matmul(torch.zeros(2, 32, dtype=torch.bfloat16), packed)  # K differs
+
+
+def test_the_quant_path_serves_between_its_row_limits(monkeypatch) -> None:
+    """cpu_quant's amxbf16: bfloat16 rows from MIN_ROWS + 1 to MAX_ROWS, within the dense
+    copies' budget, on an AMX-BF16 host."""
+    from common.kernels import cpu_quant
+    from common.model.quant import QuantLinear, quantize_rtn
+
+    monkeypatch.setattr(cpu_quant, "dense_weights", True)
+    weight = QuantLinear(quantize_rtn(torch.randn(96, 256), 4, 32)).kernel_weight()
+
+    def rows(m: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        return torch.zeros(m, 256, dtype=dtype)
+
+    limits = (1, cpu_dense.MIN_ROWS, cpu_dense.MIN_ROWS + 1, cpu_dense.MAX_ROWS)
+    tried = (*limits, cpu_dense.MAX_ROWS + 1)
+    served = [m for m in tried if cpu_quant.applies("amxbf16", weight, rows(m))]
+    assert served == (list(limits[2:]) if cpu_dense.available() else [])
+    assert not cpu_quant.applies("amxbf16", weight, rows(64, torch.float32))
+    monkeypatch.setattr(cpu_quant, "dense_weights", False)
+    assert not cpu_quant.applies("amxbf16", weight, rows(64))
