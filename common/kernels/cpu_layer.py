@@ -13,7 +13,8 @@ new tokens in all (verifying drafts, short prefill chunks) and to verify-shaped 
 own with its sequence's block table, causally, on the CPU with float32 or bfloat16 activations, a
 KV cache in that dtype or 8-bit (int8 / fp8 with scales: quantized and read in C), the torch
 attention backend, and every projection quantized and served at this batch size by the C kernel
-or the int8-activation GEMM (`cpu_quant.path_for`: c or a8, each called from C); anything else
+or the int8-activation GEMM or the AMX bfloat16 one (`cpu_quant.path_for`: c, a8 or amxbf16,
+each called from C); anything else
 returns None and the caller runs the per-op path. The model side describes each layer as a
 `LayerWeights` (tensors, kernel weights and numbers; nothing here knows the model's classes) and
 keeps them in a `DecodeLayers`, which holds the C structs made from them per (layers run, batch
@@ -58,7 +59,7 @@ MAX_MULTI_ROWS = 16
 VERIFY_QUERY_LEN, MAX_VERIFY_ROWS = 8, 512
 # Decode steps of up to this many sequences keep the C layers: the dense path (which they cannot
 # run) serves only larger batches (common.model.model_runner; cpu_quant.set_dense_weights). A
-# verify step of more rows runs here where the tune put c or a8 first at its size.
+# verify step of more rows runs here where the tune put c, a8 or amxbf16 first at its size.
 DENSE_FLOOR_ROWS = 64
 _FUSED_PATHS = ("c", "a8", "amxbf16")  # the cpu_quant paths the C layers run projections by
 _p, _i, _f, _l = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_long
