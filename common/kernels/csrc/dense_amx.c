@@ -57,8 +57,9 @@ static void configure(void) {
     _tile_loadconfig(&c);
 }
 
-/* 32 rows of x (row stride xs elements) times panels p and p + 1 (w0, w1: their first tiles)
- * into out rows m0.. (at most rows of them, columns n0..n0 + 32 * pair.. of N) */
+/* 32 rows of x (row stride xs elements) times two panels (w0, w1: their first tiles): the
+ * first `rows` rows and `cols` columns (32, or 16 for a lone last panel) of the 32 x 32 sums go
+ * to out (row stride N) from column n0, rounded to bfloat16 */
 static void block(const uint16_t *x, long xs, int K, const uint16_t *w0, const uint16_t *w1,
                   uint16_t *out, long N, long n0, int rows, int cols) {
     float c[32][32];
