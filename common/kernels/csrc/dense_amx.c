@@ -31,21 +31,7 @@
 #endif
 
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
-static int amx_ok;
-__attribute__((constructor)) static void amx_request(void) {
-    amx_ok = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-}
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
+#include "amx.h"
 
 /* tmm0-3: 2 x 2 result tiles (16 rows x 16 float32); tmm4, tmm5: x (16 rows x 32 bfloat16);
  * tmm6, tmm7: W (16 pair rows x 16 columns) */

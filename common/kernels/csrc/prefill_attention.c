@@ -35,16 +35,8 @@
 #include <omp.h>
 #endif
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx.h" /* refused the tile state, the vector path below serves bfloat16 too */
 #define AMX_ATTENTION 1
-/* Linux hands out the tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM, once per
- * process, at load); refused, the vector path below serves bfloat16 too */
-static int amx_ok;
-__attribute__((constructor)) static void amx_request(void) {
-    amx_ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
-}
 #endif
 
 typedef float v16 __attribute__((vector_size(64)));
@@ -226,12 +218,6 @@ static inline __attribute__((always_inline)) void unit(
  * products: the weights' rounding, at most 2^-9 of each, so |error| <= 2^-9 max |v| beside the
  * output's own bfloat16 rounding (torch's SDPA rounds its weights so too). */
 #define AMX_TQ 16
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
 
 /* all eight tiles 16 rows x 64 bytes. Scores: tmm0, tmm6 sums, tmm1-4 q (D/32 of them), tmm5 K.
  * Values: tmm0-3 sums (64 dims), tmm4 P, tmm5-7 V. */

@@ -451,26 +451,12 @@ static void panel_pair(const acts *a, int M, int bits, int bpg, const uint8_t *w
  * hands out the tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM, once per process,
  * at load): refused (an older kernel, a sandbox), the library runs its VNNI section alone
  * (qgemm_isa 3). */
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx.h"
 #define AMX_ROWS 16
 /* fewer rows stay on the VNNI tiles. Measured on the default model's four projections (Q4_1,
  * bfloat16 x, 2 threads, an AVX-512 + AMX Xeon), time against the VNNI tiles': 16 rows 1.00x,
  * 32 0.93x, 48 0.92x, 64 0.88x, 128 0.80-0.92x, 256 0.82-0.85x */
 #define AMX_MIN_ROWS 32
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
-static int amx_ok;
-__attribute__((constructor)) static void amx_request(void) {
-    amx_ok = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-}
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
-
 /* tmm0, tmm1: block sums C (16 rows x 16 int32); tmm2, tmm3: x codes A (16 rows x 32 bytes);
  * tmm4, tmm5: weight codes B (8 rows of 4 K x 16 columns); two of each, used by turns, so that
  * one block's loads and product need not wait for the previous block's */
