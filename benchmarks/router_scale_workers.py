@@ -39,6 +39,7 @@ def worker_proc(
     context = zmq.Context()
     context.set(zmq.MAX_SOCKETS, 8 * len(worker_ids) * len(routers) + 64)
     conns: list[list] = []  # per worker, per router
+    early: list[tuple[int, int, list]] = []  # commands that came with a registration ack
     beaters, streams = [], []
     for wid in worker_ids:
         running: dict[str, list] = {}  # request id -> [tokens left, send times, router]
@@ -55,13 +56,25 @@ def worker_proc(
                 model="default", block_size=16, num_blocks=100_000, max_model_len=8192,
                 dtype="float32", host="bench", heartbeat_identity=hb.identity,
             )  # fmt: skip
-            register(conn, reg)
+            early.append((len(conns) - 1, len(conns[-1]), register(conn, reg)))
             hb.start()
             conns[-1].append(conn)
             beaters.append(hb)
         streams.append(running)
     ready.set()
     done: dict[str, list[float]] = {}
+
+    def handle(i: int, r: int, msg) -> None:
+        if isinstance(msg, Generate):
+            streams[i][msg.request_id] = [msg.params.max_tokens, [], r]
+        elif isinstance(msg, Abort):
+            entry = streams[i].pop(msg.request_id, None)
+            if entry is not None:
+                done[msg.request_id] = entry[1]
+
+    for i, r, msgs in early:
+        for msg in msgs:
+            handle(i, r, msg)
     poller = zmq.Poller()
     by_sock = {}
     for i, links in enumerate(conns):
@@ -77,12 +90,7 @@ def worker_proc(
         for sock, _ in poller.poll(min(wait_ms, 5)):
             i, r = by_sock[sock]
             for msg in conns[i][r].poll():
-                if isinstance(msg, Generate):
-                    streams[i][msg.request_id] = [msg.params.max_tokens, [], r]
-                elif isinstance(msg, Abort):
-                    entry = streams[i].pop(msg.request_id, None)
-                    if entry is not None:
-                        done[msg.request_id] = entry[1]
+                handle(i, r, msg)
         now = time.monotonic()
         for i, links in enumerate(conns):
             if now < phase[i]:

@@ -170,17 +170,27 @@ class Heartbeater(threading.Thread):
         self.stop_event.set()
 
 
-def register(conn: ControlConnection, message: Register, timeout_s: float = 60.0) -> None:
-    """Send Register until the router accepts it; RuntimeError if it refuses or never answers."""
+def register(
+    conn: ControlConnection, message: Register, timeout_s: float = 60.0
+) -> list[protocol.ControlMessage]:
+    """Send Register until the router accepts it; RuntimeError if it refuses or never answers.
+    Returns the commands that arrived before or with the ack (a router may dispatch work the
+    moment it accepts), in order, for the caller to handle as its loop would have."""
     deadline = time.monotonic() + timeout_s
+    early: list[protocol.ControlMessage] = []
     while time.monotonic() < deadline:
         conn.send(message)
+        accepted = False
         for reply in conn.poll(timeout_ms=1000):
-            if isinstance(reply, RegisterAck):
-                if not reply.accepted:
-                    raise RuntimeError(f"the router refused this worker: {reply.reason}")
-                log.info("registered with %s as %s", conn.router_address, message.worker_id)
-                return
+            if not isinstance(reply, RegisterAck):
+                early.append(reply)
+            elif not reply.accepted:
+                raise RuntimeError(f"the router refused this worker: {reply.reason}")
+            else:
+                accepted = True
+        if accepted:
+            log.info("registered with %s as %s", conn.router_address, message.worker_id)
+            return early
     raise RuntimeError(f"no answer from the router at {conn.router_address}")
 
 

@@ -122,3 +122,41 @@ def test_a_command_that_comes_with_the_registration_ack_is_kept() -> None:
         link.close()
         router.close(0)
         ctx.term()
+
+
+def test_register_keeps_a_command_that_comes_with_the_ack() -> None:
+    """The single-router `register` (the scale benchmark's synthetic workers) returns what came
+    with its ack too, rather than dropping it."""
+    from common import protocol
+    from common.protocol import Generate, Register, RegisterAck
+    from common.runtime.router_link import ControlConnection, register
+
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    conn = ControlConnection(f"tcp://127.0.0.1:{port}", "w-one", ctx)
+    identity = conn.sock.getsockopt(zmq.IDENTITY)
+    try:
+        ack = protocol.encode(RegisterAck(accepted=True))
+        work = protocol.encode(Generate("g-first", [4, 5], protocol.SamplingParams()))
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                router.send_multipart([identity, ack])
+                break
+            except zmq.ZMQError:  # not connected yet
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+        router.send_multipart([identity, work])
+        time.sleep(0.2)
+        registration = Register(
+            protocol.PROTOCOL_VERSION, "decode", "w-one", "tiny", 16, 64, 256, "float32", "h"
+        )
+        early = register(conn, registration)
+        assert [type(msg).__name__ for msg in early] == ["Generate"]
+        assert early[0].request_id == "g-first"
+    finally:
+        conn.close()
+        router.close(0)
+        ctx.term()
