@@ -2,8 +2,10 @@
 that it does not pay their one-time costs. Measured on the default model (CPU, 2 threads): a fresh
 engine's first 16-token request took 445 ms against ~30 ms, the first 300-token prompt 656 ms
 against 101 (weight repacking for the int8-activation kernels, the dense copies and oneDNN's first
-calls for prompt-sized steps, first calls of the C kernels). Workers run it before they register
-and run-batch before it reads its input (--warm-up), through `Engine.warm_up`.
+calls for prompt-sized steps, first calls of the C kernels). The weight copies are now made when
+the model runner loads, for every batch size up to the step's budget (cpu_quant.prepare_copies);
+these requests still take the first calls. Workers run it before they register and run-batch
+before it reads its input (--warm-up), through `Engine.warm_up`.
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
@@ -167,6 +168,7 @@ class ModelRunner:
             weights = kernel_weights([self.model, self.draft_model])
             allow_dense_weights(config.dense_weight_memory, [w for _, w in weights], self.dtype)
             tune.prepare(config.kernel_choice, self.dtype, weights)
+            self._prepare_copies(config, weights)
         self.num_blocks = self._num_blocks(hf_config)
         if self.num_blocks * self.block_size < self.max_model_len:
             raise ValueError(
@@ -288,6 +290,26 @@ class ModelRunner:
                 self.draft_model.config, self.block_size, self.kv_dtype
             )
         return per_block
+
+    def _prepare_copies(self, config: EngineConfig, weights: list) -> None:
+        """The repacked weight copies every batch size up to the step's token budget will use,
+        made now rather than by the first steps of each size (cpu_quant.prepare_copies); an LM
+        head's batches are logits rows, at most a step's sequences times their tokens to
+        verify (prompt logprobs may ask for more: those copies are still made when first
+        used)."""
+        start = time.perf_counter()
+        most = config.max_num_batched_tokens
+        per_seq = 1 + (config.num_speculative_tokens if config.speculative != "none" else 0)
+        logits = min(most, config.max_num_seqs * per_seq)
+        serves = cpu_quant.prepare_copies(
+            [(w, logits if name.rsplit(".", 1)[-1] == "lm_head" else most) for name, w in weights],
+            self.dtype,
+        )
+        log.info(
+            "weight copies made for batches up to %d rows (%d logits rows) in %.2f s: %s",
+            most, logits, time.perf_counter() - start,
+            ", ".join(f"{path} {n} weights" for path, n in sorted(serves.items())) or "none",
+        )  # fmt: skip
 
     def _num_blocks(self, hf_config) -> int:
         per_block = self._kv_bytes_per_block()

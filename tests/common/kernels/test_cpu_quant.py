@@ -161,3 +161,32 @@ def test_a_replaced_buffer_makes_a_new_weight_description(monkeypatch):
     assert cpu_quant.path_for(old, x) == "c" and not torch.equal(lay(x), other(x))
     lay.qweight, lay.scale, lay.zero, lay.bias = other.qweight, other.scale, other.zero, other.bias
     assert lay.kernel_weight() is not old and torch.equal(lay(x), other(x))
+
+
+def test_the_copies_every_batch_size_uses_are_made_ahead(monkeypatch):
+    """prepare_copies makes the copy of each path that some batch size up to the given one
+    takes, and only those: a step of any size then makes none (the first steps of each size
+    used to pay for them)."""
+    monkeypatch.setattr(cpu_quant, "activations", "auto" if SIMD else "float")
+    monkeypatch.setattr(cpu_quant, "dense_weights", True)
+    monkeypatch.setattr(cpu_quant, "dense_min_rows", 64)
+    monkeypatch.setattr(cpu_quant, "kernel_choice", "auto")  # a tuned table, as measured
+    orders = [["c", "a8"], ["a8", "c"], ["dense", "a8", "c"], ["dense", "c"]]
+    key = (4, torch.bfloat16, cpu_quant.activations)
+    monkeypatch.setattr(cpu_quant, "tuned", {key: ([1, 16, 128, 256], orders)})
+    lay = layer().to(torch.bfloat16)
+    w = lay.kernel_weight()
+    rows = cpu_quant.switch_rows(300)
+    assert rows[0] == 1 and rows[-1] == 300 and {16, 17, 64, 65, 128, 129, 256, 257} <= set(rows)
+    assert all(m <= 300 for m in rows) and rows == sorted(set(rows))
+    serves = cpu_quant.prepare_copies([(w, 300)], torch.bfloat16)
+    want = {cpu_quant.path_for(w, torch.empty(m, 192, dtype=torch.bfloat16)) for m in range(1, 301)}
+    assert set(serves) == want and all(n == 1 for n in serves.values())
+    assert "dense" in want and "c" in want  # dense past 64 rows, where its copies may serve
+    made = set(w.derived)
+    for m in (1, 2, 16, 64, 65, 200, 300):
+        lay(torch.randn(m, 192, dtype=torch.bfloat16))
+    assert set(w.derived) == made  # nothing new made by a step
+    small = layer().to(torch.bfloat16).kernel_weight()
+    cpu_quant.prepare_copies([(small, 16)], torch.bfloat16)  # up to 16 rows: no dense copy
+    assert not any(key[0] == "dense" for key in small.derived)

@@ -503,3 +503,25 @@ def test_available_memory_counts_a_cgroup_limit(tmp_path, cgroup, want_gib):
         (tmp_path / "sys/fs/cgroup/memory.max").write_text(cgroup[0] + "\n")
         (tmp_path / "sys/fs/cgroup/memory.current").write_text(cgroup[1] + "\n")
     assert available_memory_bytes(str(tmp_path)) == want_gib << 30
+
+
+def test_an_engine_makes_its_weight_copies_at_load_not_in_its_steps(tiny_llama) -> None:
+    """The model runner makes every copy its batch sizes will use when it loads (up to the step's
+    token budget; the LM head up to its logits rows): prompts of all sizes and a batch of
+    decoding sequences then make none."""
+    from common.model.quant import kernel_weights
+
+    hf_model, _ = tiny_llama
+    eng = Engine(
+        EngineConfig(model="tiny", dtype="bfloat16", kv_cache_memory="8MiB", block_size=8,
+                     quantization="int4", max_num_batched_tokens=256, max_num_seqs=24,
+                     dense_weight_memory="1GiB"),
+        hf_model.config, hf_model.state_dict().items(),
+    )  # fmt: skip
+    weights = [w for _, w in kernel_weights([eng.runner.model])]
+    made = [set(w.derived) for w in weights]
+    assert any(made)  # some paths keep copies (a8, dense, amxbf16: whichever the tune picks)
+    prompts = [[(7 * i + j) % 200 + 3 for j in range(n)] for i, n in enumerate([200, 5] + [9] * 22)]
+    eng.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    assert [set(w.derived) for w in weights] == made
+    cpu_quant.set_kernel_choice("auto")
