@@ -7,6 +7,7 @@ in rare elements); SiLU's exp differs from torch's in the last float32 bit.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -151,6 +152,51 @@ def test_rope_qk_skips_padding_slots_and_rejects_out_of_range():
     with pytest.raises(IndexError):  # slot 8 is past a cache of 2 blocks of 4
         cpu_ops.rope_qk(qkv, torch.tensor([0, 1]), cos, sin, 2, 1, 8, k_cache, v_cache, slots + 5)
     assert torch.equal(qkv, before)  # checked before anything is written
+
+
+def exact_silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """fused_ops.c's SiLU * up, one float32 operation at a time as the C code does them (numpy
+    rounds each to float32, as the C code without FMA contraction does): exp_approx's Cephes
+    steps, silu = g / (1 + exp(-g)) rounded to bfloat16 for bfloat16 rows, times up."""
+    f = np.float32
+    g = gate.float().numpy()
+    with np.errstate(all="ignore"):
+        x = -g
+        x = np.where(x < f(-87.33654), f(-87.33654), np.where(x > f(88.72283), f(88.72283), x))
+        n = np.floor(x * f(1.44269504088896341) + f(0.5))
+        r = x - n * f(0.693359375)
+        r = r - n * f(-2.12194440e-4)
+        p = np.full_like(r, f(1.9875691500e-4))
+        for c in (1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1,
+                  5.0000001201e-1):  # fmt: skip
+            p = p * r + f(c)
+        p = p * (r * r) + r + f(1.0)
+        scale = ((n.astype(np.int32) + 127) << 23).view(np.float32)
+        silu = g / (f(1.0) + p * scale)
+    out = torch.from_numpy(silu)
+    if gate.dtype == torch.bfloat16:
+        out = out.bfloat16().float()  # torch's cast rounds to nearest even, as f32_to_bf16
+    return (out * up.float()).to(gate.dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("intermediate", [1, 15, 16, 17, 63, 64, 65, 100, 1536])
+def test_silu_mul_is_the_exact_steps_at_every_width(dtype, intermediate):
+    """Every width (the 16-lane code's whole groups of 4 vectors, single vectors and a masked
+    last one; the scalar code elsewhere) gives the bits of the same float32 steps, with
+    infinities, NaN, subnormal and overflowing values among the inputs."""
+    g = torch.Generator().manual_seed(intermediate)
+    gate_up = (torch.randn(3, 2 * intermediate, generator=g) * 6).to(dtype)
+    special = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), 1e-40, -1e-40,
+                            100.0, -100.0, 88.8, -88.8, 3e38, -3e38])  # fmt: skip
+    flat = gate_up.view(-1)
+    flat[: special.numel()] = special.to(dtype)[: flat.numel()]
+    flat[-special.numel() :] = special.flip(0).to(dtype)[-flat.numel() :]
+    gate, up = gate_up.split(intermediate, dim=-1)
+    got, want = cpu_ops.silu_mul(gate_up, intermediate), exact_silu_mul(gate, up)
+    assert torch.equal(got.isnan(), want.isnan())
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    assert torch.equal(got.view(bits)[~got.isnan()], want.view(bits)[~want.isnan()])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
