@@ -90,6 +90,79 @@ static void rms_norm_row(const void *x, long x_stride, void *residual, long res_
     store_row(out, r * out_stride, dim, dtype, tmp);
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+/* f32_to_bf16 (vecmath.h) on 16 lanes: the 16-bit results in 32-bit lanes */
+static inline __m512i bf16_bits16(__m512 v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_srli_epi32(
+        _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd), 16);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(
+        _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+    return _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7fc0));
+}
+static inline __m512 round_bf16_16(__m512 v) { /* round_bf16 on 16 lanes */
+    return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits16(v), 16));
+}
+static inline __m512 load16_at(const void *base, long idx, int dtype) {
+    if (dtype == 0) return _mm512_loadu_ps((const float *)base + idx);
+    const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + idx));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+static inline void store16_at(void *base, long idx, int dtype, __m512 v) {
+    if (dtype == 0)
+        _mm512_storeu_ps((float *)base + idx, v);
+    else /* v is already rounded: its high halves are the bfloat16 values */
+        _mm256_storeu_si256((__m256i *)((uint16_t *)base + idx),
+                            _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16)));
+}
+
+#define NORM_ROWS 4
+/* rms_norm_row on rows r0..r0+R-1 (R <= NORM_ROWS) together, 16 lanes at a time, for dim %
+ * 16 == 0: each row through the scalar code's operations in its order (the sum of squares in
+ * the same eight lanes, element 8k + l into lane l in order of k), so the same bits; the rows'
+ * chains of dependent adds side by side (one row's alone bounded the scalar code) */
+static void rms_norm_rows_avx512(const void *x, long x_stride, void *residual, long res_stride,
+                                 const float *w, void *out, long out_stride, int r0, int R,
+                                 int dim, float eps, int dtype) {
+    __m256 acc[NORM_ROWS];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int i = 0; i < dim; i += 16)
+        for (int r = 0; r < R; r++) {
+            __m512 y = load16_at(x, (r0 + r) * x_stride + i, dtype);
+            if (residual != NULL) {
+                y = _mm512_add_ps(y, load16_at(residual, (r0 + r) * res_stride + i, dtype));
+                if (dtype != 0) y = round_bf16_16(y);
+                store16_at(residual, (r0 + r) * res_stride + i, dtype, y);
+            }
+            const __m256 lo = _mm512_castps512_ps256(y);
+            const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(y), 1));
+            acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(lo, lo));
+            acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(hi, hi));
+        }
+    float inv[NORM_ROWS];
+    for (int r = 0; r < R; r++) {
+        float l[8];
+        _mm256_storeu_ps(l, acc[r]);
+        const float sum = ((l[0] + l[4]) + (l[1] + l[5])) + ((l[2] + l[6]) + (l[3] + l[7])) + 0.0f;
+        inv[r] = 1.0f / sqrtf(sum / (float)dim + eps);
+    }
+    for (int r = 0; r < R; r++) {
+        const void *src = residual != NULL ? residual : x;
+        const long stride = residual != NULL ? res_stride : x_stride;
+        const __m512 iv = _mm512_set1_ps(inv[r]);
+        for (int i = 0; i < dim; i += 16) {
+            __m512 n = _mm512_mul_ps(load16_at(src, (r0 + r) * stride + i, dtype), iv);
+            if (dtype != 0) n = round_bf16_16(n);
+            n = _mm512_mul_ps(n, _mm512_loadu_ps(w + i));
+            if (dtype != 0) n = round_bf16_16(n);
+            store16_at(out, (r0 + r) * out_stride + i, dtype, n);
+        }
+    }
+}
+#endif
+
 /* Per row: if residual is given, residual = x + residual (rounded to dtype), normalised row =
  * residual; else normalised row = x. out = weight * norm(row), where for bfloat16 the normalised
  * value is rounded to bfloat16 before the weight multiply (HF's order). */
@@ -99,6 +172,23 @@ int add_rms_norm(const void *x, long x_stride, void *residual, long res_stride,
     if (dim <= 0 || dim > MAX_DIM) return 1;
     float w[MAX_DIM];
     load_row(weight, 0, dim, dtype, w);
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    if (dim % 16 == 0) {
+        const int groups = (rows + NORM_ROWS - 1) / NORM_ROWS;
+#define NORM_GROUP(g)                                                                            \
+    rms_norm_rows_avx512(x, x_stride, residual, res_stride, w, out, out_stride, (g) * NORM_ROWS,  \
+                         rows - (g) * NORM_ROWS < NORM_ROWS ? rows - (g) * NORM_ROWS : NORM_ROWS, \
+                         dim, eps, dtype)
+        if ((long)rows * dim < STEP_PARALLEL_MIN) {
+            for (int g = 0; g < groups; g++) NORM_GROUP(g);
+            return 0;
+        }
+#pragma omp parallel for schedule(static)
+        for (int g = 0; g < groups; g++) NORM_GROUP(g);
+#undef NORM_GROUP
+        return 0;
+    }
+#endif
     if ((long)rows * dim < STEP_PARALLEL_MIN) { /* not even an if(0) region: it costs ~0.5 us */
         for (int r = 0; r < rows; r++)
             rms_norm_row(x, x_stride, residual, res_stride, w, out, out_stride, r, dim, eps,
@@ -134,33 +224,6 @@ static inline void rotate_head(float *restrict h, const float *restrict c,
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-#include <immintrin.h>
-/* f32_to_bf16 (vecmath.h) on 16 lanes: the 16-bit results in 32-bit lanes */
-static inline __m512i bf16_bits16(__m512 v) {
-    const __m512i u = _mm512_castps_si512(v);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    const __m512i rounded = _mm512_srli_epi32(
-        _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd), 16);
-    const __mmask16 nan = _mm512_cmpgt_epu32_mask(
-        _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
-    return _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7fc0));
-}
-static inline __m512 round_bf16_16(__m512 v) { /* round_bf16 on 16 lanes */
-    return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits16(v), 16));
-}
-static inline __m512 load16_at(const void *base, long idx, int dtype) {
-    if (dtype == 0) return _mm512_loadu_ps((const float *)base + idx);
-    const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + idx));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-static inline void store16_at(void *base, long idx, int dtype, __m512 v) {
-    if (dtype == 0)
-        _mm512_storeu_ps((float *)base + idx, v);
-    else /* v is already rounded: its high halves are the bfloat16 values */
-        _mm256_storeu_si256((__m256i *)((uint16_t *)base + idx),
-                            _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16)));
-}
-
 /* rotate_head on every head of a row, 16 lanes at a time, straight from and to qkv (and the k
  * heads to their cache slot): the same operations in the same order (no FMA), so the same
  * bits. For head sizes with half % 16 == 0. The compiler's 8-lane loops through float copies

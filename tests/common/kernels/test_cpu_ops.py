@@ -154,6 +154,59 @@ def test_rope_qk_skips_padding_slots_and_rejects_out_of_range():
     assert torch.equal(qkv, before)  # checked before anything is written
 
 
+def exact_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual=None):
+    """fused_ops.c's add_rms_norm, one float32 operation at a time in its order: the residual
+    add (rounded to x's dtype), the sum of squares in eight lanes (element 8k + l into lane l in
+    order of k, the rest after), 1 / sqrt(mean + eps), the scaled row rounded to the dtype
+    before the weight multiply. Returns (out, new residual)."""
+    f, bf16 = np.float32, x.dtype == torch.bfloat16
+    row = x.float().numpy()
+    if residual is not None:
+        row = row + residual.float().numpy()
+        if bf16:
+            row = torch.from_numpy(row).bfloat16().float().numpy()
+    dim = row.shape[1]
+    lanes = np.zeros((row.shape[0], 8), dtype=np.float32)
+    whole = dim // 8 * 8
+    for k in range(0, whole, 8):
+        lanes = lanes + row[:, k : k + 8] * row[:, k : k + 8]
+    tail = np.zeros(row.shape[0], dtype=np.float32)
+    for i in range(whole, dim):
+        tail = tail + row[:, i] * row[:, i]
+    total = (
+        ((lanes[:, 0] + lanes[:, 4]) + (lanes[:, 1] + lanes[:, 5]))
+        + ((lanes[:, 2] + lanes[:, 6]) + (lanes[:, 3] + lanes[:, 7]))
+        + tail
+    )
+    inv = f(1.0) / np.sqrt(total / f(dim) + f(eps))
+    normed = torch.from_numpy(row * inv[:, None])
+    if bf16:
+        normed = normed.bfloat16().float()
+    out = (normed * weight.float()).to(x.dtype)
+    return out, None if residual is None else torch.from_numpy(row).to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 9])
+@pytest.mark.parametrize("dim", [64, 576, 1000])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_is_the_exact_steps(dtype, rows, dim, with_residual):
+    """Rows one at a time or several side by side (the 16-lane code, dims of whole vectors), and
+    the scalar code elsewhere: the bits of the same float32 steps, residual included."""
+    g = torch.Generator().manual_seed(rows * dim)
+    x = (torch.randn(rows, dim, generator=g) * 3).to(dtype)
+    x.view(-1)[:5] = torch.tensor([0.0, -0.0, 1e-40, 1e-30, -2.5]).to(dtype)
+    weight = torch.randn(dim, generator=g).to(dtype)
+    residual = torch.randn(rows, dim, generator=g).to(dtype) if with_residual else None
+    want, want_res = exact_rms_norm(x, weight, 1e-5, residual)
+    got_res = None if residual is None else residual.clone()
+    got = cpu_ops.add_rms_norm(x, weight, 1e-5, got_res)
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    assert torch.equal(got.view(bits), want.view(bits))
+    if with_residual:
+        assert torch.equal(got_res.view(bits), want_res.view(bits))
+
+
 def exact_silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """fused_ops.c's SiLU * up, one float32 operation at a time as the C code does them (numpy
     rounds each to float32, as the C code without FMA contraction does): exp_approx's Cephes
