@@ -8,7 +8,9 @@
  * statistics in RMSNorm), and is built with -ffp-contract=off (no FMA contraction), so rotary
  * and the residual add are bit-exact against torch; RMSNorm differs only in the order of its
  * sum of squares, SiLU only in the last bits of exp (a vectorisable polynomial). No -ffast-math:
- * it would also set the process-wide flush-to-zero flags when the library loads.
+ * it would also set the process-wide flush-to-zero flags when the library loads. AVX-512
+ * builds run RMSNorm, rotary and SiLU on 16 lanes of their own, with the scalar code's
+ * operations in its order (the same bits; tested against those steps done one at a time).
  * Rows are independent: a prefill chunk's and a decode step's of a few rows on go across the
  * OpenMP threads (torch's pool: the same runtime, so the same thread count), a step of one or
  * two on the calling thread, where a fork-join costs more than the work (STEP_PARALLEL_MIN).
@@ -326,8 +328,6 @@ int rope_qk(void *qkv, long qkv_stride, const int64_t *positions, const float *c
     return 0;
 }
 
-/* out[t, i] = silu(gate_up[t, i]) * gate_up[t, I + i], silu rounded to dtype before the
- * multiply (F.silu(gate).mul_(up)). */
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 /* exp_approx on V vectors of 16 lanes, step by step across them (each step's V operations are
  * independent, so they overlap: one vector's chain of ~20 dependent operations alone measured
@@ -409,6 +409,8 @@ static void silu_row_avx512(const void *gate_up, long in_stride, void *out, long
 }
 #endif
 
+/* out[t, i] = silu(gate_up[t, i]) * gate_up[t, I + i], silu rounded to dtype before the
+ * multiply (F.silu(gate).mul_(up)). */
 static void silu_row(const void *gate_up, long in_stride, void *out, long out_stride, int t,
                      int I, int dtype) {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
