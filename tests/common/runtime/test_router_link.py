@@ -85,11 +85,30 @@ def test_a_worker_serves_two_routers_and_outlives_one(tiny_llama) -> None:
         ctx.term()
 
 
+def queue_ack_then(router: zmq.Socket, identity: bytes, command) -> None:
+    """Queue a registration ack and then `command` for a worker before it even sends its
+    Register (retrying the ack until its connection is up), as a router that dispatches the
+    moment it accepts a worker would."""
+    from common import protocol
+    from common.protocol import RegisterAck
+
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            router.send_multipart([identity, protocol.encode(RegisterAck(accepted=True))])
+            break
+        except zmq.ZMQError:  # not connected yet
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    router.send_multipart([identity, protocol.encode(command)])
+    time.sleep(0.2)
+
+
 def test_a_command_that_comes_with_the_registration_ack_is_kept() -> None:
     """A router may dispatch the moment it accepts a worker: a command read in the same poll as
     the ack goes back to the caller, not dropped (it once lost a decode worker's first Reserve)."""
     from common import protocol
-    from common.protocol import Register, RegisterAck, Reserve
+    from common.protocol import Register, Reserve
     from common.runtime.router_link import RouterLink, register_any
 
     ctx = zmq.Context()
@@ -99,18 +118,7 @@ def test_a_command_that_comes_with_the_registration_ack_is_kept() -> None:
     link = RouterLink(f"tcp://127.0.0.1:{port}", "w-early", ctx, lambda _: None)  # type: ignore[arg-type,return-value]
     identity = link.control.sock.getsockopt(zmq.IDENTITY)
     try:
-        ack = protocol.encode(RegisterAck(accepted=True))
-        reserve = protocol.encode(Reserve("r-first", [1, 2, 3], protocol.SamplingParams()))
-        deadline = time.monotonic() + 10
-        while True:  # queued for the worker before it even sends its Register
-            try:
-                router.send_multipart([identity, ack])
-                break
-            except zmq.ZMQError:  # not connected yet
-                assert time.monotonic() < deadline
-                time.sleep(0.01)
-        router.send_multipart([identity, reserve])
-        time.sleep(0.2)
+        queue_ack_then(router, identity, Reserve("r-first", [1, 2, 3], protocol.SamplingParams()))
         registration = Register(
             protocol.PROTOCOL_VERSION, "decode", "w-early", "tiny", 16, 64, 256, "float32", "h"
         )
@@ -128,7 +136,7 @@ def test_register_keeps_a_command_that_comes_with_the_ack() -> None:
     """The single-router `register` (the scale benchmark's synthetic workers) returns what came
     with its ack too, rather than dropping it."""
     from common import protocol
-    from common.protocol import Generate, Register, RegisterAck
+    from common.protocol import Generate, Register
     from common.runtime.router_link import ControlConnection, register
 
     ctx = zmq.Context()
@@ -138,18 +146,7 @@ def test_register_keeps_a_command_that_comes_with_the_ack() -> None:
     conn = ControlConnection(f"tcp://127.0.0.1:{port}", "w-one", ctx)
     identity = conn.sock.getsockopt(zmq.IDENTITY)
     try:
-        ack = protocol.encode(RegisterAck(accepted=True))
-        work = protocol.encode(Generate("g-first", [4, 5], protocol.SamplingParams()))
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                router.send_multipart([identity, ack])
-                break
-            except zmq.ZMQError:  # not connected yet
-                assert time.monotonic() < deadline
-                time.sleep(0.01)
-        router.send_multipart([identity, work])
-        time.sleep(0.2)
+        queue_ack_then(router, identity, Generate("g-first", [4, 5], protocol.SamplingParams()))
         registration = Register(
             protocol.PROTOCOL_VERSION, "decode", "w-one", "tiny", 16, 64, 256, "float32", "h"
         )
