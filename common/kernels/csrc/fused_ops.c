@@ -265,12 +265,25 @@ static void rotate_heads_avx512(void *qkv, long row, const float *restrict c,
 }
 #endif
 
+#define ROPE_AHEAD 2 /* rows */
 /* rope_qk's row t (below) */
 static void rope_row(void *qkv, long qkv_stride, const int64_t *positions,
-                     const float *cos_table, const float *sin_table, int t, int H, int Hkv,
-                     int D, void *k_cache, void *v_cache, const int64_t *slot_mapping,
+                     const float *cos_table, const float *sin_table, int t, int T, int H,
+                     int Hkv, int D, void *k_cache, void *v_cache, const int64_t *slot_mapping,
                      int dtype) {
     float c[D], s[D], head[D];
+    /* the cache slots of the row ROPE_AHEAD on, asked for with intent to write: their lines
+     * are seldom cached (a new token's slot), and the stores below waited on each in turn
+     * (default model, 64-row decode step: rotary with the stores 1.37-1.40 -> 0.94-0.98 ms) */
+    if (k_cache != NULL && t + ROPE_AHEAD < T && slot_mapping[t + ROPE_AHEAD] >= 0) {
+        const size_t bytes = (size_t)Hkv * D * (dtype == 0 ? 4 : 2);
+        const char *k = (const char *)k_cache + slot_mapping[t + ROPE_AHEAD] * bytes;
+        const char *v = (const char *)v_cache + slot_mapping[t + ROPE_AHEAD] * bytes;
+        for (size_t o = 0; o < bytes; o += 64) {
+            __builtin_prefetch(k + o, 1, 3);
+            __builtin_prefetch(v + o, 1, 3);
+        }
+    }
     const int heads = H + Hkv;
     const int64_t p = positions[t];
     for (int i = 0; i < D; i++) {
@@ -317,14 +330,14 @@ int rope_qk(void *qkv, long qkv_stride, const int64_t *positions, const float *c
     }
     if ((long)T * (H + Hkv) * D < STEP_PARALLEL_MIN) {
         for (int t = 0; t < T; t++)
-            rope_row(qkv, qkv_stride, positions, cos_table, sin_table, t, H, Hkv, D, k_cache,
+            rope_row(qkv, qkv_stride, positions, cos_table, sin_table, t, T, H, Hkv, D, k_cache,
                      v_cache, slot_mapping, dtype);
         return 0;
     }
 #pragma omp parallel for schedule(static)
     for (int t = 0; t < T; t++)
-        rope_row(qkv, qkv_stride, positions, cos_table, sin_table, t, H, Hkv, D, k_cache, v_cache,
-                 slot_mapping, dtype);
+        rope_row(qkv, qkv_stride, positions, cos_table, sin_table, t, T, H, Hkv, D, k_cache,
+                 v_cache, slot_mapping, dtype);
     return 0;
 }
 
