@@ -1,5 +1,6 @@
 /* The tile unit's plumbing shared by the AMX sections of the C kernels (quant_gemm.c,
- * dense_amx.c, prefill_attention.c): the permission request and the tile configuration record.
+ * dense_amx.c, prefill_attention.c): the permission request, the tile configuration record and
+ * the configuration of eight whole tiles.
  * Included only inside an includer's own AMX conditional, so this header tests no ISA macro
  * itself (common/kernels/cbuild.py counts every .h next to a source when choosing its level).
  *
@@ -12,6 +13,7 @@
 
 #include <immintrin.h>
 #include <stdint.h>
+#include <string.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -29,5 +31,15 @@ typedef struct {
     uint16_t colsb[16];
     uint8_t rows[16];
 } tile_config;
+
+/* all eight tiles 16 rows x 64 bytes, on the calling thread (dense_amx.c, prefill_attention.c;
+ * quant_gemm.c shapes its own) */
+static inline void amx_configure_full(void) {
+    tile_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 8; t++) c.rows[t] = 16, c.colsb[t] = 64;
+    _tile_loadconfig(&c);
+}
 
 #endif

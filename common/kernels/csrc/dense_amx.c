@@ -33,15 +33,8 @@
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
 #include "amx.h"
 
-/* tmm0-3: 2 x 2 result tiles (16 rows x 16 float32); tmm4, tmm5: x (16 rows x 32 bfloat16);
- * tmm6, tmm7: W (16 pair rows x 16 columns) */
-static void configure(void) {
-    tile_config c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    for (int t = 0; t < 8; t++) c.rows[t] = 16, c.colsb[t] = 64;
-    _tile_loadconfig(&c);
-}
+/* Tiles (amx_configure_full: all 16 rows x 64 bytes): tmm0-3 the 2 x 2 result tiles (16 rows
+ * x 16 float32); tmm4, tmm5 x (16 rows x 32 bfloat16); tmm6, tmm7 W (16 pair rows x 16 columns) */
 
 /* 32 rows of x (row stride xs elements) times two panels (w0, w1: their first tiles): the
  * first `rows` rows and `cols` columns (32, or 16 for a lone last panel) of the 32 x 32 sums go
@@ -104,7 +97,7 @@ int dense_amx(const uint16_t *x, long x_stride, int M, int K, int N, const uint1
     }
 #pragma omp parallel num_threads(nthreads)
     {
-        configure();
+        amx_configure_full();
 #pragma omp for schedule(static)
         for (int q = 0; q < pairs; q++) {
             const long p = 2L * q;

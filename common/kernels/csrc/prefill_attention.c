@@ -219,15 +219,8 @@ static inline __attribute__((always_inline)) void unit(
  * output's own bfloat16 rounding (torch's SDPA rounds its weights so too). */
 #define AMX_TQ 16
 
-/* all eight tiles 16 rows x 64 bytes. Scores: tmm0, tmm6 sums, tmm1-4 q (D/32 of them), tmm5 K.
- * Values: tmm0-3 sums (64 dims), tmm4 P, tmm5-7 V. */
-static void amx_configure(void) {
-    tile_config c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    for (int t = 0; t < 8; t++) c.rows[t] = 16, c.colsb[t] = 64;
-    _tile_loadconfig(&c);
-}
+/* Tiles (amx_configure_full: all 16 rows x 64 bytes). Scores: tmm0, tmm6 sums, tmm1-4 q (D/32 of
+ * them), tmm5 K. Values: tmm0-3 sums (64 dims), tmm4 P, tmm5-7 V. */
 
 typedef uint16_t vu16 __attribute__((vector_size(32)));
 
@@ -423,7 +416,7 @@ static int prefill_amx(const uint16_t *q, long q_stride, const uint16_t *k, long
 #pragma omp atomic write
             failed = 1;
         }
-        amx_configure();
+        amx_configure_full();
         /* the last tiles (the most keys) first: the long units start early */
 #pragma omp for schedule(dynamic, 1)
         for (int u = 0; u < units; u++) {
