@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 
 MIN_SHARED_CHUNK = 16  # a running prompt's chunk in a step shared with short ones: a block
 SHORT_LOOKS = 2  # waiting requests matched against the prefix cache per step by _admit_short
+CPU_ROW_GRANULE = 64  # the engine's row_granule on the CPU: 32 row counts up to 2,048
 
 
 @dataclass
@@ -66,6 +67,7 @@ class Scheduler:
         self.waiting: deque[SequenceState] = deque()
         self.running: list[SequenceState] = []
         self.num_preemptions = 0
+        self.row_granule = 1  # a cut chunk makes the step's rows a multiple of this (_round_cut)
 
     def add(self, seq: SequenceState) -> None:
         self.waiting.append(seq)
@@ -188,7 +190,24 @@ class Scheduler:
                 break
             self._preempt(victim)
             budget = self._admit(scheduled, budget, prompt_budget)
+        self._round_cut(scheduled)
         return scheduled
+
+    def _round_cut(self, scheduled: list[ScheduledSeq]) -> None:
+        """Shorten the last chunk that ends before its prompt does (the one a budget cut) by
+        the step's rows (tokens and draft slots) modulo `row_granule`, where it keeps a token:
+        those tokens come first in a later step, which the cut prompt takes anyway. A step whose
+        prompts all finish is left as it is (shortening it would add a step)."""
+        granule = self.row_granule
+        if granule <= 1:
+            return
+        for item in reversed(scheduled):
+            seq = item.seq
+            if seq.num_computed_tokens + item.num_new_tokens < seq.num_tokens:
+                rows = sum(i.num_new_tokens + i.num_lookahead_tokens for i in scheduled)
+                if rows % granule < item.num_new_tokens:
+                    item.num_new_tokens -= rows % granule
+                return
 
     def _admit_short(
         self, scheduled: list[ScheduledSeq], budget: int, prompt_budget: int

@@ -270,8 +270,10 @@ def run_path(path: str, x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
         return torch.ops.aten._weight_int8pack_mm(x.contiguous(), w.qweight, scales)
     if path == "dense":
         weight, packed = copy_for(path, w, x.dtype)
+        if isinstance(packed, tuple):  # a split weight's two parts (silu_mul_matmul's copy)
+            return torch.cat([_onednn(x, part) for part in packed], dim=1)
         if packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+            return _onednn(x, packed)
         return F.linear(x, weight)
     if path == "amxbf16":
         return cpu_dense.matmul(x if x.stride(1) == 1 else x.contiguous(), amx_weights(w))
@@ -350,18 +352,46 @@ def _prepared(w: QuantWeight, path: str, dtype: torch.dtype | None, make):
     return hit[1]
 
 
-def _dense_copy(w: QuantWeight, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _dense_copy(w: QuantWeight, dtype: torch.dtype):
     """The weight dequantized to `dtype`, and oneDNN's prepacked form of it where torch has one
     for that dtype on this CPU (as common.model.layers.Linear packs dense weights): then the
-    packed one alone is kept."""
+    packed one alone is kept; for a split weight (QuantWeight.split), a tuple of its two parts'
+    packed forms, which silu_mul_matmul multiplies by one at a time."""
     weight = w.dequantize(dtype).contiguous()
     if torch.backends.mkldnn.is_available() and dtype != torch.float16:
         try:
-            packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+            if 0 < w.split < w.n:
+                parts = weight.split([w.split, w.n - w.split])
+                packed = tuple(torch.ops.mkldnn._reorder_linear_weight(p, None) for p in parts)
+            else:
+                packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
             return torch.empty(0, w.k, dtype=dtype), packed  # not a view: the copy goes
         except RuntimeError:  # no bfloat16 oneDNN path on this CPU: the plain GEMM
             pass
     return weight, None
+
+
+def _onednn(x: torch.Tensor, packed: torch.Tensor, post: str = "none") -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, None, post, [], "")
+
+
+def silu_mul_matmul(x: torch.Tensor, w: QuantWeight) -> torch.Tensor | None:
+    """SiLU(x @ A.T) * (x @ B.T) [M, w.split] for w = [A; B] split after w.split rows (a fused
+    gate/up projection), where x's path is the dense one over oneDNN's packed parts: the first
+    matmul applies the SiLU to its float32 sums before they are rounded to x's dtype, the second
+    multiplies its float32 sums by that result before its own rounding (oneDNN's eltwise and
+    binary post-ops), so the gate/up product is never written and read back (measured, default
+    model, 2 threads, 30 layers at 2,048 rows: 126-131 ms for the fused matmul then
+    cpu_ops.silu_mul, 100-101 ms this way; at 300 rows 22.5-23.8 against 18.1-19.7 ms). One
+    rounding fewer than that pair (the gate's). None where the path is another or oneDNN has
+    no packed form on this CPU: the caller multiplies, then applies them."""
+    if not 0 < w.split < w.n or path_for(w, x) != "dense":
+        return None
+    _, packed = copy_for("dense", w, x.dtype)
+    if not isinstance(packed, tuple):
+        return None
+    gate = _onednn(x, packed[0], "swish")
+    return torch.ops.mkldnn._linear_pointwise.binary(x, gate, packed[1], None, "mul")
 
 
 def _int8pack_scales(w: QuantWeight, dtype: torch.dtype) -> torch.Tensor:

@@ -23,7 +23,9 @@ class QuantWeight:
     scale, zero: [n, k / group_size], zero None means 0.
     What the kernels derive from it lives on it, so never longer than the tensors it points into:
     `derived` (the C kernel's raw pointers, repacked copies keyed by the tensors' versions: an
-    in-place change of the weight makes new ones) and `paths` (the path per batch size)."""
+    in-place change of the weight makes new ones) and `paths` (the path per batch size).
+    split: 0, or the rows of a first matrix stacked above a second (a fused gate/up projection,
+    whose SiLU of the first times the second cpu_quant.silu_mul_matmul computes in one pass)."""
 
     bits: int
     group_size: int
@@ -32,6 +34,7 @@ class QuantWeight:
     zero: torch.Tensor | None
     n: int
     k: int
+    split: int = 0
     derived: dict = field(default_factory=dict)
     paths: dict = field(default_factory=dict)
 

@@ -117,9 +117,14 @@ class MLP(nn.Module):
         bias = bool(getattr(config, "mlp_bias", False))
         self.intermediate = config.intermediate_size
         self.gate_up_proj = Linear(config.hidden_size, 2 * self.intermediate, bias=bias)
+        self.gate_up_proj.split = self.intermediate  # kept by a quantized replacement
         self.down_proj = Linear(self.intermediate, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        silu_mul = getattr(self.gate_up_proj, "silu_mul", None)  # quantized: maybe in one pass
+        fused = silu_mul(x) if silu_mul is not None else None
+        if fused is not None:
+            return self.down_proj(fused)
         gate_up = self.gate_up_proj(x)
         if cpu_ops.supports(gate_up) and gate_up.stride(-1) == 1:
             return self.down_proj(cpu_ops.silu_mul(gate_up, self.intermediate))
@@ -331,7 +336,7 @@ class CausalLM(nn.Module):
                 self.lm_head = TiedQuantHead(self.embed_tokens)
             return
         old = self.get_submodule(module)
-        self.set_submodule(module, QuantLinear(qt, old.bias))
+        self.set_submodule(module, QuantLinear(qt, old.bias, getattr(old, "split", 0)))
 
 
 def _apply_quantization(

@@ -179,10 +179,15 @@ class QuantLinear(nn.Module):
     `.to(dtype)` converts scale/zero (float buffers) and leaves the integer codes alone, so the
     format holds after the model runner's cast. The CPU kernels take the weight as
     `kernel_weight()` and keep what they derive from it (pointers, repacked copies) there.
+    `split` (a fused gate/up projection's first part, its rows; 0 otherwise) lets `silu_mul`
+    compute SiLU(gate) * up in the matmul's own pass.
     """
 
-    def __init__(self, qt: QuantizedTensor, bias: torch.Tensor | None = None) -> None:
+    def __init__(
+        self, qt: QuantizedTensor, bias: torch.Tensor | None = None, split: int = 0
+    ) -> None:
         super().__init__()
+        self.split = split
         self.bits, self.group_size = qt.bits, qt.group_size
         self.out_features, self.in_features = qt.shape
         self.register_buffer("qweight", qt.qweight.contiguous())
@@ -207,6 +212,7 @@ class QuantLinear(nn.Module):
             or w.zero is not buffers["zero"]
         ):
             w = self._kernel_weight = self.qt.kernel_weight()
+            w.split = self.split
         return w
 
     @property
@@ -240,6 +246,14 @@ class QuantLinear(nn.Module):
         if self.bias is not None:
             out = out + self.bias
         return out if lead is None else out.reshape(*lead, self.out_features)
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """SiLU(x @ gate.T) * (x @ up.T) [M, split] for a fused gate/up weight, the SiLU and the
+        product applied by the matmuls themselves where the CPU path allows it
+        (cpu_quant.silu_mul_matmul); None elsewhere (the caller multiplies, then applies them)."""
+        if not self.split or self.bias is not None or x.dim() != 2 or x.device.type != "cpu":
+            return None
+        return cpu_quant.silu_mul_matmul(x, self.kernel_weight())
 
 
 class QuantEmbedding(QuantLinear):

@@ -275,3 +275,31 @@ def test_a_short_prefill_starts_ahead_of_a_long_prompts_chunks():
     assert [(i.seq.request_id, i.num_new_tokens) for i in batch] == [("long", 64), ("warm", 1)]
     assert list(sched.waiting) == [cold] and cold.long_prefill and not cold.block_table
     assert books(sched).ok
+
+
+def test_a_cut_chunk_rounds_the_steps_rows_to_the_granule():
+    sched = make(num_blocks=64, budget=20)
+    sched.row_granule = 8
+    a, b = seq("a", 5), seq("b", 40)
+    for s in (a, b):
+        sched.add(s)
+    batch = sched.schedule()  # the budget cuts b at 15 tokens: 20 rows, cut back to 16
+    assert [(i.seq.request_id, i.num_new_tokens) for i in batch] == [("a", 5), ("b", 11)]
+    compute(sched, batch)
+    batch = sched.schedule()  # a decodes; b goes on where its chunk ended, cut again: 16 rows
+    assert [(i.seq.request_id, i.num_new_tokens) for i in batch] == [("a", 1), ("b", 15)]
+    compute(sched, batch)
+    batch = sched.schedule()  # b's last 14 tokens end its prompt: the step stays at 15 rows
+    assert [(i.seq.request_id, i.num_new_tokens) for i in batch] == [("a", 1), ("b", 14)]
+    compute(sched, batch)
+    assert b.num_computed_tokens == 40 and len(b.token_ids) == 41
+    # b's blocks cover what it computed and the slots it held past its cut chunks were used
+    assert len(b.block_table) == -(-40 // BS) and books(sched).ok
+
+
+def test_a_cut_chunk_keeps_at_least_one_token():
+    sched = make(num_blocks=64, budget=3)
+    sched.row_granule = 8
+    sched.add(seq("a", 10))
+    batch = sched.schedule()  # 3 rows: rounding down would leave nothing
+    assert [(i.seq.request_id, i.num_new_tokens) for i in batch] == [("a", 3)]

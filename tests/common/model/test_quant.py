@@ -144,7 +144,51 @@ def test_tiny_quantized_engine_matches_dequantized_twin(tiny_model, mode, group,
     if kernels == "dense":
         assert cpu_quant.dense_weights and all(("dense", torch.float32) in m.kernel_weight().derived
                                                for m in layers)  # fmt: skip
+        # the MLPs' gate/up layers kept their split and multiplied through the fused SiLU path
+        gate_ups = [m for name, m in model.named_modules() if name.endswith("gate_up_proj")]
+        inter = hf_model.config.intermediate_size
+        assert gate_ups and all(m.split == inter for m in gate_ups)
+        copies = [m.kernel_weight().derived[("dense", torch.float32)][1] for m in gate_ups]
+        assert all(isinstance(c, tuple) for c in copies) or not torch.backends.mkldnn.is_available()
     cpu_quant.set_kernel_choice("auto")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [3, 70, 300])
+def test_fused_gate_up_silu_matches_reference(monkeypatch, dtype, m) -> None:
+    """A split (gate/up) weight on the dense path: silu_mul gives SiLU(x Wg) * (x Wu) with the
+    SiLU and the product applied by oneDNN's post-ops, and the plain matmul still gives both
+    parts; on another path, without a split or with a bias, silu_mul declines (None)."""
+    torch.manual_seed(m)
+    inter, k = 48, 128
+    qt = quantize_rtn(torch.randn(2 * inter, k) * 0.1, 4, 32)
+    layer = QuantLinear(qt, split=inter).to(dtype)
+    x = torch.randn(m, k).to(dtype)
+    monkeypatch.setattr(cpu_quant, "dense_weights", True)
+    monkeypatch.setenv("PDSERVE_CPU_QUANT_KERNEL", "dense")
+    w = layer.kernel_weight()
+    assert w.split == inter and cpu_quant.path_for(w, x) == "dense"
+    got = layer.silu_mul(x)
+    if got is None:  # no oneDNN packed form for this dtype on this CPU
+        assert not isinstance(cpu_quant.copy_for("dense", w, dtype)[1], tuple)
+        pytest.skip("oneDNN cannot prepack this dtype here")
+    weight = layer.qt.dequantize(dtype).float()  # the copy's values, products in float32
+    gate, up = (x.float() @ weight.T).split(inter, dim=1)
+    ref = torch.nn.functional.silu(gate) * up
+    # float32: summation order and oneDNN's exp (1e-4 of the output scale); bfloat16: x, the
+    # SiLU'd gate and the output are each rounded to bfloat16 (2^-8 relative): 2% covers them
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    assert got.dtype == dtype and got.shape == (m, inter)
+    assert (got.float() - ref).abs().max() <= tol * ref.abs().max()
+    both = layer(x)  # the plain matmul over the two packed parts
+    assert both.shape == (m, 2 * inter)
+    plain = x.float() @ weight.T
+    assert (both.float() - plain).abs().max() <= tol * plain.abs().max()
+    monkeypatch.setenv("PDSERVE_CPU_QUANT_KERNEL", "c")
+    assert QuantLinear(qt, split=inter).to(dtype).silu_mul(x) is None  # another path
+    monkeypatch.setenv("PDSERVE_CPU_QUANT_KERNEL", "dense")
+    assert QuantLinear(qt).to(dtype).silu_mul(x) is None  # no split
+    assert QuantLinear(qt, torch.zeros(2 * inter), inter).to(dtype).silu_mul(x) is None  # bias
 
 
 @pytest.mark.parametrize(
