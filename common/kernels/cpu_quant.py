@@ -18,7 +18,9 @@ Paths, all computing x [M, K] @ W.T for W = the dequantized weight:
              where torch can), then its 16-bit / float32 GEMM (AMX or AVX-512 bfloat16 where the
              CPU has them): the prompt steps' path where it measures faster. Exactly `dequant`'s
              products; it costs 2 (bfloat16) or 4 (float32) bytes per weight, so it applies only
-             where `set_dense_weights` allowed it (EngineConfig.dense_weight_memory).
+             where `set_dense_weights` allowed it (EngineConfig.dense_weight_memory). A split
+             weight (a fused gate/up: QuantWeight.split) keeps its two parts packed apart, for
+             `silu_mul_matmul` (SiLU(gate) * up applied by the matmuls' own epilogues).
   amxbf16    common.kernels.cpu_dense: bfloat16 x times such a copy (bfloat16, in the AMX tile
              layout) on the tile unit, float32 sums over all of K; AMX-BF16 hosts, within the
              same budget (one more copy). The C decode layers run it too (unlike dense).
@@ -50,7 +52,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from common.kernels import cpu_dense, cpu_qgemm
+from common.kernels import cpu_dense, cpu_gemm, cpu_qgemm
 from common.kernels.cbuild import REDUCTION_FLAGS, CLibrary
 from common.kernels.cpu_gemm import MIN_ROWS, tiled_matmul
 from common.kernels.quant_weight import QuantWeight
@@ -270,10 +272,8 @@ def run_path(path: str, x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
         return torch.ops.aten._weight_int8pack_mm(x.contiguous(), w.qweight, scales)
     if path == "dense":
         weight, packed = copy_for(path, w, x.dtype)
-        if isinstance(packed, tuple):  # a split weight's two parts (silu_mul_matmul's copy)
-            return torch.cat([_onednn(x, part) for part in packed], dim=1)
-        if packed is not None:
-            return _onednn(x, packed)
+        if packed is not None:  # a split weight's two parts side by side (silu_mul_matmul's copy)
+            return cpu_gemm.onednn(x, packed)
         return F.linear(x, weight)
     if path == "amxbf16":
         return cpu_dense.matmul(x if x.stride(1) == 1 else x.contiguous(), amx_weights(w))
@@ -360,38 +360,23 @@ def _dense_copy(w: QuantWeight, dtype: torch.dtype):
     weight = w.dequantize(dtype).contiguous()
     if torch.backends.mkldnn.is_available() and dtype != torch.float16:
         try:
-            if 0 < w.split < w.n:
-                parts = weight.split([w.split, w.n - w.split])
-                packed = tuple(torch.ops.mkldnn._reorder_linear_weight(p, None) for p in parts)
-            else:
-                packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+            packed = cpu_gemm.pack_onednn(weight, w.split)
             return torch.empty(0, w.k, dtype=dtype), packed  # not a view: the copy goes
         except RuntimeError:  # no bfloat16 oneDNN path on this CPU: the plain GEMM
             pass
     return weight, None
 
 
-def _onednn(x: torch.Tensor, packed: torch.Tensor, post: str = "none") -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed, None, post, [], "")
-
-
 def silu_mul_matmul(x: torch.Tensor, w: QuantWeight) -> torch.Tensor | None:
     """SiLU(x @ A.T) * (x @ B.T) [M, w.split] for w = [A; B] split after w.split rows (a fused
-    gate/up projection), where x's path is the dense one over oneDNN's packed parts: the first
-    matmul applies the SiLU to its float32 sums before they are rounded to x's dtype, the second
-    multiplies its float32 sums by that result before its own rounding (oneDNN's eltwise and
-    binary post-ops), so the gate/up product is never written and read back (measured, default
-    model, 2 threads, 30 layers at 2,048 rows: 126-131 ms for the fused matmul then
-    cpu_ops.silu_mul, 100-101 ms this way; at 300 rows 22.5-23.8 against 18.1-19.7 ms). One
-    rounding fewer than that pair (the gate's). None where the path is another or oneDNN has
-    no packed form on this CPU: the caller multiplies, then applies them."""
+    gate/up projection), where x's path is the dense one over oneDNN's packed parts
+    (cpu_gemm.onednn_silu_mul: the SiLU and the product applied to the matmuls' float32 sums).
+    None where the path is another or oneDNN has no packed form on this CPU: the caller
+    multiplies, then applies them."""
     if not 0 < w.split < w.n or path_for(w, x) != "dense":
         return None
     _, packed = copy_for("dense", w, x.dtype)
-    if not isinstance(packed, tuple):
-        return None
-    gate = _onednn(x, packed[0], "swish")
-    return torch.ops.mkldnn._linear_pointwise.binary(x, gate, packed[1], None, "mul")
+    return cpu_gemm.onednn_silu_mul(x, packed) if isinstance(packed, tuple) else None
 
 
 def _int8pack_scales(w: QuantWeight, dtype: torch.dtype) -> torch.Tensor:

@@ -72,3 +72,35 @@ def test_linear_takes_the_tiles_for_a_prefill_batch_only(monkeypatch) -> None:
         fewer = x[:-1]  # one row short of the threshold: torch's own 16-bit matmul
         assert torch.equal(layer(fewer), F.linear(fewer, layer.weight, layer.bias))
     assert calls == [cpu_gemm.MIN_ROWS_DENSE]  # the prefill batch went through the tiles, only it
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 64, 300])
+def test_a_split_linear_packs_its_parts_and_fuses_silu_mul(dtype, rows) -> None:
+    """A dense gate/up Linear with `split` set packs its two parts apart: its plain output is
+    both parts, and silu_mul is SiLU(gate) * up with oneDNN's post-ops doing the SiLU and the
+    product (float32: its exp and summation order, 1e-4 of the scale; bfloat16: x, the gate
+    and the output each rounded to bfloat16, 2%)."""
+    torch.manual_seed(rows)
+    inter, k = 40, 96
+    layer = Linear(k, 2 * inter, bias=False).to(dtype)
+    layer.split = inter
+    layer.pack_for_cpu()
+    if layer.packed is None:
+        pytest.skip("no oneDNN packed form for this dtype on this CPU")
+    assert isinstance(layer.packed, tuple)
+    x = torch.randn(rows, k).to(dtype)
+    plain = x.float() @ layer.weight.float().T
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    both = layer(x)
+    assert both.shape == (rows, 2 * inter)
+    assert (both.float() - plain).abs().max() <= tol * plain.abs().max()
+    gate, up = plain.split(inter, dim=1)
+    ref = F.silu(gate) * up
+    got = layer.silu_mul(x)
+    assert got.dtype == dtype and got.shape == (rows, inter)
+    assert (got.float() - ref).abs().max() <= tol * ref.abs().max()
+    whole = Linear(k, 2 * inter, bias=True).to(dtype)  # a bias: packed whole, no fused path
+    whole.split = inter
+    whole.pack_for_cpu()
+    assert not isinstance(whole.packed, tuple) and whole.silu_mul(x) is None
