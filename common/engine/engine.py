@@ -29,7 +29,7 @@ from common.engine.block_pool import BlockPool
 from common.engine.grammar import GrammarCompiler
 from common.engine.handoff import KVHandoff
 from common.engine.sampler import Sampler, SampleResult, make_generator
-from common.engine.scheduler import CPU_ROW_GRANULE, ScheduledSeq, Scheduler
+from common.engine.scheduler import ScheduledSeq, Scheduler
 from common.engine.sequence import SequenceState, SequenceStatus
 from common.engine.spec.governor import ShadowDrafts, SpeculationGovernor
 from common.engine.spec.proposers import NgramProposer, make_proposer
@@ -37,6 +37,7 @@ from common.engine.spec.verify import Verifier
 from common.engine.step_budget import PrefillBudget
 from common.kernels import cpu_quant
 from common.kernels.attention import Row
+from common.model.llama import PAD_ROWS
 from common.model.model_runner import ModelRunner
 from common.prefix_hash import model_salt
 from common.sampling_params import SamplingParams
@@ -119,8 +120,8 @@ class Engine(KVHandoff):
             max_model_len=self.max_model_len,
             speculative_max_batch=self._speculative_max_batch(),
         )
-        if self.runner.device.type == "cpu":  # oneDNN's matmuls are built per row count
-            self.scheduler.row_granule = CPU_ROW_GRANULE
+        if self.runner.device.type == "cpu":  # a cut chunk's step then needs no padding rows
+            self.scheduler.row_granule = PAD_ROWS
         # prompt tokens per step, from the step costs measured here (--prefill-chunk)
         self.prefill_budget = PrefillBudget.from_flag(
             config.prefill_chunk, config.max_num_batched_tokens

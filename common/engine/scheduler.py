@@ -31,7 +31,6 @@ if TYPE_CHECKING:
 
 MIN_SHARED_CHUNK = 16  # a running prompt's chunk in a step shared with short ones: a block
 SHORT_LOOKS = 2  # waiting requests matched against the prefix cache per step by _admit_short
-CPU_ROW_GRANULE = 64  # the engine's row_granule on the CPU: 32 row counts up to 2,048
 
 
 @dataclass

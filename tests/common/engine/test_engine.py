@@ -202,3 +202,23 @@ def test_block_books_balance_and_catch_leaks(tiny_llama):
     assert engine.block_books().ok
     engine.abort("x")
     assert engine.block_books().ok
+
+
+def test_a_long_cpu_step_runs_padded_rows_and_matches_transformers(tiny_model, monkeypatch):
+    """A step of more than PAD_MIN_ROWS rows runs its decoder layers on a multiple of PAD_ROWS
+    rows (zeros after the real ones): attention and the KV cache see the real rows only, and
+    greedy output is still transformers' (its families: Qwen3's q/k norms work on the rows too)."""
+    from common.model import llama
+
+    family, hf_model, _ = tiny_model
+    ps = prompts(3, seed=5, lengths=(101, 97, 95))  # 293 rows in the first step: padded to 320
+    engine = make_engine(hf_model, max_num_batched_tokens=1024)
+    seen = []
+    layer = engine.runner.model.layers[0]
+    forward = layer.forward
+    monkeypatch.setattr(layer, "forward", lambda x, *a: seen.append(x.shape[0]) or forward(x, *a))
+    seqs = engine.generate(ps, GREEDY)
+    assert seen[0] == 320 and 320 % llama.PAD_ROWS == 0 and all(n <= 3 for n in seen[1:])
+    for prompt, seq in zip(ps, seqs):
+        assert seq.output_token_ids == hf_greedy(hf_model, prompt, GREEDY.max_tokens), family
+    assert_block_pool_full(engine)
