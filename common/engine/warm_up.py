@@ -4,8 +4,11 @@ engine's first 16-token request took 445 ms against ~30 ms, the first 300-token 
 against 101 (weight repacking for the int8-activation kernels, the dense copies and oneDNN's first
 calls for prompt-sized steps, first calls of the C kernels). The weight copies are now made when
 the model runner loads, for every batch size up to the step's budget (cpu_quant.prepare_copies);
-these requests still take the first calls. Workers run it before they register and run-batch
-before it reads its input (--warm-up), through `Engine.warm_up`.
+these requests still take the first calls. On the CPU it then runs one decoder layer's
+projections at every row count a padded prompt step can take (CausalLM.build_padded_matmuls:
+oneDNN builds a matmul per row count, 20-30 ms each when a step first met it; ~1-2 s in all for
+a 2,048-token budget). Workers run it before they register and run-batch before it reads its
+input (--warm-up), through `Engine.warm_up`.
 """
 
 from __future__ import annotations
@@ -57,6 +60,8 @@ def warm_up(engine: Engine) -> float:
         engine.generate(
             [short_prompt], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
         )
+        if engine.runner.device.type == "cpu":  # oneDNN's matmul for each padded row count
+            engine.runner.model.build_padded_matmuls(engine.config.max_num_batched_tokens)
     finally:
         engine.block_manager.enable_prefix_caching = caching
         (

@@ -257,6 +257,25 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
+    @torch.inference_mode()
+    def build_padded_matmuls(self, max_rows: int) -> int:
+        """Run the first decoder layer's projections once at every padded row count a CPU step
+        of up to `max_rows` rows can take, on zeros: oneDNN builds (and keeps) its matmul for
+        each count now rather than in the first step that meets it (20-30 ms each). Their
+        shapes are every layer's, so one layer builds them all. Returns the counts run."""
+        layer = self.layers[0]
+        attn, dtype = layer.self_attn, layer.input_layernorm.weight.dtype
+        hidden = self.config.hidden_size
+        counts = range(
+            PAD_MIN_ROWS + PAD_ROWS - PAD_MIN_ROWS % PAD_ROWS, max_rows + PAD_ROWS, PAD_ROWS
+        )
+        for rows in counts:
+            x = torch.zeros(rows, hidden, dtype=dtype)
+            attn.qkv_proj(x)
+            attn.o_proj(torch.zeros(rows, attn.num_heads * attn.head_dim, dtype=dtype))
+            layer.mlp(x)
+        return len(counts)
+
     def set_attention_backend(self, name: str) -> None:
         """This model's paged-attention implementation ('torch' on CPU, 'triton' on GPU); each
         model keeps its own, so engines in one process may differ."""

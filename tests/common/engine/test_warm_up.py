@@ -95,3 +95,27 @@ def test_workers_warm_up_unless_told_not_to(tiny_model, monkeypatch, flags, call
     args = build_parser().parse_args(["decode", "--model", "tiny", *flags])
     engine = worker_cli.build_engine(args)
     assert len(counted) == calls and all(e is engine for e in counted)
+
+
+@pytest.mark.parametrize("tiny_model", ["llama", "qwen3"], indirect=True)
+def test_warm_up_runs_the_projections_at_every_padded_row_count(tiny_model, monkeypatch) -> None:
+    """On the CPU the warm-up runs the first layer's projections (QKV, O, the MLP's) at every
+    row count a padded step up to the token budget can take (289..1000 rows: 288 .. 1024 in
+    32s), so that oneDNN has built each count's matmul before a request meets it."""
+    from common.model.llama import PAD_ROWS
+
+    _, hf_model, _ = tiny_model
+    engine = make_engine(hf_model, max_num_batched_tokens=1000)
+    layer = engine.runner.model.layers[0]
+    seen: dict[str, list[int]] = {"qkv": [], "o": [], "mlp": []}
+    for name, module in (("qkv", layer.self_attn.qkv_proj), ("o", layer.self_attn.o_proj),
+                         ("mlp", layer.mlp)):  # fmt: skip
+        forward = module.forward
+        monkeypatch.setattr(
+            module, "forward", lambda x, *a, f=forward, n=name: seen[n].append(x.shape[0]) or f(x)
+        )
+    engine.warm_up()
+    want = list(range(288, 1024 + 1, PAD_ROWS))
+    for name, rows in seen.items():
+        padded = [n for n in rows if n > 256]
+        assert padded[-len(want) :] == want, name
