@@ -6,8 +6,8 @@ calls for prompt-sized steps, first calls of the C kernels). The weight copies a
 the model runner loads, for every batch size up to the step's budget (cpu_quant.prepare_copies);
 these requests still take the first calls. On the CPU it then runs one decoder layer's
 projections at every row count a padded prompt step can take (CausalLM.build_padded_matmuls:
-oneDNN builds a matmul per row count, 20-30 ms each when a step first met it; ~1-2 s in all for
-a 2,048-token budget). Workers run it before they register and run-batch before it reads its
+oneDNN builds a matmul per row count, 20-30 ms each when a step first met it; about 2 s in all
+for a 2,048-token budget). Workers run it before they register and run-batch before it reads its
 input (--warm-up), through `Engine.warm_up`.
 """
 
