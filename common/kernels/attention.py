@@ -179,10 +179,13 @@ def _prefill_attention(
     k: torch.Tensor,
     v: torch.Tensor,
     scale: float,
-) -> torch.Tensor:
-    """Causal; queries are the last q_len of k_len keys. q [q_len, H, D], k/v [k_len, Hkv, D]."""
-    if cpu_prefill.supports(q, k, v):
-        return cpu_prefill.prefill_attention(q, k, v, scale)
+    out: torch.Tensor,
+) -> None:
+    """Causal; queries are the last q_len of k_len keys. q [q_len, H, D], k/v [k_len, Hkv, D];
+    the result goes to `out` [q_len, H, D] (the CPU kernel writes it there directly)."""
+    if cpu_prefill.supports(q, k, v) and out.is_contiguous():
+        cpu_prefill.prefill_attention(q, k, v, scale, out=out)
+        return
     q_len, k_len = q.shape[0], k.shape[0]
     num_heads, num_kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[2]
     group = num_heads // num_kv_heads
@@ -193,12 +196,12 @@ def _prefill_attention(
     qt = q.view(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
     kt, vt = (x.transpose(0, 1)[:, None].expand(-1, group, -1, -1) for x in (k, v))
     if q_len == k_len:
-        out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale)
+        attended = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale)
     else:
         rows = torch.arange(q_len, device=q.device)[:, None] + (k_len - q_len)
         allowed = torch.arange(k_len, device=q.device)[None, :] <= rows
-        out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=allowed, scale=scale)
-    return out.permute(2, 0, 1, 3).reshape(q_len, num_heads, head_dim)
+        attended = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=allowed, scale=scale)
+    out.copy_(attended.permute(2, 0, 1, 3).reshape(q_len, num_heads, head_dim))
 
 
 def paged_attention(
@@ -254,6 +257,6 @@ def paged_attention(
         else:
             k = _gather_seq(k_cache, meta.block_tables[i], seq_len, k_scales, q.dtype)
             v = _gather_seq(v_cache, meta.block_tables[i], seq_len, v_scales, q.dtype)
-        out[start:end] = _prefill_attention(q[start:end], k, v, scale)
+        _prefill_attention(q[start:end], k, v, scale, out[start:end])
         start = end
     return out

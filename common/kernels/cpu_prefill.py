@@ -80,13 +80,23 @@ def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
 
 
 def prefill_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, lib: CLibrary | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    lib: CLibrary | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention: queries q [q_len, H, D] are the last q_len of k_len keys k, v
-    [k_len, Hkv, D]; returns [q_len, H, D] in q's dtype (see `supports` for what it takes)."""
+    [k_len, Hkv, D]; returns [q_len, H, D] in q's dtype (see `supports` for what it takes),
+    written into `out` when given (contiguous, that shape and dtype: a batch's rows, so the
+    result needs no copy into them)."""
     q_len, num_heads, head_dim = q.shape
     k_len, num_kv_heads = k.shape[0], k.shape[1]
-    out = torch.empty(q_len, num_heads, head_dim, dtype=q.dtype)
+    if out is None:
+        out = torch.empty(q_len, num_heads, head_dim, dtype=q.dtype)
+    elif out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {tuple(q.shape)} {q.dtype} tensor")
     rc = (lib or _LIB).get().prefill_attention(
         q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
         out.data_ptr(), q_len, k_len, num_heads, num_kv_heads, head_dim, scale,

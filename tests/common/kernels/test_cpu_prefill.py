@@ -111,15 +111,21 @@ def test_what_it_does_not_take_goes_to_sdpa():
     assert not cpu_prefill.supports(q, k.bfloat16(), v.bfloat16())
     with pytest.raises(ValueError, match="not supported"):
         cpu_prefill.prefill_attention(q[:, :3], k, v, 0.125)  # 3 heads over 2 KV heads
+    with pytest.raises(ValueError, match="contiguous"):  # an output it cannot write in place
+        cpu_prefill.prefill_attention(q, k, v, 0.125, out=torch.empty(10, 4, 128)[:, :, :64])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_attention_prefill_path_uses_it_and_sdpa_agrees(dtype, monkeypatch):
     q, k, v = inputs(120, 150, 9, 3, 64, dtype)
-    ours = attention._prefill_attention(q, k, v, 0.125)
+    rows = torch.full((130, 9, 64), 7.0, dtype=dtype)  # a batch's rows: 5 before, 5 after
+    attention._prefill_attention(q, k, v, 0.125, rows[5:125])
+    ours = rows[5:125]
     assert torch.equal(ours, cpu_prefill.prefill_attention(q, k, v, 0.125))
+    assert (rows[:5] == 7).all() and (rows[125:] == 7).all()  # written in place, nothing else
     monkeypatch.setattr(cpu_attention, "enabled", False)  # the torch (SDPA) path
-    sdpa = attention._prefill_attention(q, k, v, 0.125)
+    sdpa = torch.empty_like(q)
+    attention._prefill_attention(q, k, v, 0.125, sdpa)
     # SDPA's bfloat16 kernel rounds the probabilities to bfloat16 before multiplying by V: up to
     # 2^-9 max|v| off in each output, beside both outputs' own bfloat16 rounding (2^-8 together)
     bf16 = dtype == torch.bfloat16
