@@ -5,10 +5,10 @@ against 101 (weight repacking for the int8-activation kernels, the dense copies 
 calls for prompt-sized steps, first calls of the C kernels). The weight copies are now made when
 the model runner loads, for every batch size up to the step's budget (cpu_quant.prepare_copies);
 these requests still take the first calls. On the CPU it then runs one decoder layer's
-projections at every row count a padded prompt step can take (CausalLM.build_padded_matmuls:
-oneDNN builds a matmul per row count, 20-30 ms each when a step first met it; about 2 s in all
-for a 2,048-token budget). Workers run it before they register and run-batch before it reads its
-input (--warm-up), through `Engine.warm_up`.
+projections at every row count a padded prompt step can take, up to `WARM_UP_MAX_ROWS`
+(CausalLM.build_padded_matmuls: oneDNN builds a matmul per row count, 20-30 ms each when a step
+first met it; about 2 s in all for a 2,048-token budget). Workers run it before they register
+and run-batch before it reads its input (--warm-up), through `Engine.warm_up`.
 """
 
 from __future__ import annotations
@@ -26,6 +26,10 @@ if TYPE_CHECKING:
 # a prompt-sized step's kernels run once; its token ids count from WARM_UP_FIRST_TOKEN
 WARM_UP_PROMPT_TOKENS = 96
 WARM_UP_FIRST_TOKEN = 100
+# oneDNN's matmuls are built for the padded row counts up to this many rows (56 counts, ~2 s on
+# the default model): a larger --max-num-batched-tokens would cost ~35 ms a count more at start
+# (8,192: ~9 s) for steps that seldom come; theirs are built when first met
+WARM_UP_MAX_ROWS = 2048
 
 
 def warm_up(engine: Engine) -> float:
@@ -61,7 +65,8 @@ def warm_up(engine: Engine) -> float:
             [short_prompt], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
         )
         if engine.runner.device.type == "cpu":  # oneDNN's matmul for each padded row count
-            engine.runner.model.build_padded_matmuls(engine.config.max_num_batched_tokens)
+            rows = min(engine.config.max_num_batched_tokens, WARM_UP_MAX_ROWS)
+            engine.runner.model.build_padded_matmuls(rows)
     finally:
         engine.block_manager.enable_prefix_caching = caching
         (

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from common.cli import build_parser
+from common.engine import warm_up
 from common.engine.engine import Engine
 from common.runtime import worker_cli
 from common.sampling_params import SamplingParams
@@ -119,3 +120,10 @@ def test_warm_up_runs_the_projections_at_every_padded_row_count(tiny_model, monk
     for name, rows in seen.items():
         padded = [n for n in rows if n > 256]
         assert padded[-len(want) :] == want, name
+    # a budget past WARM_UP_MAX_ROWS builds up to it only (the rest when first met)
+    monkeypatch.setattr(warm_up, "WARM_UP_MAX_ROWS", 512)
+    big = make_engine(hf_model, max_num_batched_tokens=4096)
+    built = []
+    monkeypatch.setattr(big.runner.model, "build_padded_matmuls", built.append)
+    big.warm_up()
+    assert built == [512]
