@@ -227,7 +227,7 @@ def paged_attention(
             q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.max_seq_len, scale,
             k_scales, v_scales,
         )  # fmt: skip
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous: written in place
     # Decode rows of a mixed batch are batched together; prefill rows go one sequence at a time.
     decode_rows = [i for i, q_len in enumerate(meta.query_lens_cpu) if q_len == 1]
     if len(decode_rows) > 1:
