@@ -37,7 +37,6 @@ from common.engine.spec.verify import Verifier
 from common.engine.step_budget import PrefillBudget
 from common.kernels import cpu_quant
 from common.kernels.attention import Row
-from common.model.llama import PAD_ROWS
 from common.model.model_runner import ModelRunner
 from common.prefix_hash import model_salt
 from common.sampling_params import SamplingParams
@@ -89,9 +88,8 @@ class Engine(KVHandoff):
             source = resolve_model(config.model)
             hf_config, weights = source.hf_config, iter_weights(source)
         self.hf_config = hf_config
-        self.eos_token_ids = (
-            frozenset(eos_token_ids) if eos_token_ids is not None else (config_eos_ids(hf_config))
-        )
+        eos = config_eos_ids(hf_config) if eos_token_ids is None else frozenset(eos_token_ids)
+        self.eos_token_ids = eos
         self.runner = ModelRunner(config, hf_config, weights)
         self.max_model_len = self.runner.max_model_len
         self.pool = BlockPool(self.runner.num_blocks, config.block_size)
@@ -119,9 +117,8 @@ class Engine(KVHandoff):
             num_lookahead_tokens=config.num_speculative_tokens if self.proposer else 0,
             max_model_len=self.max_model_len,
             speculative_max_batch=self._speculative_max_batch(),
+            row_granule=runner.row_granule,  # a cut chunk's step then needs no padding rows
         )
-        if self.runner.device.type == "cpu":  # a cut chunk's step then needs no padding rows
-            self.scheduler.row_granule = PAD_ROWS
         # prompt tokens per step, from the step costs measured here (--prefill-chunk)
         self.prefill_budget = PrefillBudget.from_flag(
             config.prefill_chunk, config.max_num_batched_tokens

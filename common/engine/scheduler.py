@@ -53,6 +53,7 @@ class Scheduler:
         num_lookahead_tokens: int = 0,
         max_model_len: int | None = None,
         speculative_max_batch: int = 0,
+        row_granule: int = 1,
     ) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
@@ -66,7 +67,7 @@ class Scheduler:
         self.waiting: deque[SequenceState] = deque()
         self.running: list[SequenceState] = []
         self.num_preemptions = 0
-        self.row_granule = 1  # a cut chunk makes the step's rows a multiple of this (_round_cut)
+        self.row_granule = row_granule  # a cut chunk makes the step's rows a multiple (_round_cut)
 
     def add(self, seq: SequenceState) -> None:
         self.waiting.append(seq)

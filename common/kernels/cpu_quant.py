@@ -352,7 +352,9 @@ def _prepared(w: QuantWeight, path: str, dtype: torch.dtype | None, make):
     return hit[1]
 
 
-def _dense_copy(w: QuantWeight, dtype: torch.dtype):
+def _dense_copy(
+    w: QuantWeight, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor | tuple[torch.Tensor, ...] | None]:
     """The weight dequantized to `dtype`, and oneDNN's prepacked form of it where torch has one
     for that dtype on this CPU (as common.model.layers.Linear packs dense weights): then the
     packed one alone is kept; for a split weight (QuantWeight.split), a tuple of its two parts'

@@ -266,9 +266,8 @@ class CausalLM(nn.Module):
         layer = self.layers[0]
         attn, dtype = layer.self_attn, layer.input_layernorm.weight.dtype
         hidden = self.config.hidden_size
-        counts = range(
-            PAD_MIN_ROWS + PAD_ROWS - PAD_MIN_ROWS % PAD_ROWS, max_rows + PAD_ROWS, PAD_ROWS
-        )
+        first = (PAD_MIN_ROWS // PAD_ROWS + 1) * PAD_ROWS  # the smallest count a step pads to
+        counts = range(first, max_rows + PAD_ROWS, PAD_ROWS)
         for rows in counts:
             x = torch.zeros(rows, hidden, dtype=dtype)
             attn.qkv_proj(x)

@@ -28,7 +28,7 @@ import torch
 from common.config import EngineConfig, parse_size
 from common.kernels import cpu_quant, kv_quant, tune
 from common.kernels.attention import AttentionMetadata, Row, build_batch
-from common.model.llama import CausalLM, head_dim_of
+from common.model.llama import PAD_ROWS, CausalLM, head_dim_of
 from common.model.quant import kernel_weights
 
 if TYPE_CHECKING:
@@ -128,6 +128,8 @@ class ModelRunner:
         self.dtype = config.resolved_dtype()
         self.kv_dtype = config.resolved_kv_dtype()
         self.block_size = config.block_size
+        # the model pads a CPU prompt step's rows to a multiple of this (llama.PAD_ROWS)
+        self.row_granule = PAD_ROWS if self.device.type == "cpu" else 1
         if config.num_threads > 0:
             torch.set_num_threads(config.num_threads)
         cpu_quant.set_activations(config.cpu_activations)  # process-wide: one model per process

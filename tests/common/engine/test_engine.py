@@ -219,6 +219,7 @@ def test_a_long_cpu_step_runs_padded_rows_and_matches_transformers(tiny_model, m
     monkeypatch.setattr(layer, "forward", lambda x, *a: seen.append(x.shape[0]) or forward(x, *a))
     seqs = engine.generate(ps, GREEDY)
     assert seen[0] == 320 and 320 % llama.PAD_ROWS == 0 and all(n <= 3 for n in seen[1:])
+    assert engine.scheduler.row_granule == llama.PAD_ROWS  # cut chunks need no padding rows
     for prompt, seq in zip(ps, seqs):
         assert seq.output_token_ids == hf_greedy(hf_model, prompt, GREEDY.max_tokens), family
     assert_block_pool_full(engine)

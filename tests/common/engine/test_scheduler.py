@@ -278,8 +278,7 @@ def test_a_short_prefill_starts_ahead_of_a_long_prompts_chunks():
 
 
 def test_a_cut_chunk_rounds_the_steps_rows_to_the_granule():
-    sched = make(num_blocks=64, budget=20)
-    sched.row_granule = 8
+    sched = make(num_blocks=64, budget=20, row_granule=8)
     a, b = seq("a", 5), seq("b", 40)
     for s in (a, b):
         sched.add(s)
@@ -298,8 +297,7 @@ def test_a_cut_chunk_rounds_the_steps_rows_to_the_granule():
 
 
 def test_a_cut_chunk_keeps_at_least_one_token():
-    sched = make(num_blocks=64, budget=3)
-    sched.row_granule = 8
+    sched = make(num_blocks=64, budget=3, row_granule=8)
     sched.add(seq("a", 10))
     batch = sched.schedule()  # 3 rows: rounding down would leave nothing
     assert [(i.seq.request_id, i.num_new_tokens) for i in batch] == [("a", 3)]
