@@ -28,7 +28,9 @@ not counted). Run: `python benchmarks/step_profile.py [--model default] [--dtype
 [--quantization auto] [--batches 1,8] [--context 256] [--iters 20] [--repeats 3] [--threads N]
 [--clock wall|cpu] [--verify-tokens 3,5,8]`. `--verify-tokens`: after each batch's table, the
 step with k + 1 query tokens per sequence (a speculative verify step) against the decode step,
-both with the C decode layers on, timed in turns.
+both with the C decode layers on, timed in turns, and the verify step's limit (its floors as
+above, every linear on all batch x (k + 1) rows) over the measured decode step: above 1.5x, a
+verify step of 1.5x a decode step is out of reach on this machine whatever the kernels do.
 Result: the limits' table, then per batch size a line with its floors and a Markdown table (ms
 per step by part, eager, fused and layer, and the step's % of its limit).
 """
@@ -238,22 +240,37 @@ def main() -> None:
         pcts = [f"{v:.2f}%" if v < 10 else f"{v:.0f}%" for v in shares]
         print(f"| % of limit | {' | '.join(pcts)} |")
         if verify:
-            verify_table(runner, batch, args, results["layer"]["step"], verify)
+            floors = {t: step_floor(limits, runner.model, batch * t, dtype, read) for t in verify}
+            verify_table(runner, batch, args, results["layer"]["step"], verify, floors)
 
 
-def verify_table(runner: ModelRunner, batch: int, args, decode_ms: float, verify: list) -> None:
+def verify_table(
+    runner: ModelRunner, batch: int, args, decode_ms: float, verify: list, floors: dict
+) -> None:
     """A verify step of k + 1 tokens per sequence against the decode step (both as served: the C
-    decode layers on), timed alternately so that a busy moment hits both alike."""
+    decode layers on), timed alternately so that a busy moment hits both alike; beside them the
+    verify step's own limit (`floors[tokens]`: its weights and K/V read once, every linear, the
+    LM head included, on all its rows at the best measured rate of the dtype it computes in) as
+    a multiple of the measured decode step: where that exceeds 1.5x, no kernel reaches a verify
+    step of 1.5x a decode step on this machine."""
     one = decode_inputs(runner, batch, args.context)
     print(f"\nbatch {batch}: verify steps (k + 1 tokens per sequence) vs the decode step\n")
-    print("| tokens | verify ms | decode ms | ratio |\n|---:|---:|---:|---:|")
+    print(
+        "| tokens | verify ms | decode ms | ratio | verify limit ms (in) | limit / decode |\n"
+        "|---:|---:|---:|---:|---:|---:|"
+    )
     for tokens in verify:
         many = decode_inputs(runner, batch, args.context, tokens)
         t_many, t_one = float("inf"), decode_ms
         for _ in range(args.repeats):
             t_many = min(t_many, step_ms(runner, many, args.iters))
             t_one = min(t_one, step_ms(runner, one, args.iters))
-        print(f"| {tokens} | {t_many:.2f} | {t_one:.2f} | {t_many / t_one:.2f}x |")
+        floor = floors[tokens]
+        print(
+            f"| {tokens} | {t_many:.2f} | {t_one:.2f} | {t_many / t_one:.2f}x "
+            f"| {floor.limit_s * 1e3:.2f} ({'/'.join(floor.dtypes)}) "
+            f"| {floor.limit_s * 1e3 / t_one:.2f}x |"
+        )
 
 
 if __name__ == "__main__":
