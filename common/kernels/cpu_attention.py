@@ -7,7 +7,9 @@ first use into `$PDSERVE_CACHE/kernels/` and called through ctypes (which releas
 where no C compiler is found, `available()` is False and the torch path is used. An 8-bit cache
 (int8 / fp8 e4m3 with a float32 scale per (token, KV head), common.kernels.kv_quant) is read as
 such and dequantized in registers, and a float16 cache beside bfloat16 or float32 activations is
-converted in registers. Called by common.kernels.attention.
+converted in registers. A decode step of enough sequences goes by whole sequences, each
+sequence's kv heads in one walk over its cache rows (`whole_sequences`). Called by
+common.kernels.attention.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ _LIB = CLibrary(
         "paged_decode_kv": [_ptr, ctypes.c_long, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr,
                             _c_int, _c_int, _c_int, _c_int, _c_int, _c_int, ctypes.c_float,
                             _c_int, _c_int, _c_int],
+        "paged_decode_whole": [_c_int, _c_int, _c_int, _c_int, _c_int, _c_int],
     },  # fmt: skip
     "CPU decode attention",
 )
@@ -49,6 +52,22 @@ enabled = os.environ.get("PDSERVE_CPU_KERNELS", "1") != "0"  # tests flip it to 
 def available() -> bool:
     """True when the kernel is built (building it on the first call)."""
     return _LIB.available()
+
+
+def isa_level() -> str | None:
+    """The ISA level the kernel library was built at (None where it could not be built)."""
+    return _LIB.level if available() else None
+
+
+def whole_sequences(
+    batch: int, heads: int, kv_heads: int, head_dim: int, max_len: int, threads: int
+) -> bool:
+    """Whether a decode step of this shape goes through the kernel by whole sequences (each
+    sequence's kv heads in one walk over its cache rows) rather than by (sequence, kv head)
+    parts: the same bits either way (tests check both)."""
+    return bool(
+        _LIB.get().paged_decode_whole(batch, heads, kv_heads, head_dim, max_len, threads)
+    )
 
 
 def supports(

@@ -120,31 +120,80 @@ def test_token_split_for_few_sequences_matches_torch(dtype, seq_lens, heads):
     assert (got.float() - ref).abs().max() <= tol
 
 
+def make_caches(cache: str, dtype: torch.dtype, shape: tuple, g: torch.Generator):
+    """K and V caches of `shape` as the engine keeps them: in q's dtype ("native"), float16,
+    or 8-bit (int8 / fp8 e4m3) with float32 scales per (token, kv head); the scales or None."""
+    if cache not in ("int8", "fp8"):
+        kv_dtype = torch.float16 if cache == "float16" else dtype
+        k = torch.randn(shape, generator=g).to(kv_dtype)
+        return k, torch.randn(shape, generator=g).to(kv_dtype), None, None
+    k_scales = torch.rand(shape[:3], generator=g) / 64 + 1e-3
+    v_scales = torch.rand(shape[:3], generator=g) / 64 + 1e-3
+    if cache == "int8":
+        k_cache = torch.randint(-127, 128, shape, generator=g, dtype=torch.int8)
+        v_cache = torch.randint(-127, 128, shape, generator=g, dtype=torch.int8)
+    else:
+        k_cache = (torch.randn(shape, generator=g) * 50).to(torch.float8_e4m3fn)
+        v_cache = (torch.randn(shape, generator=g) * 50).to(torch.float8_e4m3fn)
+    return k_cache, v_cache, k_scales, v_scales
+
+
+@pytest.mark.parametrize("cache", ["native", "float16", "int8", "fp8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_rows_result_does_not_depend_on_the_rows_beside_it(dtype):
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim",
+    [(9, 3, 64), (8, 2, 64), (4, 4, 64), (16, 8, 64), (4, 2, 128), (12, 3, 128), (18, 9, 64)],
+)
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(
+    cache, dtype, heads, kv_heads, head_dim
+):
     """Bit for bit, whatever the batch: a verify step's rows must equal the decode steps they
-    stand for (int8 activations turn a last-bit difference into another code downstream)."""
-    kv_heads, heads, head_dim, block_size = 3, 9, 64, 16
+    stand for (int8 activations turn a last-bit difference into another code downstream). The
+    batch goes by whole sequences (every kv head in one walk) where the build has that path,
+    each row alone by (sequence, kv head) parts: the two must agree too."""
+    block_size = 16
     seq_lens = [1, 200, 511, 512, 513, 1100]
-    g = torch.Generator().manual_seed(5)
+    g = torch.Generator().manual_seed(5 + heads + head_dim)
     max_blocks = max(-(-n // block_size) for n in seq_lens)
     num_blocks = len(seq_lens) * max_blocks
-    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
-    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    k_cache, v_cache, k_scales, v_scales = make_caches(cache, dtype, shape, g)
     tables = torch.randperm(num_blocks, generator=g).view(len(seq_lens), max_blocks).int()
     q = torch.randn(len(seq_lens), heads, head_dim, generator=g).to(dtype)
     lens = torch.tensor(seq_lens, dtype=torch.int32)
+    args = (k_cache, v_cache)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        together = cpu_attention.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125)
+        # one sequence is never split by whole sequences (its kv heads share out the threads)
+        assert not cpu_attention.whole_sequences(1, heads, kv_heads, head_dim, 1100, 2)
+        together = cpu_attention.paged_decode_attention(
+            q, *args, tables, lens, 0.125, k_scales, v_scales
+        )
         for i in range(len(seq_lens)):
             alone = cpu_attention.paged_decode_attention(
-                q[i : i + 1], k_cache, v_cache, tables[i : i + 1], lens[i : i + 1], 0.125
-            )
+                q[i : i + 1], *args, tables[i : i + 1], lens[i : i + 1], 0.125, k_scales,
+                v_scales,
+            )  # fmt: skip
             assert torch.equal(alone[0], together[i]), seq_lens[i]
     finally:
         torch.set_num_threads(threads)
+
+
+def test_whole_sequences_where_the_build_and_shape_allow():
+    """The batch above goes by whole sequences on an AVX-512 build for up to 8 kv heads of 1-4
+    query heads each, head dim 64 or 128; never with one kv head, nor for one sequence."""
+    whole = cpu_attention.whole_sequences
+    if not cpu_attention.isa_level().startswith(("avx512", "amx")):
+        assert not whole(64, 9, 3, 64, 320, 2)
+        return
+    assert whole(6, 9, 3, 64, 1100, 2)  # 6 sequences x 3 parts of 512 tokens: 18 units
+    assert whole(64, 9, 3, 64, 320, 2) and whole(8, 8, 8, 128, 320, 2)
+    assert not whole(64, 18, 9, 64, 320, 2)  # more kv heads than the walk keeps maxima for
+    assert not whole(64, 4, 1, 64, 320, 2)  # one kv head: the parts already are sequences
+    assert not whole(64, 10, 2, 64, 320, 2)  # 5 query heads a kv head
+    assert not whole(64, 9, 3, 32, 320, 2)
+    assert not whole(7, 9, 3, 64, 320, 2) and whole(8, 9, 3, 64, 320, 2)  # 4 a thread
 
 
 @pytest.mark.parametrize("cache", ["native", "float16", "int8", "fp8"])
@@ -163,20 +212,7 @@ def test_rows_of_one_sequence_equal_each_row_alone(cache, dtype, heads, kv_heads
     max_blocks = -(-max(lens) // block_size) + 1
     num_blocks = 4 * max_blocks
     shape = (num_blocks, block_size, kv_heads, head_dim)
-    k_scales = v_scales = None
-    if cache in ("int8", "fp8"):
-        k_scales = torch.rand(shape[:3], generator=g) / 64 + 1e-3
-        v_scales = torch.rand(shape[:3], generator=g) / 64 + 1e-3
-        if cache == "int8":
-            k_cache = torch.randint(-127, 128, shape, generator=g, dtype=torch.int8)
-            v_cache = torch.randint(-127, 128, shape, generator=g, dtype=torch.int8)
-        else:
-            k_cache = (torch.randn(shape, generator=g) * 50).to(torch.float8_e4m3fn)
-            v_cache = (torch.randn(shape, generator=g) * 50).to(torch.float8_e4m3fn)
-    else:
-        kv_dtype = torch.float16 if cache == "float16" else dtype
-        k_cache = torch.randn(shape, generator=g).to(kv_dtype)
-        v_cache = torch.randn(shape, generator=g).to(kv_dtype)
+    k_cache, v_cache, k_scales, v_scales = make_caches(cache, dtype, shape, g)
     per_seq = torch.randperm(num_blocks, generator=g).view(4, max_blocks).int()
     tables = per_seq[torch.tensor(seq_of)].contiguous()
     q = torch.randn(len(lens), heads, head_dim, generator=g).to(dtype)
