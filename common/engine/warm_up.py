@@ -7,7 +7,8 @@ the model runner loads, for every batch size up to the step's budget (cpu_quant.
 these requests still take the first calls. On the CPU it then runs one decoder layer's
 projections at every row count a padded prompt step can take, up to `WARM_UP_MAX_ROWS`
 (CausalLM.build_padded_matmuls: oneDNN builds a matmul per row count, 20-30 ms each when a step
-first met it; about 2 s in all for a 2,048-token budget). Workers run it before they register
+first met it; about 2 s in all for a 2,048-token budget), and so a separate draft model's
+(`--draft-model`), whose prompt steps have the same row counts. Workers run it before they register
 and run-batch before it reads its input (--warm-up), through `Engine.warm_up`.
 """
 
@@ -67,6 +68,8 @@ def warm_up(engine: Engine) -> float:
         if engine.runner.device.type == "cpu":  # oneDNN's matmul for each padded row count
             rows = min(engine.config.max_num_batched_tokens, WARM_UP_MAX_ROWS)
             engine.runner.model.build_padded_matmuls(rows)
+            if engine.runner.draft_model is not None:  # a separate draft prefills prompts too
+                engine.runner.draft_model.build_padded_matmuls(rows)
     finally:
         engine.block_manager.enable_prefix_caching = caching
         (

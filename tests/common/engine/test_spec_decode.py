@@ -634,3 +634,18 @@ def test_greedy_verify_takes_the_raw_argmax_and_keeps_the_output(tiny_llama, mon
     forced = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logit_bias={42: 100})
     assert outputs(engine, ps[:1], forced) == [[42] * 12]
     assert calls["process"] > 0
+
+
+def test_warm_up_builds_a_draft_models_padded_matmuls(tiny_llama, monkeypatch):
+    """A separate draft model prefills the prompts too, so its oneDNN matmuls are built at the
+    same padded row counts as the target's before a request meets them."""
+    from common.model.llama import PAD_ROWS
+
+    engine = make_engine(tiny_llama, "draft-model", max_num_batched_tokens=600)
+    seen: list[int] = []
+    qkv = engine.runner.draft_model.layers[0].self_attn.qkv_proj
+    forward = qkv.forward
+    monkeypatch.setattr(qkv, "forward", lambda x: seen.append(x.shape[0]) or forward(x))
+    engine.warm_up()
+    want = list(range(288, 608 + 1, PAD_ROWS))
+    assert [n for n in seen if n > 256][-len(want) :] == want
