@@ -222,36 +222,64 @@ static inline __attribute__((always_inline)) void unit(
 /* Tiles (amx_configure_full: all 16 rows x 64 bytes). Scores: tmm0, tmm6 sums, tmm1-4 q (D/32 of
  * them), tmm5 K. Values: tmm0-3 sums (64 dims), tmm4 P, tmm5-7 V. */
 
-typedef uint16_t vu16 __attribute__((vector_size(32)));
+/* exp_approx's steps on 16 lanes in AVX-512 instructions (the AMX path's softmax, where the
+ * exp is most of the time): the clamps as min / max, the floor by rounding, the 2^n by scalef
+ * (p * 2^n is exact: p is in [1/2, 2) and 2^n >= 2^-126 for the clamped x). The same
+ * polynomial; the fused steps round once where exp16's may round twice, so its results may
+ * differ from exp16's in the last bit (a prompt's outputs: 7 in 100,000 bfloat16 values one
+ * unit apart at 1,000 tokens, none at 256). Measured with the bfloat16 rounding below, on an
+ * AVX-512 + AMX Xeon, 2 threads, one prompt's attention of one layer (9 heads, 3 kv heads, head
+ * dim 64), old and new alternated three times: 256 tokens 225-236 -> 164-191 us, 1,024 tokens
+ * 2.70-3.08 -> 2.08-2.45 ms, 2,048 10.2 -> 8.6 ms, 4,096 38.3-41.8 -> 27.5-34.3 ms. */
+static inline __m512 exp16_amx(__m512 x) {
+    x = _mm512_min_ps(_mm512_set1_ps(88.72283f), _mm512_max_ps(_mm512_set1_ps(-87.33654f), x));
+    const __m512 n = _mm512_roundscale_ps(
+        _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
 
 /* one query vector's softmax on the AMX path: s holds kend raw scores (a multiple of 16), the
- * first n its keys; P gets exp(scale s - max) of those as bfloat16 (rounded to nearest even, as
- * f32_to_bf16), 0 past them; returns 1 / the float32 sum of the unrounded weights. Lane-wise
- * maximum and sums, then the 16 lanes in order: the same operations for every row of n keys. */
+ * first n its keys; P gets exp(scale s - max) of those as bfloat16 (rounded to nearest even by
+ * vcvtneps2bf16: the weights are normal floats in [2^-126, 1], where it rounds as f32_to_bf16),
+ * 0 past them; returns 1 / the float32 sum of the unrounded weights. Lane-wise maximum and sums,
+ * then the 16 lanes in order: the same operations for every row of n keys. */
 static inline float softmax_row_amx(const float *s, int n, int kend, float scale, uint16_t *P) {
     /* lanes past n hold -inf in the maximum and add +0 to the sums: the 16-key blocks wholly
      * past them are left out (no bit changes), their weights written as zeros */
     const int nj = (n + 15) / 16 * 16 < kend ? (n + 15) / 16 * 16 : kend;
     memset(P + nj, 0, sizeof(uint16_t) * (kend - nj));
     kend = nj;
-    v16 m = splat(-INFINITY);
+    const __m512 sc = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
+    const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    __m512 m = ninf;
     for (int j = 0; j < kend; j += 16) {
-        const v16 x = sel(LANES + j < n, ld(s + j) * scale, splat(-INFINITY));
-        m = sel(x > m, x, m);
+        const __mmask16 in = _mm512_cmplt_epi32_mask(_mm512_add_epi32(lanes, _mm512_set1_epi32(j)),
+                                                     _mm512_set1_epi32(n));
+        m = _mm512_max_ps(m, _mm512_mask_mul_ps(ninf, in, _mm512_loadu_ps(s + j), sc));
     }
-    float mx = m[0];
-    for (int c = 1; c < 16; c++) mx = m[c] > mx ? m[c] : mx;
-    v16 sum = {};
+    const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(m));
+    __m512 sum = _mm512_setzero_ps();
     for (int j = 0; j < kend; j += 16) {
-        const v16 e = sel(LANES + j < n, exp16(ld(s + j) * scale - mx), splat(0.0f));
-        sum += e;
-        const vi16 u = (vi16)e;
-        const vi16 r = (u + 0x7fff + ((u >> 16) & 1)) >> 16; /* e >= 0: no sign, NaN stays NaN */
-        const vu16 h = __builtin_convertvector(r, vu16);
-        memcpy(P + j, &h, sizeof h);
+        const __mmask16 in = _mm512_cmplt_epi32_mask(_mm512_add_epi32(lanes, _mm512_set1_epi32(j)),
+                                                     _mm512_set1_epi32(n));
+        const __m512 e = _mm512_maskz_mov_ps(
+            in, exp16_amx(_mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(s + j), sc), mx)));
+        sum = _mm512_add_ps(sum, e);
+        _mm256_storeu_si256((__m256i *)(P + j), (__m256i)_mm512_cvtneps_pbh(e));
     }
-    float total = 0.0f;
-    for (int c = 0; c < 16; c++) total += sum[c];
+    float lane[16], total = 0.0f;
+    _mm512_storeu_ps(lane, sum);
+    for (int c = 0; c < 16; c++) total += lane[c];
     return 1.0f / total;
 }
 
