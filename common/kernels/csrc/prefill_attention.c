@@ -95,8 +95,43 @@ static inline v16 splat(float x) { return (v16){} + x; }
 /* lanes of a where mask (-1 / 0 lanes), else of b */
 static inline v16 sel(vi16 mask, v16 a, v16 b) { return (v16)(((vi16)a & mask) | ((vi16)b & ~mask)); }
 
-/* exp_approx (vecmath.h) on 16 lanes: the same steps, floor through a truncating conversion */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+/* exp_approx's steps on 16 lanes in AVX-512 instructions (the softmax, where the exp is most of
+ * the time): the clamps as min / max, the floor by rounding, the 2^n by scalef
+ * (p * 2^n is exact: p is in [1/2, 2) and 2^n >= 2^-126 for the clamped x). The same
+ * polynomial; the fused steps round once where exp16's may round twice, so its results may
+ * differ from exp16's in the last bit (a prompt's outputs: 7 in 100,000 bfloat16 values one
+ * unit apart at 1,000 tokens, none at 256). Measured on the AMX path with its bfloat16
+ * rounding (softmax_row_amx), on an AVX-512 + AMX Xeon, 2 threads, one prompt's attention of
+ * one layer (9 heads, 3 kv heads, head dim 64), old and new alternated three times: 256 tokens
+ * 225-236 -> 164-191 us, 1,024 tokens 2.70-3.08 -> 2.08-2.45 ms, 2,048 10.2 -> 8.6 ms, 4,096
+ * 38.3-41.8 -> 27.5-34.3 ms; on the vector path (float32) 3-5%. */
+static inline __m512 exp16_512(__m512 x) {
+    x = _mm512_min_ps(_mm512_set1_ps(88.72283f), _mm512_max_ps(_mm512_set1_ps(-87.33654f), x));
+    const __m512 n = _mm512_roundscale_ps(
+        _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+#endif
+
+/* exp_approx (vecmath.h) on 16 lanes: the same steps, floor through a truncating conversion
+ * (AVX-512 builds: exp16_512) */
 static inline v16 exp16(v16 x) {
+#if defined(__AVX512F__)
+    return (v16)exp16_512((__m512)x);
+#else
     x = sel(x < splat(-87.33654f), splat(-87.33654f), x);
     x = sel(x > splat(88.72283f), splat(88.72283f), x);
     const v16 y = x * 1.44269504088896341f + 0.5f;
@@ -112,6 +147,7 @@ static inline v16 exp16(v16 x) {
     p = p * r + 5.0000001201e-1f;
     p = p * (r * r) + r + 1.0f;
     return p * (v16)((__builtin_convertvector(n, vi16) + 127) << 23);
+#endif
 }
 
 static const vi16 LANES = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
@@ -222,32 +258,6 @@ static inline __attribute__((always_inline)) void unit(
 /* Tiles (amx_configure_full: all 16 rows x 64 bytes). Scores: tmm0, tmm6 sums, tmm1-4 q (D/32 of
  * them), tmm5 K. Values: tmm0-3 sums (64 dims), tmm4 P, tmm5-7 V. */
 
-/* exp_approx's steps on 16 lanes in AVX-512 instructions (the AMX path's softmax, where the
- * exp is most of the time): the clamps as min / max, the floor by rounding, the 2^n by scalef
- * (p * 2^n is exact: p is in [1/2, 2) and 2^n >= 2^-126 for the clamped x). The same
- * polynomial; the fused steps round once where exp16's may round twice, so its results may
- * differ from exp16's in the last bit (a prompt's outputs: 7 in 100,000 bfloat16 values one
- * unit apart at 1,000 tokens, none at 256). Measured with the bfloat16 rounding below, on an
- * AVX-512 + AMX Xeon, 2 threads, one prompt's attention of one layer (9 heads, 3 kv heads, head
- * dim 64), old and new alternated three times: 256 tokens 225-236 -> 164-191 us, 1,024 tokens
- * 2.70-3.08 -> 2.08-2.45 ms, 2,048 10.2 -> 8.6 ms, 4,096 38.3-41.8 -> 27.5-34.3 ms. */
-static inline __m512 exp16_amx(__m512 x) {
-    x = _mm512_min_ps(_mm512_set1_ps(88.72283f), _mm512_max_ps(_mm512_set1_ps(-87.33654f), x));
-    const __m512 n = _mm512_roundscale_ps(
-        _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
-        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
-
 /* one query vector's softmax on the AMX path: s holds kend raw scores (a multiple of 16), the
  * first n its keys; P gets exp(scale s - max) of those as bfloat16 (rounded to nearest even by
  * vcvtneps2bf16: the weights are normal floats in [2^-126, 1], where it rounds as f32_to_bf16),
@@ -273,7 +283,7 @@ static inline float softmax_row_amx(const float *s, int n, int kend, float scale
         const __mmask16 in = _mm512_cmplt_epi32_mask(_mm512_add_epi32(lanes, _mm512_set1_epi32(j)),
                                                      _mm512_set1_epi32(n));
         const __m512 e = _mm512_maskz_mov_ps(
-            in, exp16_amx(_mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(s + j), sc), mx)));
+            in, exp16_512(_mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(s + j), sc), mx)));
         sum = _mm512_add_ps(sum, e);
         _mm256_storeu_si256((__m256i *)(P + j), (__m256i)_mm512_cvtneps_pbh(e));
     }
