@@ -461,6 +461,23 @@ static inline __m512 dot_pairs(__m512 acc, const void *q, long qi, const void *k
 }
 #endif
 
+/* 64 values of a V row from element `row`, as floats (kvq 1: not yet scaled; kvq 3: in
+ * split32's order) */
+static inline __attribute__((always_inline)) void load_v64(const Job *j, long row, const int kvq,
+                                                           __m512 *v) {
+#ifdef PAIRED
+    if (kvq == 3) {
+        split32(j->v_cache, row, &v[0], &v[1]);
+        split32(j->v_cache, row + 32, &v[2], &v[3]);
+        return;
+    }
+#endif
+    for (int i = 0; i < 4; i++)
+        v[i] = kvq == 1 ? load16_q(j->v_cache, row + 16 * i, j->kv_dtype)
+               : kvq == 2 ? load16_h(j->v_cache, row + 16 * i)
+                          : load16(j->v_cache, row + 16 * i, j->dtype);
+}
+
 /* The V sums of nr (1 or 2) rows of one sequence (their scores nr x [G * most] from sc, tokens
  * up to t1s[r]; acc nr x [G * D]), D (64 or 128) in tiles of 64: each V row loaded once for the
  * rows, one accumulator per (row, head, 16 of D) summing over the tokens in order, so a row's
@@ -468,7 +485,7 @@ static inline __m512 dot_pairs(__m512 acc, const void *q, long qi, const void *k
 static inline __attribute__((always_inline)) void group_values(
     const Job *j, const long *restrict srow, const int nr, const float *restrict sc, int most,
     const int *t1s, int t0, float *restrict acc, const int G, const int D, const int kvq) {
-    const int dtype = j->dtype, n_last = t1s[nr - 1] - t0;
+    const int n_last = t1s[nr - 1] - t0;
     int n[2];
     for (int r = 0; r < nr; r++) n[r] = t1s[r] - t0;
     for (int d0 = 0; d0 < D; d0 += 64) {
@@ -480,16 +497,7 @@ static inline __attribute__((always_inline)) void group_values(
             const long row = srow[idx] * D + d0;
             const float vs = kvq == 1 ? j->v_scales[srow[idx]] : 1.f;
             __m512 v[4];
-#ifdef PAIRED
-            if (kvq == 3) {
-                split32(j->v_cache, row, &v[0], &v[1]);
-                split32(j->v_cache, row + 32, &v[2], &v[3]);
-            } else
-#endif
-                for (int i = 0; i < 4; i++)
-                    v[i] = kvq == 1 ? load16_q(j->v_cache, row + 16 * i, j->kv_dtype)
-                           : kvq == 2 ? load16_h(j->v_cache, row + 16 * i)
-                                      : load16(j->v_cache, row + 16 * i, dtype);
+            load_v64(j, row, kvq, v);
             for (int r = 0; r < nr; r++) {
                 if (idx >= n[r]) continue;
                 const float *sr = sc + (size_t)r * G * most;
@@ -748,16 +756,7 @@ static inline __attribute__((always_inline)) void attend_seq_avx512(
                     const long row = (srow[idx] + h) * D + d0;
                     const float vs = kvq == 1 ? j->v_scales[srow[idx] + h] : 1.f;
                     __m512 v[4];
-#ifdef PAIRED
-                    if (kvq == 3) {
-                        split32(j->v_cache, row, &v[0], &v[1]);
-                        split32(j->v_cache, row + 32, &v[2], &v[3]);
-                    } else
-#endif
-                        for (int i = 0; i < 4; i++)
-                            v[i] = kvq == 1 ? load16_q(j->v_cache, row + 16 * i, j->kv_dtype)
-                                   : kvq == 2 ? load16_h(j->v_cache, row + 16 * i)
-                                              : load16(j->v_cache, row + 16 * i, dtype);
+                    load_v64(j, row, kvq, v);
                     for (int g = 0; g < G; g++) {
                         const __m512 p = _mm512_set1_ps(kvq == 1 ? sh[g * n + idx] * vs
                                                             : sh[g * n + idx]);
@@ -787,6 +786,30 @@ static inline __attribute__((always_inline)) void attend_seq_avx512(
 #define GROUPED 1
 #endif
 
+/* X(kvq) for this job's cache, kvq as the parts take it: 3 a bfloat16 cache read by bfloat16 q
+ * (AVX-512 BF16 builds: PAIRED), 0 a cache of q's dtype, 2 a float16 one, 1 an 8-bit one */
+#ifdef PAIRED
+#define BY_CACHE(j, X)                                                                           \
+    if ((j)->kv_dtype == 1 && (j)->dtype == 1) {                                                 \
+        X(3)                                                                                     \
+    } else if ((j)->kv_dtype < 2) {                                                              \
+        X(0)                                                                                     \
+    } else if ((j)->kv_dtype == 4) {                                                             \
+        X(2)                                                                                     \
+    } else {                                                                                     \
+        X(1)                                                                                     \
+    }
+#else
+#define BY_CACHE(j, X)                                                                           \
+    if ((j)->kv_dtype < 2) {                                                                     \
+        X(0)                                                                                     \
+    } else if ((j)->kv_dtype == 4) {                                                             \
+        X(2)                                                                                     \
+    } else {                                                                                     \
+        X(1)                                                                                     \
+    }
+#endif
+
 static void attend_dispatch(const Job *j, int b, int h, int t0, int t1, float *scores,
                             float *qf, float *acc, float *m, float *l, float *row, long *srow) {
 #ifdef __AVX2__
@@ -809,18 +832,7 @@ static void attend_dispatch(const Job *j, int b, int h, int t0, int t1, float *s
     default: break;                                                                              \
     }
     if (j->D == 64 || j->D == 128) {
-#ifdef PAIRED
-        if (j->kv_dtype == 1 && j->dtype == 1) {
-            PARTS(3)
-        }
-#endif
-        if (j->kv_dtype < 2) {
-            PARTS(0)
-        } else if (j->kv_dtype == 4) {
-            PARTS(2)
-        } else {
-            PARTS(1)
-        }
+        BY_CACHE(j, PARTS)
     }
 #undef PARTS
 #undef PART
@@ -838,7 +850,7 @@ static void attend_dispatch(const Job *j, int b, int h, int t0, int t1, float *s
 static void group_dispatch(const Job *j, int b0, int R, int h, int t0, const int *t1s,
                            float *scores, float *qf, float *acc, float *m, float *l,
                            long *srow) {
-    const int G = j->H / j->Hkv, kvq = j->kv_dtype < 2 ? 0 : j->kv_dtype == 4 ? 2 : 1;
+    const int G = j->H / j->Hkv;
 #define GROUP(g, q) attend_group_avx512(j, b0, R, h, t0, t1s, g, q, scores, qf, acc, m, l, srow)
 #define GROUPS(q)                                                                                \
     switch (G) {                                                                                 \
@@ -847,18 +859,7 @@ static void group_dispatch(const Job *j, int b0, int R, int h, int t0, const int
     case 3: GROUP(3, q); return;                                                                 \
     default: GROUP(4, q); return;                                                                \
     }
-#ifdef PAIRED
-    if (kvq == 0 && j->kv_dtype == 1 && j->dtype == 1) {
-        GROUPS(3)
-    }
-#endif
-    if (kvq == 0) {
-        GROUPS(0)
-    } else if (kvq == 2) {
-        GROUPS(2)
-    } else {
-        GROUPS(1)
-    }
+    BY_CACHE(j, GROUPS)
 #undef GROUPS
 #undef GROUP
 }
@@ -867,7 +868,6 @@ static void group_dispatch(const Job *j, int b0, int R, int h, int t0, const int
 static void seq_dispatch(const Job *j, int b, int t0, int t1, float *scores, float *qf,
                          float *acc, float *raw, float *m, float *l, long *srow) {
     const int G = j->H / j->Hkv;
-    const int kvq = j->kv_dtype < 2 ? 0 : j->kv_dtype == 4 ? 2 : 1;
 #define SEQ(g, d, q) attend_seq_avx512(j, b, t0, t1, g, d, q, scores, qf, acc, raw, m, l, srow)
 #define SEQS(q)                                                                                  \
     switch (G * 1000 + j->D) {                                                                   \
@@ -880,18 +880,7 @@ static void seq_dispatch(const Job *j, int b, int t0, int t1, float *scores, flo
     case 3128: SEQ(3, 128, q); return;                                                           \
     default: SEQ(4, 128, q); return;                                                             \
     }
-#ifdef PAIRED
-    if (kvq == 0 && j->kv_dtype == 1 && j->dtype == 1) {
-        SEQS(3)
-    }
-#endif
-    if (kvq == 0) {
-        SEQS(0)
-    } else if (kvq == 2) {
-        SEQS(2)
-    } else {
-        SEQS(1)
-    }
+    BY_CACHE(j, SEQS)
 #undef SEQS
 #undef SEQ
 }
