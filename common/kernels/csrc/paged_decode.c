@@ -668,6 +668,7 @@ static inline __attribute__((always_inline)) void attend_group_avx512(
         group_values(j, srow, 1, scores + (size_t)r * G * most, most, t1s + r, t0,
                      acc + (size_t)r * G * D, G, D, kvq);
 }
+
 /* A whole sequence's part: every kv head of row b over tokens [t0, t1) (Hkv <= SEQ_MAX_HKV), in
  * one walk over its cache rows instead of one walk per kv head. Each token's K (and V) rows of
  * all its kv heads lie side by side (Hkv * D elements), so a walk reads them whole where a kv
@@ -680,9 +681,9 @@ static inline __attribute__((always_inline)) void attend_group_avx512(
  * part's. scores [Hkv][G * n], qf, acc and raw [Hkv][G * D], m and l [Hkv][G]. */
 #define SEQ_MAX_HKV 8
 #define SEQ_VCHUNK 16
-#ifndef SEQ_AHEAD
+/* tokens whose rows are asked for ahead of the score loop (64 x 320 tokens, 30 layers from
+ * memory: 4, 8, 16 and 32 all within noise) */
 #define SEQ_AHEAD 16
-#endif
 #define SEQ_MIN_UNITS 4 /* whole sequences per thread, at least */
 static inline __attribute__((always_inline)) void attend_seq_avx512(
     const Job *j, int b, int t0, int t1, const int G, const int D, const int kvq,
@@ -917,8 +918,9 @@ static void one_part(const Job *j, int b, int h, int s, int splits, float *parti
     if (splits == 1) write_out(j, b, h, pa, pl);
 }
 
-/* Unit `unit` of paged_decode_kv's loop: a part (row, kv head, token range), or with groups
- * (first: group i's first row, first[groups] = B) a group's rows over one kv head's range. */
+/* Unit `unit` of paged_decode_kv's loop: a part (row, kv head, token range), with groups
+ * (first: group i's first row, first[groups] = B) a group's rows over one kv head's range, or
+ * (whole) a row's every kv head over one token range. */
 static void one_unit(const Job *j, int unit, int splits, const int *first, int whole,
                      float *partial, size_t stride, float *scores, float *qf, float *acc,
                      float *ml, float *row, long *srow) {
@@ -932,7 +934,8 @@ static void one_unit(const Job *j, int unit, int splits, const int *first, int w
                 one_part(j, b, hk, s, splits, partial, stride, scores, qf, acc, ml, row, srow);
             return;
         }
-        /* scratch: scores [H * n], qf, acc, raw [H * D], m and l [H] */
+        /* scratch: scores [H * n], qf, acc, raw [H * D], m and l [H] (over `row`, which only
+         * the portable part uses) */
         float *sacc = qf + (size_t)j->H * D, *raw = sacc + (size_t)j->H * D;
         float *m = raw + (size_t)j->H * D, *l = m + j->H;
         seq_dispatch(j, b, t0, t1, scores, qf, sacc, raw, m, l, srow);

@@ -20,10 +20,11 @@
  * Each query's result is computed by the same operations in the same order whatever the unit, the
  * thread count or q_len: a prompt split into chunks gets the bits of the whole prompt's pass.
  * Float32 throughout, FMA where the ISA level has it (a GCC vector type of 16 floats: AVX-512,
- * two AVX2 vectors, or four SSE ones); exp is vecmath.h's exp_approx (about 1 ulp). In an amx
- * build on a CPU that grants the tile state, bfloat16 inputs take the AMX path instead (both
- * products on the tile unit, the weights rounded to bfloat16 before the V product: see
- * unit_amx), with the same chunking guarantee; `prefill_uses_amx` says which.
+ * two AVX2 vectors, or four SSE ones); exp is vecmath.h's exp_approx (about 1 ulp; its steps
+ * fused in AVX-512 instructions in AVX-512 builds, exp16_512). In an amx build on a CPU that
+ * grants the tile state, bfloat16 inputs take the AMX path instead (both products on the tile
+ * unit, the weights rounded to bfloat16 before the V product: see unit_amx), with the same
+ * chunking guarantee; `prefill_uses_amx` says which.
  */
 #include <math.h>
 #include <stdint.h>
