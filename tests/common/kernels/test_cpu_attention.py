@@ -165,8 +165,12 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        # one sequence is never split by whole sequences (its kv heads share out the threads)
+        # one sequence is never split by whole sequences (its kv heads share out the threads);
+        # the batch is, where the build has that path and the layout allows it
         assert not cpu_attention.whole_sequences(1, heads, kv_heads, head_dim, 1100, 2)
+        whole = cpu_attention.whole_sequences(len(seq_lens), heads, kv_heads, head_dim, 1100, 2)
+        avx512 = cpu_attention.isa_level().startswith(("avx512", "amx"))
+        assert whole == (avx512 and 1 < kv_heads <= 8)
         together = cpu_attention.paged_decode_attention(
             q, *args, tables, lens, 0.125, k_scales, v_scales
         )
