@@ -57,6 +57,24 @@ def test_a_row_gives_the_same_bits_alone_and_in_a_batch() -> None:
 
 
 @needs_amx
+def test_the_bits_do_not_depend_on_the_threads() -> None:
+    """Panel pairs are shared out among the threads: whichever thread takes a pair, its outputs
+    are the same bits as on one thread."""
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(70, 576, generator=g).to(torch.bfloat16)
+    packed = cpu_dense.pack(torch.randn(1728, 576, generator=g))  # 108 panels: 54 pairs
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = cpu_dense.matmul(x, packed)
+        torch.set_num_threads(2)
+        for _ in range(5):
+            assert torch.equal(cpu_dense.matmul(x, packed), alone)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_amx
 def test_wrong_inputs_are_refused() -> None:
     packed = cpu_dense.pack(torch.zeros(32, 64))
     with pytest.raises(ValueError, match="bfloat16"):
