@@ -238,7 +238,8 @@ _HELP = {
     "speculative_disable_by_batch_size": "no drafting while more than N sequences run (verifying "
     "costs compute a busy CPU does not have); 0 = never; default: 2 on CPU, 0 on GPU",
     "speculative_adaptive": "pause drafting while it measures slower per token than plain "
-    "decoding (output is the same either way)",
+    "decoding, and verify as many of the K drafts as measured acceptance and step costs say pay "
+    "(output is the same either way)",
     "enforce_eager": "never capture CUDA graphs (the CPU path is always eager)",
     "warm_up": "run a few throwaway requests at start, before the worker registers, so that the "
     "first real request does not pay one-time costs (weight repacking, first kernel calls: ~0.4 "

@@ -259,6 +259,8 @@ class Engine(KVHandoff):
         num_running = len(self.scheduler.running)
         if governor is not None:
             self.scheduler.drafting = governor.allow(num_running)
+            k = self.config.num_speculative_tokens
+            self.scheduler.draft_limit = governor.draft_limit(num_running, k)
         start = time.perf_counter()
         self.scheduler.prefill_budget = self.prefill_budget.tokens()
         batch = self.scheduler.schedule()
@@ -275,9 +277,12 @@ class Engine(KVHandoff):
             self.tier.costs.record_step(num_prefill, sum(i.num_new_tokens for i in batch), start)
         self.prefill_budget.costs.record(prompt_tokens, decode_rows, time.perf_counter() - start)
         if governor is not None and all(item.num_new_tokens == 1 for item in batch):
-            drafted = any(item.draft_token_ids for item in batch)
+            drafts = sum(len(item.draft_token_ids) for item in batch)
             num_tokens = sum(len(out.new_token_ids) for out in outputs)
-            governor.record(num_running, drafted, time.perf_counter() - start, num_tokens)
+            governor.record(
+                num_running, drafts > 0, time.perf_counter() - start, num_tokens,
+                drafts / len(batch),
+            )  # fmt: skip
             self._watch_shadows(num_running, outputs)
         if self.check_books_when_idle and not self.has_unfinished():
             books = self.block_books()
@@ -335,6 +340,8 @@ class Engine(KVHandoff):
                     outputs.append(self._append_tokens(seq, samples))
                 continue
             num_accepted = len(samples) - 1
+            if self.governor is not None:
+                self.governor.verified(num_drafts, num_accepted)
             self.num_drafts += 1
             self.num_draft_tokens += num_drafts
             self.num_accepted_tokens += num_accepted

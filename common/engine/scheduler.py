@@ -63,6 +63,7 @@ class Scheduler:
         self.num_lookahead_tokens = num_lookahead_tokens
         self.speculative_max_batch = speculative_max_batch  # no drafts above this many; 0: any
         self.drafting = True  # the engine's governor may switch drafting off for a step
+        self.draft_limit: int | None = None  # ... or draft fewer than num_lookahead_tokens
         self.max_model_len = max_model_len
         self.waiting: deque[SequenceState] = deque()
         self.running: list[SequenceState] = []
@@ -116,7 +117,8 @@ class Scheduler:
         room = seq.params.max_tokens - seq.num_output_tokens - 1
         if self.max_model_len is not None:
             room = min(room, self.max_model_len - seq.num_tokens - 1)
-        return max(0, min(self.num_lookahead_tokens, budget - 1, room))
+        most = self.num_lookahead_tokens if self.draft_limit is None else self.draft_limit
+        return max(0, min(self.num_lookahead_tokens, most, budget - 1, room))
 
     def _blocks_needed_behind(self, running: list[SequenceState]) -> list[int]:
         """For each running sequence, the blocks the ones after it need for this step's tokens

@@ -5,7 +5,9 @@ than plain ones (`--speculative-adaptive`), and tries again later. The engine as
 step (`allow`) and tells it how each decode step went (`record`). `ShadowDrafts` watches what a
 free proposer (n-gram lookup) would have drafted while drafting is paused and how much of it the
 model then produced: the governor resumes as soon as that says drafting would pay (`shadow`),
-instead of waiting out its pause while the copying it was made for goes by.
+instead of waiting out its pause while the copying it was made for goes by. While drafting is on,
+it also chooses how many drafts a step verifies (`draft_limit`), from the acceptance measured at
+each draft position and what each verified row measured to add to a step.
 """
 
 from __future__ import annotations
@@ -22,6 +24,11 @@ def mean_accepted_length(stats: dict[str, float]) -> float:
     return 1.0 + stats["spec_decode_num_accepted_tokens_total"] / drafts
 
 
+FULL_EVERY = 16  # every this many drafting steps one drafts at full length (draft_limit)
+MIN_OFFERED = 8.0  # a position's acceptance counts once this many drafts were verified there
+ACCEPT_DECAY = 0.99  # per verified draft at a position: the counts follow the workload
+
+
 @dataclass
 class _Pace:
     """Seconds per output token at one running-batch size: drafting steps vs plain steps."""
@@ -32,6 +39,8 @@ class _Pace:
     paused: int = 0  # steps left with drafting off
     failures: int = 0  # drafting lost to plain decoding this many times in a row
     step: float | None = None  # seconds of a drafting step (kept across pauses)
+    row_cost: float | None = None  # a drafting step's added time per draft a sequence, / plain
+    chosen: int = 0  # drafting steps since the last one at full length
     shadow: float | None = None  # tokens a sequence's verify step would have gained (paused)
     shadows: int = 0  # shadow drafts judged since this pause began
 
@@ -66,6 +75,10 @@ class SpeculationGovernor:
         self.margin = margin  # drafting must be this much slower to pause: noise is not a loss
         self.min_shadows = min_shadows
         self._pace: dict[int, _Pace] = {}
+        # per draft position i (0-based): decayed counts of drafts verified there with all before
+        # it accepted, and of those accepted (the workload's, whatever the batch size)
+        self._offered: list[float] = []
+        self._accepted: list[float] = []
         self.num_pauses = 0
         self.num_resumes = 0  # pauses ended early by shadow drafts
 
@@ -77,8 +90,52 @@ class SpeculationGovernor:
             return False
         return True
 
-    def record(self, batch_size: int, drafted: bool, seconds: float, num_tokens: int) -> None:
-        """A decode step of `batch_size` sequences took `seconds` for `num_tokens` new tokens."""
+    def draft_limit(self, batch_size: int, k: int) -> int:
+        """How many drafts a sequence may verify this step, at most k: the count d that
+        maximizes the tokens a verifying sequence is expected to gain, 1 + sum over i <= d of
+        the chance its first i drafts are all accepted (per position, as measured), per unit of
+        step time, 1 + d * (a draft's measured added cost relative to a plain step). k until
+        both are measured, and every `FULL_EVERY`-th drafting step (the deeper positions'
+        acceptance keeps being measured)."""
+        pace = self._pace.get(batch_size)
+        if pace is None or pace.row_cost is None or len(self._offered) < k:
+            return k
+        pace.chosen += 1
+        if pace.chosen >= FULL_EVERY:
+            pace.chosen = 0
+            return k
+        best, best_rate, gain, reach = k, 0.0, 1.0, 1.0
+        for d in range(1, k + 1):
+            offered = self._offered[d - 1]
+            if offered < MIN_OFFERED:
+                break  # not measured enough this deep: stop at what is known
+            reach *= self._accepted[d - 1] / offered
+            gain += reach
+            rate = gain / (1.0 + d * pace.row_cost)
+            if rate > best_rate:
+                best, best_rate = d, rate
+        return best
+
+    def verified(self, num_drafts: int, num_accepted: int) -> None:
+        """A sequence verified `num_drafts` drafts and kept the first `num_accepted`."""
+        if num_drafts <= 0:
+            return
+        while len(self._offered) < num_drafts:
+            self._offered.append(0.0)
+            self._accepted.append(0.0)
+        for i in range(min(num_drafts, num_accepted + 1)):
+            self._offered[i] = self._offered[i] * ACCEPT_DECAY + 1.0
+            if i < num_accepted:
+                self._accepted[i] = self._accepted[i] * ACCEPT_DECAY + 1.0
+            else:
+                self._accepted[i] *= ACCEPT_DECAY
+
+    def record(
+        self, batch_size: int, drafted: bool, seconds: float, num_tokens: int,
+        drafts: float = 0.0,
+    ) -> None:  # fmt: skip
+        """A decode step of `batch_size` sequences took `seconds` for `num_tokens` new tokens
+        (a drafting step: `drafts` drafts verified per sequence, on average)."""
         if num_tokens <= 0:
             return
         pace = self._pace.setdefault(batch_size, _Pace())
@@ -86,6 +143,9 @@ class SpeculationGovernor:
         if not drafted:
             pace.plain = self._average(pace.plain, per_token)
             return
+        if pace.plain is not None and drafts > 0:
+            extra = (seconds / (pace.plain * batch_size) - 1.0) / drafts
+            pace.row_cost = self._average(pace.row_cost, max(extra, 0.0))
         pace.drafting = self._average(pace.drafting, per_token)
         pace.step = self._average(pace.step, seconds)
         pace.drafting_steps += 1

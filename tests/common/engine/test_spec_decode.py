@@ -17,6 +17,7 @@ from common.cli import build_parser
 from common.config import EngineConfig, config_from_args
 from common.engine.engine import Engine
 from common.engine.scheduler import ScheduledSeq
+from common.engine.spec import governor as governor_mod
 from common.engine.spec.governor import ShadowDrafts, SpeculationGovernor, mean_accepted_length
 from common.engine.spec.proposers import ngram_propose
 from common.engine.spec.verify import greedy_accept, rejection_sample
@@ -538,6 +539,58 @@ def test_adaptive_ngram_drafting_comes_back_when_the_model_starts_copying(tiny_l
     assert gov.num_resumes >= 1 and engine.num_accepted_tokens > 0
     assert engine.num_steps < 48  # plain decoding takes 49 (the prompt, then 48 tokens)
     assert_block_pool_full(engine)
+
+
+def test_governor_drafts_as_many_tokens_as_pay_by_measurement() -> None:
+    """draft_limit: k until a draft's added cost and each position's acceptance are measured,
+    then the count with the most expected tokens per unit of step time, and k again every
+    FULL_EVERY-th call (deeper positions keep being measured)."""
+    k = 4
+    gov = SpeculationGovernor(alpha=1.0)
+    assert gov.draft_limit(1, k) == k  # nothing measured
+    gov.record(1, False, 0.010, 1)  # plain step: 10 ms
+    gov.record(1, True, 0.030, 3, drafts=4.0)  # 4 drafts cost 20 ms more: 0.5 a draft
+    assert gov.draft_limit(1, k) == k  # acceptance not measured yet
+    # the first draft always comes true, the second half the time, the third never
+    for i in range(40):
+        gov.verified(4, 2 if i % 2 else 1)
+    assert 0.99 < gov._accepted[0] / gov._offered[0] and gov._accepted[2] == 0.0
+    # gains per step time: d=1: 2 / 1.5 = 1.33; d=2: 2.5 / 2 = 1.25; d=3: 2.5 / 2.5 = 1.0
+    choices = [gov.draft_limit(1, k) for _ in range(governor_mod.FULL_EVERY)]
+    assert choices == [1] * (governor_mod.FULL_EVERY - 1) + [k]
+    # cheaper drafts (0.1 a plain step each): two pay, a third (never accepted) does not
+    gov.record(1, True, 0.014, 3, drafts=4.0)
+    assert gov.draft_limit(1, k) == 2
+    assert gov.draft_limit(2, k) == k  # batch size 2: its draft cost is not measured
+    gov.verified(0, 0)  # nothing verified: nothing counted
+    assert len(gov._offered) == 4
+
+
+def test_the_engine_drafts_no_more_than_the_governor_allows(tiny_llama) -> None:
+    """With the governor's limit at 1 every drafting step reserves room for, and verifies, at
+    most one draft a sequence instead of k = 4 (logit_bias makes greedy repeat one token, which
+    n-gram lookup drafts); the output is plain decoding's."""
+    prompt = repetitive(5)
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logit_bias={42: 100})
+    (plain,) = make_engine(tiny_llama).generate([prompt], params)
+    engine = make_engine(
+        tiny_llama, "ngram", speculative_adaptive=True, num_speculative_tokens=4
+    )
+    engine.governor.min_steps = 1000  # never paused here: the limit alone is under test
+    engine.governor.draft_limit = lambda batch_size, k: 1
+    seen: list[int] = []
+    propose = engine.proposer.propose
+
+    def spy(items: list[ScheduledSeq]) -> None:
+        assert all(item.num_lookahead_tokens == 1 for item in items)
+        propose(items)
+        seen.extend(len(item.draft_token_ids) for item in items)
+
+    engine.proposer.propose = spy
+    (seq,) = engine.generate([prompt], params)
+    assert seq.output_token_ids == plain.output_token_ids == [42] * 32
+    assert seen and max(seen) == 1 and engine.num_accepted_tokens > 0
+    assert engine.pool.num_free == engine.pool.num_blocks
 
 
 def test_adaptive_engine_stops_a_slow_proposer_and_keeps_the_output(tiny_llama) -> None:
