@@ -260,7 +260,10 @@ class Engine(KVHandoff):
         if governor is not None:
             self.scheduler.drafting = governor.allow(num_running)
             k = self.config.num_speculative_tokens
-            self.scheduler.draft_limit = governor.draft_limit(num_running, k)
+            # a GPU's verify steps of k + 1 tokens replay a CUDA graph, shorter ones run eager:
+            # there the step cost is not the governor's line in the draft count, so all k stay
+            if k + 1 not in self.runner.graphs:
+                self.scheduler.draft_limit = governor.draft_limit(num_running, k)
         start = time.perf_counter()
         self.scheduler.prefill_budget = self.prefill_budget.tokens()
         batch = self.scheduler.schedule()
