@@ -98,17 +98,17 @@ class SpeculationGovernor:
         both are measured, and every `FULL_EVERY`-th drafting step (the deeper positions'
         acceptance keeps being measured)."""
         pace = self._pace.get(batch_size)
-        if pace is None or pace.row_cost is None:
+        if pace is None or pace.row_cost is None or len(self._offered) < k:
             return k
         pace.chosen += 1
         if pace.chosen >= FULL_EVERY:
             pace.chosen = 0
             return k
         best, best_rate, gain, reach = k, 0.0, 1.0, 1.0
-        for d in range(1, min(k, len(self._offered)) + 1):
+        for d in range(1, k + 1):
             offered = self._offered[d - 1]
             if offered < MIN_OFFERED:
-                break  # not measured enough this deep: stop at what is known (k where none is)
+                break  # not measured enough this deep: stop at what is known
             reach *= self._accepted[d - 1] / offered
             gain += reach
             rate = gain / (1.0 + d * pace.row_cost)
