@@ -258,12 +258,8 @@ class Engine(KVHandoff):
         governor = self.governor
         num_running = len(self.scheduler.running)
         if governor is not None:
-            self.scheduler.drafting = governor.allow(num_running)
             k = self.config.num_speculative_tokens
-            # a GPU's verify steps of k + 1 tokens replay a CUDA graph, shorter ones run eager:
-            # there the step cost is not the governor's line in the draft count, so all k stay
-            if k + 1 not in self.runner.graphs:
-                self.scheduler.draft_limit = governor.draft_limit(num_running, k)
+            governor.steer(self.scheduler, num_running, k, k + 1 in self.runner.graphs)
         start = time.perf_counter()
         self.scheduler.prefill_budget = self.prefill_budget.tokens()
         batch = self.scheduler.schedule()
@@ -280,13 +276,9 @@ class Engine(KVHandoff):
             self.tier.costs.record_step(num_prefill, sum(i.num_new_tokens for i in batch), start)
         self.prefill_budget.costs.record(prompt_tokens, decode_rows, time.perf_counter() - start)
         if governor is not None and all(item.num_new_tokens == 1 for item in batch):
-            drafts = sum(len(item.draft_token_ids) for item in batch)
-            num_tokens = sum(len(out.new_token_ids) for out in outputs)
-            governor.record(
-                num_running, drafts > 0, time.perf_counter() - start, num_tokens,
-                drafts / len(batch),
-            )  # fmt: skip
-            self._watch_shadows(num_running, outputs)
+            governor.record_step(num_running, batch, outputs, time.perf_counter() - start)
+            if self.shadow is not None:
+                self.shadow.watch(governor, num_running, outputs, self.seqs)
         if self.check_books_when_idle and not self.has_unfinished():
             books = self.block_books()
             if books.errors:
@@ -298,21 +290,6 @@ class Engine(KVHandoff):
         if not isinstance(self.proposer, NgramProposer):
             return []
         return self.proposer.draft(token_ids, self.config.num_speculative_tokens)
-
-    def _watch_shadows(self, num_running: int, outputs: list[RequestOutput]) -> None:
-        """While the governor pauses drafting at this batch size, tell it what n-gram drafts
-        would have gained (ShadowDrafts); otherwise forget the shadow drafts."""
-        if self.shadow is None or self.governor is None:
-            return
-        if not self.governor.paused(num_running):
-            self.shadow.clear()
-            return
-        for out in outputs:
-            seq = self.seqs.get(out.request_id)
-            tokens = seq.token_ids if seq is not None else []
-            finished = out.finished or seq is None
-            for gain in self.shadow.observe(out.request_id, out.new_token_ids, tokens, finished):
-                self.governor.shadow(num_running, gain)
 
     def _step(self, batch: list[ScheduledSeq]) -> list[RequestOutput]:
         """Draft, run the model over the batch's rows, sample or verify, keep what was kept."""

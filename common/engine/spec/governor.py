@@ -1,19 +1,23 @@
 """The speculation governor: drafting stays on only where it pays, and `mean_accepted_length`.
 
 `SpeculationGovernor` turns drafting off at a batch size while verified steps cost more per token
-than plain ones (`--speculative-adaptive`), and tries again later. The engine asks it before each
-step (`allow`) and tells it how each decode step went (`record`). `ShadowDrafts` watches what a
-free proposer (n-gram lookup) would have drafted while drafting is paused and how much of it the
-model then produced: the governor resumes as soon as that says drafting would pay (`shadow`),
-instead of waiting out its pause while the copying it was made for goes by. While drafting is on,
-it also chooses how many drafts a step verifies (`draft_limit`), from the acceptance measured at
-each draft position and what each verified row measured to add to a step.
+than plain ones (`--speculative-adaptive`), and tries again later; while drafting is on, it also
+chooses how many drafts a step verifies (`draft_limit`), from the acceptance measured at each
+draft position and what a draft measured to add to a step. The engine calls `steer` before each
+step and `record_step` after each decode step. `ShadowDrafts` watches what a free proposer
+(n-gram lookup) would have drafted while drafting is paused and how much of it the model then
+produced (`watch`): the governor resumes as soon as that says drafting would pay (`shadow`),
+instead of waiting out its pause while the copying it was made for goes by.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from common.engine.scheduler import ScheduledSeq, Scheduler
 
 
 def mean_accepted_length(stats: dict[str, float]) -> float:
@@ -89,6 +93,22 @@ class SpeculationGovernor:
             pace.paused -= 1
             return False
         return True
+
+    def steer(self, scheduler: Scheduler, batch_size: int, k: int, graphed: bool) -> None:
+        """Before a step: whether it may draft (`allow`) and how many drafts (`draft_limit`),
+        unless `graphed` (CUDA graphs replay the k + 1-token verify steps, shorter ones run
+        eager: their cost is not the line draft_limit assumes, so all k stay)."""
+        scheduler.drafting = self.allow(batch_size)
+        if not graphed:
+            scheduler.draft_limit = self.draft_limit(batch_size, k)
+
+    def record_step(
+        self, batch_size: int, batch: list[ScheduledSeq], outputs: list, seconds: float
+    ) -> None:
+        """After a step of one new token (and its drafts) per sequence: `record` it."""
+        drafts = sum(len(item.draft_token_ids) for item in batch)
+        num_tokens = sum(len(out.new_token_ids) for out in outputs)
+        self.record(batch_size, drafts > 0, seconds, num_tokens, drafts / len(batch))
 
     def draft_limit(self, batch_size: int, k: int) -> int:
         """How many drafts a sequence may verify this step, at most k: the count d that
@@ -216,6 +236,22 @@ class ShadowDrafts:
             if fresh:
                 self.pending[request_id] = (fresh, 0)
         return gains
+
+    def watch(
+        self, governor: SpeculationGovernor, batch_size: int, outputs: list, seqs: dict
+    ) -> None:
+        """After a plain step: while `governor` pauses drafting at this batch size, tell it
+        what drafts would have gained (`observe`, with each output's sequence from `seqs`);
+        otherwise forget the pending drafts."""
+        if not governor.paused(batch_size):
+            self.clear()
+            return
+        for out in outputs:
+            seq = seqs.get(out.request_id)
+            tokens = seq.token_ids if seq is not None else []
+            finished = out.finished or seq is None
+            for gain in self.observe(out.request_id, out.new_token_ids, tokens, finished):
+                governor.shadow(batch_size, gain)
 
     def clear(self) -> None:
         self.pending.clear()

@@ -590,6 +590,10 @@ def test_the_engine_drafts_no_more_than_the_governor_allows(tiny_llama) -> None:
     (seq,) = engine.generate([prompt], params)
     assert seq.output_token_ids == plain.output_token_ids == [42] * 32
     assert seen and max(seen) == 1 and engine.num_accepted_tokens > 0
+    # what the choice is made from was measured in the engine: a draft's added cost (plain
+    # and drafting steps both ran) and the first position's acceptance
+    assert engine.governor._pace[1].row_cost is not None
+    assert engine.governor._accepted[0] > 0 and len(engine.governor._offered) == 1
     assert engine.pool.num_free == engine.pool.num_blocks
 
 
