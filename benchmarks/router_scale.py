@@ -145,12 +145,19 @@ def added_latencies(
     return latencies
 
 
-def trace_figures(paths: list[str], since_s: float) -> dict:
+def trace_figures(
+    paths: list[str], since_s: float, streams: list, sent: dict[str, list[float]]
+) -> dict:
     """The routers' own read-to-write time per token over the paced phase (`--router-trace`), of
     the tokens read from `since_s` on (the same tokens as `paced_latency_*`, give or take the ones
-    in flight then): wall seconds, and the loop thread's CPU seconds (its own work only)."""
+    in flight then): wall seconds, and the loop thread's CPU seconds (its own work only). Then
+    the paced added latency split in three, per token sent from `since_s` on (`paced_latency_*`'s
+    tokens) whose stream the trace holds whole: the worker's send to the router's read of its
+    message (ZeroMQ, the router's loop not yet at it), the router's read to its write, and the
+    write to the client's read (the kernel, the client process getting its core)."""
     wall: list[float] = []
     cpu: list[float] = []
+    traced: dict[str, list] = {}  # response id -> per token [read, write]
     unmeasured = 0
     pauses: dict[int, list[float]] = {0: [], 1: [], 2: []}  # garbage collections, by generation
     slow: dict[str, list[float]] = {}  # event-loop callbacks over the trace's SLOW_CALLBACK_S
@@ -162,6 +169,7 @@ def trace_figures(paths: list[str], since_s: float) -> dict:
                 wall.append(wall_s)
                 cpu.append(cpu_s)
         unmeasured += trace["unmeasured"]
+        traced.update(trace.get("streams", {}))
         for start_s, generation, seconds, _ in trace.get("gc", []):
             if start_s >= since_s:
                 pauses[generation].append(seconds)
@@ -185,6 +193,20 @@ def trace_figures(paths: list[str], since_s: float) -> dict:
         for q in (50, 90, 99):
             figures[f"paced_router_read_to_write{name}_p{q}_ms"] = 1e3 * pct(values, q / 100)
         figures[f"paced_router_read_to_write{name}_max_ms"] = 1e3 * max(values, default=math.nan)
+    parts: dict[str, list[float]] = {"send_to_read": [], "read_to_write": [], "write_to_client": []}
+    for rid, _, times in streams:
+        send, rw = sent.get(f"{rid}-0", []), traced.get(rid, [])
+        if not len(send) == len(rw) == len(times):
+            continue  # tokens the trace did not see (a stream's task wrote them)
+        for s_, (r_, w_), c_ in zip(send, rw, times):
+            if s_ >= since_s:
+                parts["send_to_read"].append(r_ - s_)
+                parts["read_to_write"].append(w_ - r_)
+                parts["write_to_client"].append(c_ - w_)
+    figures["paced_split_tokens"] = len(parts["send_to_read"])
+    for part, values in parts.items():
+        for q in (50, 99):
+            figures[f"paced_split_{part}_p{q}_ms"] = 1e3 * pct(values, q / 100)
     return figures
 
 
@@ -441,8 +463,8 @@ def main() -> None:
     if paced is not None:
         figures.update(paced_figures(paced, sent, args))
         if args.router_trace:
-            started = [t[0] for _, _, t in paced["results"] if t]
-            figures.update(trace_figures(traces, max(started, default=float("inf"))))
+            started = max((t[0] for _, _, t in paced["results"] if t), default=float("inf"))
+            figures.update(trace_figures(traces, started, paced["results"], sent))
     figures["index_mib_per_million_blocks"] = index_bytes_per_million(args.index_blocks) / 2**20
     figures.update(decision_figures(args.workers))
     width = max(len(k) for k in figures)

@@ -18,7 +18,9 @@ stream's task instead) to the path given, with `gc`: each of the interpreter's g
 collections in the loop's process meanwhile, [start (monotonic seconds), generation, wall
 seconds, objects collected] (gc.callbacks): a collection stops the loop for its length, so the
 tokens read then wait for it; and `slow`: the loop's callbacks that took over SLOW_CALLBACK_S of
-its thread's CPU, [start, CPU seconds, what ran].
+its thread's CPU, [start, CPU seconds, what ran]; and `streams`: per response id, per token in
+order, [read time, write time] (monotonic seconds), so that the benchmark can join them with the
+workers' send times and the clients' reads and split a token's whole added latency in three.
 
 The wrappers cost two clock reads per message, per flush and per loop callback (about a
 microsecond a token).
@@ -47,7 +49,7 @@ def run(out_path: str, argv: list[str]) -> int:
     clock, cpu_clock = time.monotonic, time.thread_time
     state: dict[str, Any] = {
         "on": False, "read": (0.0, 0.0), "samples": [], "unmeasured": 0, "gc": [], "gc_start": 0.0,
-        "slow": [],
+        "slow": [], "streams": {},
     }  # fmt: skip
     receive, on_put, flush = ControlPlane._receive, SSEResponse._on_put, SSEResponse._flush
 
@@ -69,8 +71,10 @@ def run(out_path: str, argv: list[str]) -> int:
         flush(self)
         if waiting and not self._out and state["on"]:
             read_s, read_cpu_s = self._trace_read  # type: ignore[attr-defined]
-            sample = (read_s, clock() - read_s, cpu_clock() - read_cpu_s)
+            write_s = clock()
+            sample = (read_s, write_s - read_s, cpu_clock() - read_cpu_s)
             state["samples"].extend([sample] * waiting)
+            state["streams"].setdefault(self.response_id, []).extend([[read_s, write_s]] * waiting)
 
     def on_gc(phase: str, info: dict) -> None:
         if phase == "start":
@@ -92,6 +96,7 @@ def run(out_path: str, argv: list[str]) -> int:
 
     def start(*_: Any) -> None:
         state["samples"], state["unmeasured"], state["gc"], state["slow"] = [], 0, [], []
+        state["streams"] = {}
         state["on"] = True
 
     def stop(*_: Any) -> None:
@@ -103,6 +108,7 @@ def run(out_path: str, argv: list[str]) -> int:
                     "unmeasured": state["unmeasured"],
                     "gc": state["gc"],
                     "slow": state["slow"],
+                    "streams": state["streams"],
                 },
                 f,
             )
