@@ -157,7 +157,7 @@ def trace_figures(
     write to the client's read (the kernel, the client process getting its core)."""
     wall: list[float] = []
     cpu: list[float] = []
-    traced: dict[str, list] = {}  # response id -> per token [read, write]
+    traced: dict[str, list] = {}  # response id -> per token read, write (flat)
     unmeasured = 0
     pauses: dict[int, list[float]] = {0: [], 1: [], 2: []}  # garbage collections, by generation
     slow: dict[str, list[float]] = {}  # event-loop callbacks over the trace's SLOW_CALLBACK_S
@@ -196,9 +196,9 @@ def trace_figures(
     parts: dict[str, list[float]] = {"send_to_read": [], "read_to_write": [], "write_to_client": []}
     for rid, _, times in streams:
         send, rw = sent.get(f"{rid}-0", []), traced.get(rid, [])
-        if not len(send) == len(rw) == len(times):
+        if not len(send) == len(rw) // 2 == len(times):
             continue  # tokens the trace did not see (a stream's task wrote them)
-        for s_, (r_, w_), c_ in zip(send, rw, times):
+        for s_, r_, w_, c_ in zip(send, rw[::2], rw[1::2], times):
             if s_ >= since_s:
                 parts["send_to_read"].append(r_ - s_)
                 parts["read_to_write"].append(w_ - r_)

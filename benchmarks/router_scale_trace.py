@@ -19,8 +19,9 @@ collections in the loop's process meanwhile, [start (monotonic seconds), generat
 seconds, objects collected] (gc.callbacks): a collection stops the loop for its length, so the
 tokens read then wait for it; and `slow`: the loop's callbacks that took over SLOW_CALLBACK_S of
 its thread's CPU, [start, CPU seconds, what ran]; and `streams`: per response id, per token in
-order, [read time, write time] (monotonic seconds), so that the benchmark can join them with the
-workers' send times and the clients' reads and split a token's whole added latency in three.
+order, its read time and write time (monotonic seconds, flat: read, write, read, ...), so that
+the benchmark can join them with the workers' send times and the clients' reads and split a
+token's whole added latency in three.
 
 The wrappers cost two clock reads per message, per flush and per loop callback (about a
 microsecond a token).
@@ -74,7 +75,8 @@ def run(out_path: str, argv: list[str]) -> int:
             write_s = clock()
             sample = (read_s, write_s - read_s, cpu_clock() - read_cpu_s)
             state["samples"].extend([sample] * waiting)
-            state["streams"].setdefault(self.response_id, []).extend([[read_s, write_s]] * waiting)
+            # flat floats: no object per token for the router's garbage collector to walk
+            state["streams"].setdefault(self.response_id, []).extend([read_s, write_s] * waiting)
 
     def on_gc(phase: str, info: dict) -> None:
         if phase == "start":
