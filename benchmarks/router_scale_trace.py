@@ -24,7 +24,10 @@ the benchmark can join them with the workers' send times and the clients' reads 
 token's whole added latency in three.
 
 The wrappers cost two clock reads per message, per flush and per loop callback (about a
-microsecond a token).
+microsecond a token). The samples are kept in float arrays until they are written, not as an
+object or two per token: the router's garbage collector walks every container it tracks, and a
+list of 40,000 tuples made its full collections 35 ms instead of 5-9 (measured, 1,000 workers,
+1,000 streams), which the paced latency then measured.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import os
 import signal
 import sys
 import time
+from array import array
 from typing import Any
 
 SLOW_CALLBACK_S = 0.001  # event-loop callbacks that took more of the loop thread's CPU: kept
@@ -49,8 +53,8 @@ def run(out_path: str, argv: list[str]) -> int:
 
     clock, cpu_clock = time.monotonic, time.thread_time
     state: dict[str, Any] = {
-        "on": False, "read": (0.0, 0.0), "samples": [], "unmeasured": 0, "gc": [], "gc_start": 0.0,
-        "slow": [], "streams": {},
+        "on": False, "read": (0.0, 0.0), "samples": array("d"), "unmeasured": 0, "gc": [],
+        "gc_start": 0.0, "slow": [], "streams": {},
     }  # fmt: skip
     receive, on_put, flush = ControlPlane._receive, SSEResponse._on_put, SSEResponse._flush
 
@@ -74,9 +78,9 @@ def run(out_path: str, argv: list[str]) -> int:
             read_s, read_cpu_s = self._trace_read  # type: ignore[attr-defined]
             write_s = clock()
             sample = (read_s, write_s - read_s, cpu_clock() - read_cpu_s)
-            state["samples"].extend([sample] * waiting)
-            # flat floats: no object per token for the router's garbage collector to walk
-            state["streams"].setdefault(self.response_id, []).extend([read_s, write_s] * waiting)
+            state["samples"].extend(sample * waiting)
+            times = state["streams"].setdefault(self.response_id, array("d"))
+            times.extend((read_s, write_s) * waiting)
 
     def on_gc(phase: str, info: dict) -> None:
         if phase == "start":
@@ -97,7 +101,7 @@ def run(out_path: str, argv: list[str]) -> int:
     asyncio.events.Handle._run = timed_run  # type: ignore[method-assign]
 
     def start(*_: Any) -> None:
-        state["samples"], state["unmeasured"], state["gc"], state["slow"] = [], 0, [], []
+        state["samples"], state["unmeasured"], state["gc"], state["slow"] = array("d"), 0, [], []
         state["streams"] = {}
         state["on"] = True
 
@@ -106,11 +110,14 @@ def run(out_path: str, argv: list[str]) -> int:
         with open(out_path + ".part", "w") as f:
             json.dump(
                 {
-                    "samples": state["samples"],
+                    "samples": [
+                        state["samples"][i : i + 3].tolist()
+                        for i in range(0, len(state["samples"]), 3)
+                    ],
                     "unmeasured": state["unmeasured"],
                     "gc": state["gc"],
                     "slow": state["slow"],
-                    "streams": state["streams"],
+                    "streams": {rid: t.tolist() for rid, t in state["streams"].items()},
                 },
                 f,
             )
