@@ -87,20 +87,21 @@ def worker_proc(
             by_sock[conn.sock] = (i, r)
 
     def spread(step_s: float) -> list[tuple[float, int]]:
-        """The workers' next steps, soonest first (a heap: a turn touches only the workers due;
-        a walk over all of them every turn cost this process most of a core at 500 workers, on
-        the core the clients share), spread evenly over one step from now: at a new step length
-        too, so that a paced phase offers its rate evenly, not as one burst of every stream's
-        token a step (the saturated phase leaves the steps bunched where each fell behind)."""
+        """The workers' next steps, soonest first (a heap: a turn touches only the workers due,
+        not all of them), spread evenly over one step from now: at a new step length too, so
+        that a paced phase offers its rate evenly, not as one burst of every stream's token a
+        step (the saturated phase leaves the steps bunched where each fell behind)."""
         now = time.monotonic()
         return [(now + step_s * i / len(conns), i) for i in range(len(conns))]
 
     step_s = step.value
     due = spread(step_s)
-    # A poll of every worker's sockets costs in proportion to their number (about 0.3 ms at 500
-    # workers), so the loop polls at most every POLL_EVERY_S and sleeps to the next step between
-    # polls: a Generate or Abort waits up to that long (before the request's first token, which
-    # the added latency does not count); a step's send does not.
+    # A poll of every worker's sockets costs in proportion to their number (polling them and
+    # walking every worker each turn, a 500-worker process used 0.31-0.37 of a core while idle,
+    # on the core the clients share; 0.16-0.18 now), so the loop polls at most every
+    # POLL_EVERY_S and sleeps to the next step between polls: a Generate or Abort waits up to
+    # that long (before the request's first token, which the added latency does not count); a
+    # step's send does not.
     next_poll = 0.0
     while not stop.is_set():
         if step.value != step_s:
