@@ -19,7 +19,12 @@ host shares), router RSS per open stream (peak over idle); (2b) paced relay (`--
 after the saturated one): the same number of streams, `--paced-tokens` each, the workers stepping
 every streams/rate seconds so that the offered rate stays below what the router can do: added
 latency p50/p90/p99/max (`paced_*`) of the tokens sent once every stream had its first, the rate
-relayed, router CPU and core share; (3) the prefix index's memory per million blocks
+relayed, router CPU and core share; (2c) churn (`--churn-s`, after the paced phase): steady
+arrivals, `--streams` lanes each opening a new stream of `--churn-tokens` as its last one ends
+(lanes started spread over one stream's length), at `--churn-rate` tokens/s: the `churn_*` keys,
+the same figures over the tokens sent once every lane has started, with the router's garbage
+collections then (`--router-trace`), which the requests' acceptance and garbage drive; (3) the
+prefix index's memory per million blocks
 (tracemalloc around a standalone `router.kv_index.PrefixIndex` fed `--index-blocks` keys).
 
 The saturated figures drive the router as fast as the workers step (`--streams` x 1000 /
@@ -236,6 +241,47 @@ def paced_figures(paced: dict, sent: dict[str, list[float]], args: argparse.Name
     }
 
 
+def churn_figures(
+    churn: dict, sent: dict[str, list[float]], args: argparse.Namespace, traces: list[str]
+) -> dict:
+    """The churn phase's figures, over the tokens sent once every lane has started (one
+    stream's length of steps after the phase's first token: lanes start spread over it): streams
+    started a second, the tokens' added latency, the router's CPU; with `--router-trace` its
+    garbage collections in that window and the latency's three parts."""
+    streams = churn["results"]
+    firsts = [t[0] for _, _, t in streams if t]
+    if not firsts:
+        return {"churn_streams": 0}
+    since = min(firsts) + args.churn_tokens * args.streams / args.churn_rate
+    latencies = added_latencies(streams, sent, since)
+    num_tokens = sum(len(t) for _, _, t in streams)
+    figures = {
+        "churn_streams": len(streams),
+        "churn_streams_started_per_s": sum(1 for f in firsts if f >= since)
+        / max(max(firsts) - since, 1e-9),
+        "churn_errors": sum(1 for _, s, _ in streams if s != 200),
+        "churn_router_core_use": churn["router_core_use_max"],
+        "churn_router_cpu_us_per_token": 1e6 * churn["router_cpu_s"] / max(num_tokens, 1),
+        "churn_latency_tokens": len(latencies),
+        "churn_latency_p50_ms": 1e3 * pct(latencies, 0.5),
+        "churn_latency_p99_ms": 1e3 * pct(latencies, 0.99),
+        "churn_latency_max_ms": 1e3 * max(latencies, default=float("nan")),
+    }
+    if traces:
+        traced = trace_figures(traces, since, streams, sent)
+        figures.update({k.replace("paced_", "churn_", 1): v for k, v in traced.items()})
+    return figures
+
+
+def wait_for_traces(traces: list[str]) -> None:
+    """Wait (up to 30 s) until every router has written its trace."""
+    deadline = time.monotonic() + 30
+    while not all(os.path.exists(t) for t in traces):
+        if time.monotonic() > deadline:
+            raise RuntimeError("a router wrote no trace")
+        time.sleep(0.1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--workers", type=int, default=100, help="synthetic decode workers")
@@ -249,6 +295,12 @@ def main() -> None:
                     "worker stepping every streams/rate seconds, for the added latency below the "
                     "router's capacity")  # fmt: skip
     ap.add_argument("--paced-tokens", type=int, default=10, help="tokens per stream, paced")
+    ap.add_argument("--churn-s", type=float, default=0.0, help="after the paced phase, this many "
+                    "seconds of steady arrivals (0: none): --streams lanes, each opening a new "
+                    "stream of --churn-tokens as its last one ends, at --churn-rate tokens/s; the "
+                    "requests' acceptance and their garbage run beside the relay")  # fmt: skip
+    ap.add_argument("--churn-rate", type=float, default=2000.0, help="tokens/s, churn")
+    ap.add_argument("--churn-tokens", type=int, default=40, help="tokens per stream, churn")
     ap.add_argument("--client-procs", type=int, default=2)
     ap.add_argument("--routing-requests", type=int, default=2000)
     ap.add_argument("--index-blocks", type=int, default=1_000_000)
@@ -384,11 +436,29 @@ def main() -> None:
             if args.router_trace:
                 for router in routers:
                     router.send_signal(signal.SIGUSR2)
-                deadline = time.monotonic() + 30
-                while not all(os.path.exists(t) for t in traces):
-                    if time.monotonic() > deadline:
-                        raise RuntimeError("a router wrote no trace")
-                    time.sleep(0.1)
+                wait_for_traces(traces)
+        churn = None
+        if args.churn_s > 0:
+            time.sleep(1.0)
+            step.value = args.streams / args.churn_rate
+            if args.router_trace:
+                for t in traces:  # the paced phase's, kept beside the churn phase's
+                    if os.path.exists(t):
+                        os.replace(t, t + ".paced")
+                for router in routers:
+                    router.send_signal(signal.SIGUSR1)
+            churn = run_clients(ctx, ports, "churn", args.streams, args.client_procs,
+                                args.churn_tokens, pids, sample_rss=False,
+                                duration_s=args.churn_s,
+                                stagger_s=args.churn_tokens * step.value)  # fmt: skip
+            if args.router_trace:
+                for router in routers:
+                    router.send_signal(signal.SIGUSR2)
+                wait_for_traces(traces)
+                for t in traces:
+                    os.replace(t, t + ".churn")
+                    if os.path.exists(t + ".paced"):
+                        os.replace(t + ".paced", t)
         stop.set()
         sent: dict[str, list[float]] = {}
         for _ in workers:
@@ -465,6 +535,8 @@ def main() -> None:
         if args.router_trace:
             started = max((t[0] for _, _, t in paced["results"] if t), default=float("inf"))
             figures.update(trace_figures(traces, started, paced["results"], sent))
+    if churn is not None:
+        figures.update(churn_figures(churn, sent, args, [t + ".churn" for t in traces if t]))
     figures["index_mib_per_million_blocks"] = index_bytes_per_million(args.index_blocks) / 2**20
     figures.update(decision_figures(args.workers))
     width = max(len(k) for k in figures)

@@ -123,26 +123,41 @@ async def _unary(port: int, bodies: list[dict], statuses: list[int]) -> None:
 
 
 def client_proc(
-    ports: list[int], kind: str, count: int, tokens: int, duration_s: float, go, results
-) -> None:
+    ports: list[int], kind: str, count: int, tokens: int, duration_s: float, go, results,
+    stagger_s: float = 0.0,
+) -> None:  # fmt: skip
     """`count` streams (kind "stream") or one-token requests (kind "route"), started together
     when `go` is set, spread over the routers' `ports`; puts (results, client CPU seconds, wall
-    seconds) on `results`; gives up after `duration_s` (what arrived by then counts)."""
+    seconds) on `results`; gives up after `duration_s` (what arrived by then counts). Kind
+    "churn": `count` lanes, each starting a new stream as soon as its last one ended, for
+    `duration_s` (the streams then running finish; a record per stream), lane k first after
+    k / count x `stagger_s` (a stream's length: arrivals spread evenly, not in waves)."""
     prompt = [1, 2, 3, 4]
 
     out: list = []
 
     async def main() -> None:
         try:
-            await asyncio.wait_for(requests(), duration_s)
+            await asyncio.wait_for(requests(), duration_s + (60 if kind == "churn" else 0))
         except asyncio.TimeoutError:
             pass
 
+    async def lane(port: int, body: dict, until: float, delay_s: float) -> None:
+        await asyncio.sleep(delay_s)
+        while time.monotonic() < until:
+            await _stream(port, body, out)
+
     async def requests() -> None:
+        body = {"model": "default", "prompt": prompt, "max_tokens": tokens, "stream": True,
+                "ignore_eos": True}  # fmt: skip
         if kind == "stream":
-            body = {"model": "default", "prompt": prompt, "max_tokens": tokens, "stream": True,
-                    "ignore_eos": True}  # fmt: skip
             await asyncio.gather(*(_stream(ports[k % len(ports)], body, out) for k in range(count)))
+        elif kind == "churn":
+            until = time.monotonic() + duration_s
+            await asyncio.gather(*(
+                lane(ports[k % len(ports)], body, until, k / count * stagger_s)
+                for k in range(count)
+            ))  # fmt: skip
         else:
             body = {"model": "default", "prompt": prompt, "max_tokens": 1}
             lanes = min(64, count)
@@ -159,11 +174,11 @@ def client_proc(
 
 def run_clients(ctx, ports: list[int], kind: str, total: int, procs: int, tokens: int,
                 router_pids: list[int], sample_rss: bool, duration_s: float,
-                lag_every_s: float = 0.0) -> dict:  # fmt: skip
+                lag_every_s: float = 0.0, stagger_s: float = 0.0) -> dict:  # fmt: skip
     go, results = ctx.Event(), ctx.Queue()
     shares = [total // procs + (i < total % procs) for i in range(procs)]
     clients = [ctx.Process(target=client_proc, args=(ports, kind, n, tokens, duration_s, go,
-                                                        results))
+                                                        results, stagger_s))
                for n in shares if n]  # fmt: skip
     for c in clients:
         c.start()
