@@ -26,8 +26,8 @@ token's whole added latency in three.
 The wrappers cost two clock reads per message, per flush and per loop callback (about a
 microsecond a token). The samples are kept in float arrays until they are written, not as an
 object or two per token: the router's garbage collector walks every container it tracks, and
-the trace's own lists (a tuple per token, and a list per token in a first version of `streams`:
-about 40,000 of each in a paced phase) made its full collections 35 ms instead of 5-9 (measured
+the trace's own objects (a tuple per token, 40,000 in a paced phase; a first version of
+`streams` added a list per token) made its full collections 30-35 ms instead of 5-9 (measured
 with 1,000 workers and streams), which the paced latency then measured.
 """
 
