@@ -168,7 +168,12 @@ def client_proc(
 
     go.wait()
     cpu0, wall0 = time.process_time(), time.monotonic()
-    asyncio.run(main())
+    try:  # the clients' own CPU per event is what a host of two cores runs short of
+        import uvloop
+
+        uvloop.run(main())
+    except ImportError:
+        asyncio.run(main())
     results.put((out, time.process_time() - cpu0, time.monotonic() - wall0))
 
 
