@@ -87,3 +87,6 @@ class Job:
         for flight in self.flights:
             self.dispatcher.release(flight)
         self.events.clear()  # unread tokens no longer count against the router's budget
+        # the buffer's way back to this job (a bound method): a reference cycle that only the
+        # garbage collector's full collections would free, with the flights hanging off it
+        self.events.on_overflow = None

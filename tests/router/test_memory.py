@@ -137,3 +137,43 @@ def test_the_environment_keeps_its_own_thresholds(monkeypatch: pytest.MonkeyPatc
     monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_")
     monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.mmap_threshold=65536")
     assert pin_malloc_thresholds() is False
+
+
+def test_a_finished_request_leaves_no_reference_cycle_of_the_routers() -> None:
+    """What a request leaves for the garbage collector's full collections alone (objects in
+    reference cycles) is what the router's long pauses walk and what its memory holds until
+    then: none of it may be the router's own (its job, buffers, flights), streamed or not.
+    uvicorn's request cycle keeps one of its own, which is not ours to break."""
+    import gc
+    import http.client
+    import json
+
+    from tests.router.fake_worker import RouterThread
+
+    with RouterThread(colocated=True) as router:
+        router.worker("decode", "d0")
+
+        def complete(stream: bool) -> bytes:
+            conn = http.client.HTTPConnection("127.0.0.1", router.server.http_port, timeout=30)
+            body = {"model": "default", "prompt": [1, 2, 3, 4], "max_tokens": 5,
+                    "stream": stream, "ignore_eos": True}  # fmt: skip
+            conn.request("POST", "/v1/completions", json.dumps(body))
+            data = conn.getresponse().read()
+            conn.close()
+            return data
+
+        assert b"[DONE]" in complete(True)  # warm: what the first request creates for good
+        gc.collect()
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        try:
+            for stream in (True, False, True):
+                assert (b"[DONE]" in complete(stream)) == stream
+            gc.collect()
+            ours = sorted(
+                {f"{type(o).__module__}.{type(o).__qualname__}" for o in gc.garbage}
+                & {"router.job.Job", "router.relay.EventBuffer", "router.flight.Flight"}
+            )
+        finally:
+            gc.set_debug(0)
+            gc.garbage.clear()
+    assert ours == []
