@@ -266,6 +266,8 @@ def churn_figures(
         "churn_latency_p50_ms": 1e3 * pct(latencies, 0.5),
         "churn_latency_p99_ms": 1e3 * pct(latencies, 0.99),
         "churn_latency_max_ms": 1e3 * max(latencies, default=float("nan")),
+        # what the routers' RSS grew by over the phase, at its peak (what arrivals leave behind)
+        "churn_router_rss_growth_mib": (churn["rss_peak"] - churn["rss0"]) / 2**20,
     }
     if traces:
         traced = trace_figures(traces, since, streams, sent)
@@ -448,7 +450,7 @@ def main() -> None:
                 for router in routers:
                     router.send_signal(signal.SIGUSR1)
             churn = run_clients(ctx, ports, "churn", args.streams, args.client_procs,
-                                args.churn_tokens, pids, sample_rss=False,
+                                args.churn_tokens, pids, sample_rss=True,
                                 duration_s=args.churn_s,
                                 stagger_s=args.churn_tokens * step.value)  # fmt: skip
             if args.router_trace:
