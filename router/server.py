@@ -41,6 +41,7 @@ def model_names(model: str) -> set[str]:
 
 
 def _validate(config: RouterConfig) -> None:
+    from router.memory import MIDDLE_EVERY_S
     from router.policy import ROUTING_POLICIES
 
     if config.routing not in ROUTING_POLICIES:
@@ -61,6 +62,8 @@ def _validate(config: RouterConfig) -> None:
         raise ValueError("--event-loop uvloop: uvloop is not installed")
     if config.max_body_bytes < 1:
         raise ValueError("--max-body-bytes must be >= 1")
+    if not 0 <= config.gc_interval_s <= MIDDLE_EVERY_S:
+        raise ValueError(f"--gc-interval-s must be in [0, {MIDDLE_EVERY_S}] (0: CPython's own)")
     if config.max_buffered_tokens < 1 or config.max_request_buffered_tokens < 1:
         raise ValueError("--max-buffered-tokens and --max-request-buffered-tokens must be >= 1")
     if (
@@ -176,6 +179,7 @@ class RouterServer:
 
         from common.runtime.ports import PortInUse
         from router.app import create_app
+        from router.memory import CollectionPacer
         from router.sse import expose_http_cycle
 
         cfg = self.config
@@ -202,6 +206,8 @@ class RouterServer:
             asyncio.ensure_future(self._announce(on_ready)),
             asyncio.ensure_future(self.state.admission.loop_lag.run()),
         ]
+        if cfg.gc_interval_s:
+            tasks.append(asyncio.ensure_future(CollectionPacer(cfg.gc_interval_s).run()))
         try:
             await self.http.serve()
         finally:

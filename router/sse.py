@@ -82,11 +82,19 @@ def expose_http_cycle(app: ASGIApp) -> ASGIApp:
     """`app` with uvicorn's request cycle (the owner of the `send` it is given) in the scope."""
 
     async def exposed(scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            cycle = getattr(send, "__self__", None)
-            if all(hasattr(cycle, name) for name in ("transport", "flow", "disconnected")):
-                scope[HTTP_CYCLE] = cycle
-        await app(scope, receive, send)
+        if scope["type"] != "http":
+            await app(scope, receive, send)
+            return
+        cycle = getattr(send, "__self__", None)
+        if all(hasattr(cycle, name) for name in ("transport", "flow", "disconnected")):
+            scope[HTTP_CYCLE] = cycle
+        try:
+            await app(scope, receive, send)
+        finally:
+            # The cycle holds the scope: left in it, the pair (with the connection's transport,
+            # flow control and events) is a reference cycle that only the garbage collector's
+            # full collections free, each request's, pausing the loop for all of them at once.
+            scope.pop(HTTP_CYCLE, None)
 
     return exposed
 
