@@ -175,9 +175,17 @@ def trace_figures(
                 cpu.append(cpu_s)
         unmeasured += trace["unmeasured"]
         traced.update(trace.get("streams", {}))
-        for start_s, generation, seconds, _ in trace.get("gc", []):
+        for start_s, generation, seconds, collected, cpu_s, size in trace.get("gc", []):
             if start_s >= since_s:
                 pauses[generation].append(seconds)
+                if generation == 2 or seconds > 0.005:
+                    print(f"collection of generation {generation} at {start_s - since_s:.2f} s: "
+                          f"{1e3 * seconds:.1f} ms ({1e3 * cpu_s:.1f} ms of the loop thread's "
+                          f"CPU), {size} objects walked, {collected} freed",
+                          file=sys.stderr)  # fmt: skip
+        for name, (objects, references) in trace.get("census", {}).items():
+            print(f"gc census (first full collection): {name}: {objects} objects, "
+                  f"{references} references", file=sys.stderr)  # fmt: skip
         for start_s, cpu_s, what in trace.get("slow", []):
             if start_s >= since_s:
                 slow.setdefault(what, []).append(cpu_s)

@@ -16,9 +16,11 @@ stream's oldest chunk then waiting (the longest of them). SIGUSR2 writes the sam
 write, loop-thread CPU seconds to the write], and `unmeasured`, how many tokens went through the
 stream's task instead) to the path given, with `gc`: each of the interpreter's garbage
 collections in the loop's process meanwhile, [start (monotonic seconds), generation, wall
-seconds, objects collected] (gc.callbacks): a collection stops the loop for its length, so the
-tokens read then wait for it; and `slow`: the loop's callbacks that took over SLOW_CALLBACK_S of
-its thread's CPU, [start, CPU seconds, what ran]; and `streams`: per response id, per token in
+seconds, objects collected, the loop thread's CPU seconds, objects in the generations it walked]
+(gc.callbacks): a collection stops the loop for its length, so the tokens read then wait for
+it; `census`, what the first full collection walked, by type; and `slow`: the loop's
+callbacks that took over SLOW_CALLBACK_S of its thread's CPU, [start, CPU seconds, what ran];
+and `streams`: per response id, per token in
 order, its read time and write time (monotonic seconds, flat: read, write, read, ...), so that
 the benchmark can join them with the workers' send times and the clients' reads and split a
 token's whole added latency in three.
@@ -46,6 +48,19 @@ from typing import Any
 SLOW_CALLBACK_S = 0.001  # event-loop callbacks that took more of the loop thread's CPU: kept
 
 
+def census(top: int = 25) -> dict[str, list[int]]:
+    """What a full collection walks: the tracked objects outside the frozen heap, by type,
+    [objects, references they hold] for the `top` types holding the most references."""
+    counts: dict[str, list[int]] = {}
+    for obj in gc.get_objects():
+        entry = counts.setdefault(type(obj).__qualname__, [0, 0])
+        entry[0] += 1
+        entry[1] += len(gc.get_referents(obj))
+    ranked = sorted(counts.items(), key=lambda kv: -kv[1][1])
+    total = [sum(v[0] for v in counts.values()), sum(v[1] for v in counts.values())]
+    return {"(all)": total, **dict(ranked[:top])}
+
+
 def run(out_path: str, argv: list[str]) -> int:
     """Install the trace, then run `pdserve` with `argv` (the router command line)."""
     from common.cli import main
@@ -55,7 +70,7 @@ def run(out_path: str, argv: list[str]) -> int:
     clock, cpu_clock = time.monotonic, time.thread_time
     state: dict[str, Any] = {
         "on": False, "read": (0.0, 0.0), "samples": array("d"), "unmeasured": 0, "gc": [],
-        "gc_start": 0.0, "slow": [], "streams": {},
+        "gc_start": 0.0, "gc_cpu": 0.0, "slow": [], "streams": {}, "census": {},
     }  # fmt: skip
     receive, on_put, flush = ControlPlane._receive, SSEResponse._on_put, SSEResponse._flush
 
@@ -85,10 +100,23 @@ def run(out_path: str, argv: list[str]) -> int:
 
     def on_gc(phase: str, info: dict) -> None:
         if phase == "start":
-            state["gc_start"] = clock()
+            if state["on"] and info["generation"] == 2 and not state["census"]:
+                state["census"] = census()  # before the clock starts: not in its length
+            generation = info["generation"]
+            state["gc_size"] = sum(len(gc.get_objects(g)) for g in range(generation + 1))
+            state["gc_start"], state["gc_cpu"] = clock(), cpu_clock()
         elif state["on"]:
-            start_s = state["gc_start"]
-            state["gc"].append((start_s, info["generation"], clock() - start_s, info["collected"]))
+            start_s, cpu_s = state["gc_start"], cpu_clock() - state["gc_cpu"]
+            state["gc"].append(
+                (
+                    start_s,
+                    info["generation"],
+                    clock() - start_s,
+                    info["collected"],
+                    cpu_s,
+                    state["gc_size"],
+                )
+            )
 
     handle_run = asyncio.events.Handle._run
 
@@ -103,7 +131,7 @@ def run(out_path: str, argv: list[str]) -> int:
 
     def start(*_: Any) -> None:
         state["samples"], state["unmeasured"], state["gc"], state["slow"] = array("d"), 0, [], []
-        state["streams"] = {}
+        state["streams"], state["census"] = {}, {}
         state["on"] = True
 
     def stop(*_: Any) -> None:
@@ -118,6 +146,7 @@ def run(out_path: str, argv: list[str]) -> int:
                     "unmeasured": state["unmeasured"],
                     "gc": state["gc"],
                     "slow": state["slow"],
+                    "census": state["census"],
                     "streams": {rid: t.tolist() for rid, t in state["streams"].items()},
                 },
                 f,
