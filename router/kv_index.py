@@ -4,7 +4,9 @@ Owns, per worker, the set of block keys (common.prefix_hash) its prefix cache ho
 `KVEvents` messages report them, plus the keys of prompts dispatched to it whose blocks are not
 reported yet ("pending": a second request for a prefix that is still being computed should go to
 the same worker). Pending keys expire after `pending_ttl_s` unless a stored event confirms them, so
-a failed prefill leaves no phantom entries behind.
+a failed prefill leaves no phantom entries behind: expired ones are dropped as new ones come
+(one queue in expiry order for all workers), so what is pending is at most the keys dispatched
+within one TTL.
 
 Sequence numbers: each worker numbers its messages from 0. A message older than the last applied
 one is a duplicate and is ignored; a newer one after a gap means something was lost: the index
@@ -30,6 +32,7 @@ Called by `router.control` (events, heartbeats, removal) and `router.policy` (ma
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -37,7 +40,6 @@ from common.protocol import KVEvents
 
 PENDING_TTL_S = 30.0
 RESYNC_INTERVAL_S = 2.0
-MAX_PENDING = 1 << 16  # pending keys per worker before expired ones are swept
 
 Holders = dict[bytes, "str | set[str]"]  # key -> the id of its one holder, or a set of them
 
@@ -93,6 +95,8 @@ class PrefixIndex:
         self._holders: Holders = {}  # reported keys
         self._pending_roots: Holders = {}  # the first key of each pending prompt
         self._tier_holders: Holders = {}  # keys in a worker's KV tier
+        # (expiry, worker id, key) per pending key filed, in expiry order (one TTL for all)
+        self._expiries: deque[tuple[float, str, bytes]] = deque()
         self.num_resyncs_asked = 0
         self.num_events_applied = 0
 
@@ -180,20 +184,38 @@ class PrefixIndex:
 
     def add_pending(self, worker_id: str, keys: Sequence[bytes]) -> None:
         """Keys of a prompt just dispatched to the worker: count them as held for a while."""
-        w = self._workers.setdefault(worker_id, _WorkerIndex())
         now = self.clock()
-        if len(w.pending) > MAX_PENDING:
-            w.pending = {k: e for k, e in w.pending.items() if e >= now}
-            for key in [k for k in w.roots if k not in w.pending]:
-                w.roots.discard(key)
-                _unhold(self._pending_roots, key, worker_id)
+        self._expire(now)
+        w = self._workers.setdefault(worker_id, _WorkerIndex())
         expiry = now + self.pending_ttl_s
         for key in keys:
             if key not in w.keys:
+                if key not in w.pending:  # else its entry in the queue is there already
+                    self._expiries.append((expiry, worker_id, key))
                 w.pending[key] = expiry
         if keys and keys[0] in w.pending and keys[0] not in w.roots:
             w.roots.add(keys[0])
             _hold(self._pending_roots, keys[0], worker_id)
+
+    def num_pending(self) -> int:
+        """Pending keys, all workers (expired ones not dropped yet included)."""
+        return sum(len(w.pending) for w in self._workers.values())
+
+    def _expire(self, now: float) -> None:
+        """Drop the pending keys whose time is up. One entry per pending key: a key filed again
+        since goes back in the queue at its later expiry; one confirmed or dropped meanwhile is
+        skipped (so the queue holds at most the keys that became pending within one TTL)."""
+        expiries = self._expiries
+        while expiries and expiries[0][0] < now:
+            expiry, worker_id, key = expiries.popleft()
+            w = self._workers.get(worker_id)
+            current = None if w is None else w.pending.get(key)
+            if current is None:
+                continue
+            if current > expiry:
+                expiries.append((current, worker_id, key))
+            elif w is not None:
+                self._drop_pending(worker_id, w, key)
 
     def _drop_pending(self, worker_id: str, w: _WorkerIndex, key: bytes) -> None:
         w.pending.pop(key, None)

@@ -128,3 +128,36 @@ def test_block_pool_events_are_the_net_change() -> None:
     pool3.register(y, KEYS[0], range(4))
     assert pool3.drain_events() == ([KEYS[0]], [])
     assert BlockPool(2, 4).drain_events() == ([], [])  # not tracking: nothing recorded
+
+
+def test_expired_pending_keys_are_dropped_as_new_ones_come() -> None:
+    """Prompts whose KV never gets reported (failed prefills) leave their keys pending only
+    for one TTL, however few each worker has (they once stayed until a worker had 65,536)."""
+    clock = Clock()
+    index = PrefixIndex(pending_ttl_s=10.0, clock=clock)
+    for second in range(60):  # 100 distinct 10-block prompts a second over 10 workers
+        clock.now = float(second)
+        for i in range(100):
+            keys = block_keys(
+                list(range(second * 1000 + i * 40, second * 1000 + i * 40 + 40)), 4, SALT
+            )
+            index.add_pending(f"w{i % 10}", keys)
+    assert index.num_pending() <= 11 * 100 * 10  # the last 11 seconds' keys, not 60 seconds'
+    assert len(index._expiries) <= 11 * 100 * 10
+    assert sum(len(w.roots) for w in index._workers.values()) <= 11 * 100
+    assert len(index._pending_roots) <= 11 * 100
+
+
+def test_a_pending_key_filed_again_lives_on_and_expires_once() -> None:
+    clock = Clock()
+    index = PrefixIndex(pending_ttl_s=10.0, clock=clock)
+    index.add_pending("p0", KEYS[:2])
+    clock.now = 8.0
+    index.add_pending("p0", KEYS[:2])  # the same prompt again: good until 18
+    clock.now = 12.0
+    index.add_pending("p1", KEYS[5:6])  # time passes; the first filing's time is up
+    assert index.match("p0", KEYS) == 2
+    assert len(index._expiries) == 3  # one entry per pending key, never a duplicate
+    clock.now = 19.0
+    index.add_pending("p1", KEYS[6:7])
+    assert index.match("p0", KEYS) == 0 and index.holders(KEYS[0]) == set()
