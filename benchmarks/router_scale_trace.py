@@ -70,7 +70,7 @@ def run(out_path: str, argv: list[str]) -> int:
     clock, cpu_clock = time.monotonic, time.thread_time
     state: dict[str, Any] = {
         "on": False, "read": (0.0, 0.0), "samples": array("d"), "unmeasured": 0, "gc": [],
-        "gc_start": 0.0, "gc_cpu": 0.0, "slow": [], "streams": {}, "census": {},
+        "gc_start": 0.0, "gc_cpu": 0.0, "gc_size": 0, "slow": [], "streams": {}, "census": {},
     }  # fmt: skip
     receive, on_put, flush = ControlPlane._receive, SSEResponse._on_put, SSEResponse._flush
 
@@ -102,8 +102,9 @@ def run(out_path: str, argv: list[str]) -> int:
         if phase == "start":
             if state["on"] and info["generation"] == 2 and not state["census"]:
                 state["census"] = census()  # before the clock starts: not in its length
-            generation = info["generation"]
-            state["gc_size"] = sum(len(gc.get_objects(g)) for g in range(generation + 1))
+            if state["on"]:  # the objects it walks (before the clock starts)
+                walked = range(info["generation"] + 1)
+                state["gc_size"] = sum(len(gc.get_objects(g)) for g in walked)
             state["gc_start"], state["gc_cpu"] = clock(), cpu_clock()
         elif state["on"]:
             start_s, cpu_s = state["gc_start"], cpu_clock() - state["gc_cpu"]

@@ -197,10 +197,6 @@ class PrefixIndex:
             w.roots.add(keys[0])
             _hold(self._pending_roots, keys[0], worker_id)
 
-    def num_pending(self) -> int:
-        """Pending keys, all workers (expired ones not dropped yet included)."""
-        return sum(len(w.pending) for w in self._workers.values())
-
     def _expire(self, now: float) -> None:
         """Drop the pending keys whose time is up. One entry per pending key: a key filed again
         since goes back in the queue at its later expiry; one confirmed or dropped meanwhile is
@@ -210,11 +206,11 @@ class PrefixIndex:
             expiry, worker_id, key = expiries.popleft()
             w = self._workers.get(worker_id)
             current = None if w is None else w.pending.get(key)
-            if current is None:
+            if w is None or current is None:
                 continue
             if current > expiry:
                 expiries.append((current, worker_id, key))
-            elif w is not None:
+            else:
                 self._drop_pending(worker_id, w, key)
 
     def _drop_pending(self, worker_id: str, w: _WorkerIndex, key: bytes) -> None:

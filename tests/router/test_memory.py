@@ -202,15 +202,21 @@ def _pacer(clock: _Clock, rss: list[int], collected: list[int]) -> CollectionPac
 
 
 def test_the_pacer_collects_young_often_middle_each_second_and_all_each_minute() -> None:
+    import gc
+
     clock, rss, collected = _Clock(), [100 << 20], []
     pacer = _pacer(clock, rss, collected)
-    kept = [[i] for i in range(10)]  # tracked since the last collection: the young one is due
-    assert pacer.tick() == 0 and collected == [0]
-    for _ in range(48):  # a second of 20 ms turns: young ones only (when anything is new)
-        clock.now += 0.02
-        kept.append([0])
-        assert pacer.tick() in (0, -1)
-    assert set(collected) == {0}
+    gc.disable()  # no automatic collection resets the young count under the test
+    try:
+        kept = [[i] for i in range(10)]  # tracked since the last collection: young is due
+        assert pacer.tick() == 0 and collected == [0]
+        for _ in range(48):  # a second of 20 ms turns: young ones only
+            clock.now += 0.02
+            kept.append([0])
+            assert pacer.tick() == 0
+    finally:
+        gc.enable()
+    assert collected == [0] * 49
     clock.now += 0.05  # past the second
     assert pacer.tick() == 1
     for _ in range(58):  # seconds 2..59: a middle collection each, never a full one
