@@ -1,10 +1,10 @@
 """The HTTP clients of `benchmarks/router_scale.py`, and what it reads of the router processes.
 
-Clients are raw asyncio streams in `--client-procs` processes (`client_proc`): streamed
-completions whose data events are timed as they arrive, or one-token requests on keep-alive
-connections. `run_clients` starts them together and measures the routers meanwhile: CPU (user and
-kernel, /proc/<pid>/stat), run-queue wait (/proc/<pid>/schedstat), RSS, and optionally the
-event-loop lag from /metrics.
+Clients are raw asyncio connections in `--client-procs` processes (`client_proc`): streamed
+completions read by a protocol that times their data events as they arrive, or one-token
+requests on keep-alive streams. `run_clients` starts them together and measures the routers
+meanwhile: CPU (user and kernel, /proc/<pid>/stat), run-queue wait (/proc/<pid>/schedstat), RSS,
+and optionally the event-loop lag from /metrics.
 """
 
 from __future__ import annotations
@@ -79,32 +79,57 @@ def _request(port: int, body: dict, keep_alive: bool) -> bytes:
     ).encode() + raw
 
 
+class _StreamReader(asyncio.Protocol):
+    """One streamed completion's connection, read in `data_received`: each read is timed and its
+    data events counted where they arrive, with no stream reader, future or task step between
+    (the clients' CPU per event is what a host of two cores runs short of)."""
+
+    def __init__(self, request: bytes, record: list, done: asyncio.Future) -> None:
+        self.request, self.record, self.done = request, record, done
+        self.times: list[float] = record[2]
+        self.tail, self.head = b"", b""
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        transport.write(self.request)
+
+    def data_received(self, data: bytes) -> None:
+        now = time.monotonic()
+        record = self.record
+        if not record[0]:
+            self.head += data
+            match = RESPONSE_ID.search(self.head)
+            if match:
+                record[0] = match.group(1).decode()
+                record[1] = int(self.head[9:12]) if self.head[:5] == b"HTTP/" else 0
+        buf = self.tail + data
+        self.times.extend([now] * buf.count(PATTERN))
+        self.tail = buf[-(len(PATTERN) - 1) :]
+        if b"data: [DONE]" in buf:
+            self.transport.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        head = self.head
+        self.record[1] = int(head[9:12]) if head[:5] == b"HTTP/" else 0
+        if not self.done.done():
+            self.done.set_result(None)
+
+
 async def _stream(port: int, body: dict, out: list) -> None:
     """One streamed completion: (response id, status, receipt time of each data event)."""
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    writer.write(_request(port, body, keep_alive=False))
-    times: list[float] = []
-    record = ["", 0, times]  # kept up to date: a stream cut by --duration still counts
+    record = ["", 0, []]  # kept up to date: a stream cut by --duration still counts
     out.append(record)
-    tail, head, rid = b"", b"", ""
-    while True:
-        data = await reader.read(65536)
-        if not data:
-            break
-        now = time.monotonic()
-        if not rid:
-            head += data
-            match = RESPONSE_ID.search(head)
-            if match:
-                rid = record[0] = match.group(1).decode()
-                record[1] = int(head[9:12]) if head[:5] == b"HTTP/" else 0
-        buf = tail + data
-        times.extend([now] * buf.count(PATTERN))
-        tail = buf[-(len(PATTERN) - 1) :]
-        if b"data: [DONE]" in buf:
-            break
-    writer.close()
-    record[1] = int(head[9:12]) if head[:5] == b"HTTP/" else 0
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+    request = _request(port, body, keep_alive=False)
+    transport, _ = await loop.create_connection(
+        lambda: _StreamReader(request, record, done), "127.0.0.1", port
+    )
+    try:
+        await done
+    finally:
+        transport.close()
 
 
 async def _unary(port: int, bodies: list[dict], statuses: list[int]) -> None:

@@ -95,7 +95,7 @@ HELP = {
     "max_loop_lag_s": "when the router's event loop runs this late (smoothed over about a "
     "second: the router is short of CPU), new requests get a 429 until the lag halves (0 = never)",
     "gc_interval_s": "run the garbage collector on a clock: its youngest generation this often, "
-    "the middle one every second, a full collection each minute or after 64 MiB of growth "
+    "the middle one every 0.2 s, a full collection each minute or after 64 MiB of growth "
     "(short pauses where CPython's own allocation counts, under steady request churn, walk tens "
     "of thousands of in-flight objects at once; 0 = CPython's own collections)",
     "max_body_bytes": "largest request body; a larger one gets a 413",
