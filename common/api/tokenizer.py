@@ -1,17 +1,23 @@
 """Text <-> token ids and the chat template, over a Hugging Face tokenizer.
 
-Owns which token ids end a generation (`eos_token_ids`) and turning OpenAI chat messages into prompt
-ids. The router and run-batch tokenize with it; the engine only sees ids.
+Owns loading a model's tokenizer (`load_hf_tokenizer`: AutoTokenizer's, without importing torch
+wherever the result is the same, as it is for the default model), which token ids end a
+generation (`eos_token_ids`) and turning OpenAI chat messages into prompt ids. The router and
+run-batch tokenize with it; the workers take its `eos_token_ids`; the engine only sees ids.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import re
 from collections.abc import Mapping
 from functools import lru_cache
 from typing import Any
 
-from common.model.model_files import ModelSource
+from common.model.model_files import ModelFiles
+
+log = logging.getLogger(__name__)
 
 
 class Tokenizer:
@@ -30,10 +36,8 @@ class Tokenizer:
         self._byte_pieces: dict[int, bytes] | None | bool = False  # byte_pieces(), once known
 
     @classmethod
-    def from_source(cls, source: ModelSource) -> Tokenizer:
-        from transformers import AutoTokenizer
-
-        hf = AutoTokenizer.from_pretrained(source.hf_dir)
+    def from_source(cls, source: ModelFiles) -> Tokenizer:
+        hf = load_hf_tokenizer(source)
         return cls(hf, _eos_token_ids(source, hf))
 
     @property
@@ -134,8 +138,68 @@ class Tokenizer:
         return self._renders_tools
 
 
-def _eos_token_ids(source: ModelSource, hf_tokenizer: Any) -> set[int]:
-    """Every id that should end generation: config, generation_config and tokenizer together."""
+def load_hf_tokenizer(source: ModelFiles) -> Any:
+    """The transformers tokenizer of a model's files: AutoTokenizer's, without torch where it can.
+
+    AutoTokenizer imports torch (it reads the model's config with transformers' config classes);
+    the tokenizers-backed class that tokenizer_config.json names (`TokenizersBackend`,
+    `Qwen2Tokenizer`, `LlamaTokenizer`...) does not. Such a class takes the vocabulary, merges and
+    post-processor from tokenizer.json but may build the rest of its pipeline in code, and
+    AutoTokenizer picks either that class or the file as it is: so the class is used where what
+    it builds is the file's pipeline (both then agree), AutoTokenizer otherwise, the reason logged.
+    """
+    from transformers import TokenizersBackend
+
+    hf_dir = source.hf_dir
+    tokenizer_json = hf_dir / "tokenizer.json"
+    name = source.read_json("tokenizer_config.json").get("tokenizer_class") or ""
+    name = name.removesuffix("Fast")  # PreTrainedTokenizerFast is TokenizersBackend
+    if not tokenizer_json.is_file():
+        reason = "no tokenizer.json"
+    elif not name:
+        reason = "tokenizer_config.json names no tokenizer class"
+    else:
+        import transformers
+
+        generic = name in ("TokenizersBackend", "PreTrainedTokenizer")
+        cls = TokenizersBackend if generic else getattr(transformers, name, None)
+        if not (isinstance(cls, type) and issubclass(cls, TokenizersBackend)):
+            reason = f"{name} is not a tokenizers-backed class"
+        else:
+            hf = cls.from_pretrained(hf_dir)
+            if generic or _builds_the_file(hf, source.read_json("tokenizer.json")):
+                return hf
+            reason = f"{name} builds another pipeline than tokenizer.json's"
+    log.info("loading the tokenizer of %s with AutoTokenizer (imports torch): %s", hf_dir, reason)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(hf_dir)
+
+
+def _builds_the_file(hf: Any, saved: dict[str, Any]) -> bool:
+    """Whether `hf`'s Rust pipeline is `saved`'s, tokenizer.json's (vocabulary and merges aside:
+    every class takes those from the file)."""
+    from tokenizers import Tokenizer as RustTokenizer
+
+    # The file read back by the tokenizers library, so that settings an older version left out
+    # compare as their defaults; an empty BPE vocabulary reads back in microseconds.
+    model = saved.get("model", {})
+    if model.get("type") == "BPE":
+        saved = {**saved, "model": {**model, "vocab": {}, "merges": []}, "added_tokens": []}
+    read_back = json.loads(RustTokenizer.from_str(json.dumps(saved)).to_str())
+    built = json.loads(hf.backend_tokenizer.to_str())
+    return _pipeline(built) == _pipeline(read_back)
+
+
+def _pipeline(tokenizer_json: dict[str, Any]) -> dict[str, Any]:
+    model = {k: v for k, v in tokenizer_json["model"].items() if k not in ("vocab", "merges")}
+    parts = ("normalizer", "pre_tokenizer", "decoder")
+    return {"model": model, **{k: tokenizer_json.get(k) for k in parts}}
+
+
+def _eos_token_ids(source: ModelFiles, hf_tokenizer: Any) -> set[int]:
+    """Every id that should end generation: config.json's, generation_config.json's and the
+    tokenizer's eos tokens together."""
     ids: set[int] = set()
 
     def add(value: int | list[int] | None) -> None:
@@ -144,11 +208,8 @@ def _eos_token_ids(source: ModelSource, hf_tokenizer: Any) -> set[int]:
         elif value is not None:
             ids.update(int(v) for v in value)
 
-    add(getattr(source.hf_config, "eos_token_id", None))
-    if (source.hf_dir / "generation_config.json").is_file():
-        from transformers import GenerationConfig
-
-        add(GenerationConfig.from_pretrained(source.hf_dir).eos_token_id)
+    add(source.read_json("config.json").get("eos_token_id"))
+    add(source.read_json("generation_config.json").get("eos_token_id"))
     add(hf_tokenizer.eos_token_id)
     return ids
 
