@@ -2,8 +2,9 @@
 
 Owns turning `RouterConfig` fields into flags (each also read from PDSERVE_<NAME>) and the process
 setup around `RouterServer`: logging, loading the tokenizer and the model's config (never
-weights), signals. Called by `common.cli` (the `pdserve` dispatcher). Heavy imports happen inside
-`run_router` so that `pdserve --help` stays fast.
+weights, and never torch: config.json is read as JSON), signals. Called by `common.cli` (the
+`pdserve` dispatcher). Heavy imports happen inside `run_router` so that `pdserve --help` stays
+fast.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
 def run_router(args: argparse.Namespace) -> int:
     """`pdserve router`: load the tokenizer, serve until SIGINT / SIGTERM."""
     from common.api.tokenizer import Tokenizer
-    from common.model.model_files import resolve_model
+    from common.model.model_files import locate_model
     from common.runtime.ports import check_port_free
     from router.memory import freeze_startup_heap, pin_malloc_thresholds
     from router.server import RouterServer
@@ -44,9 +45,9 @@ def run_router(args: argparse.Namespace) -> int:
     )
     if not pin_malloc_thresholds():
         logging.info("malloc thresholds left as they are (set by the environment, or no glibc)")
-    source = resolve_model(config.model)
-    tokenizer = Tokenizer.from_source(source)
-    model_max_len = int(getattr(source.hf_config, "max_position_embeddings", 0) or 2048)
+    files = locate_model(config.model)
+    tokenizer = Tokenizer.from_source(files)
+    model_max_len = int(files.read_json("config.json").get("max_position_embeddings") or 2048)
     server = RouterServer(config, tokenizer, model_max_len)
     import fastapi  # noqa: F401  (imported by serve(): loaded before the heap is frozen)
     import uvicorn  # noqa: F401
