@@ -28,12 +28,14 @@ import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from common.sampling_params import StructuredOutput
+
+if TYPE_CHECKING:
+    import torch
 
 assert sys.byteorder == "little", "refused_tokens reads bitmask words as little-endian"
 MAX_CACHED_GRAMMARS = 256
@@ -212,6 +214,8 @@ class GrammarMatcher:
 
     def bitmask(self) -> torch.Tensor:
         """The allowed next tokens, one bit per token id ([num_words] int32)."""
+        import torch  # not at import: the router compiles grammars and loads no torch
+
         mask = torch.empty(self.num_words, dtype=torch.int32)
         self.matcher.unsafe_compute_mask_ptr(mask.data_ptr(), mask.numel() * 4)
         return mask
@@ -240,6 +244,8 @@ class GrammarMatcher:
 def refused_tokens(bitmasks: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Bool [R, vocab_size], True where a token is refused, from int32 bitmasks [R, W] of
     allowed tokens (on the CPU, as matchers fill them); columns beyond the masks are refused."""
+    import torch
+
     # Bit i of word w is token 32 w + i: on a little-endian host that is numpy's little-endian
     # bit order over the words' bytes (one pass; shifting int32 words in torch takes five).
     words = np.invert(bitmasks.cpu().numpy())

@@ -117,13 +117,6 @@ def test_the_router_starts_and_serves_without_torch(router: LocalCluster) -> Non
     assert_no_torch(router)
 
 
-@pytest.mark.xfail(
-    raises=TorchLoaded,
-    strict=True,
-    reason="common/engine/grammar.py imports torch at module level (for the engine's bitmasks), "
-    "and the router's grammar check (common.api.structured / generic_tools) imports that module; "
-    "when it no longer does, drop this mark",
-)
 def test_grammar_requests_load_no_torch(router: LocalCluster) -> None:
     serve(router, GRAMMAR)
     assert_no_torch(router)
