@@ -5,7 +5,8 @@ in-process `Engine` per method:
   - `none`: plain decoding, the baseline,
   - `ngram`: prompt lookup (`--num-speculative-tokens`, `--prompt-lookup-min/max`),
   - `draft`: the target's first `--draft-layers` layers plus its norm and head (early exit).
-Workloads: `repetitive` (the answer must copy a code snippet from the prompt with a small edit) and
+Workloads: `repetitive` (the answer must copy a code snippet from the prompt with a small edit),
+`verbatim` (the same snippets, to be repeated unchanged: the most a prompt can ask to copy) and
 `chat` (open questions, little to copy). Batch 1 runs the requests one after the other, batch 8 all
 at once. The engines are loaded together and take turns on each case, `--repeats` times, each
 keeping its fastest run (the machines are shared and noisy). Each engine first runs every case
@@ -21,7 +22,8 @@ prompt lookup to gain, whatever the kernels do).
         [--num-speculative-tokens 4] [--draft-layers 8] [--speculative-disable-by-batch-size N]
         [--no-speculative-adaptive]
         [--methods none,ngram,draft]
-        [--workloads repetitive,chat] [--batch-sizes 1,8] [--repeats 2] [--threads N] [--quick]
+        [--workloads repetitive,verbatim,chat] [--batch-sizes 1,8] [--repeats 2] [--threads N]
+        [--quick]
         [--json PATH]
 
 `--quick` (3 requests per batch-1 run, 24 tokens) only checks that it works. The Markdown table
@@ -155,6 +157,12 @@ def workload_prompts(tokenizer: Tokenizer, name: str, n: int) -> list[list[int]]
             f"Here is some Python code:\n\n```python\n{code}```\n\n{edit} Reply with the whole "
             "updated code only."
             for code, edit in SNIPPETS
+        ]
+    elif name == "verbatim":
+        texts = [
+            f"Here is some Python code:\n\n```python\n{code}```\n\nRepeat this code exactly as "
+            "it is, with no changes and no explanation."
+            for code, _ in SNIPPETS
         ]
     else:
         texts = list(CHAT_QUESTIONS)
