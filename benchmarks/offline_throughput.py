@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a plain
 
 from common.bench import limits as machine_limits  # noqa: E402
 from common.bench.step_cost import decode_floor, generate_floor_s  # noqa: E402
-from common.config import EngineConfig  # noqa: E402
+from common.config import OFFLINE_DEFAULTS, EngineConfig  # noqa: E402
 from common.engine.engine import Engine  # noqa: E402
 from common.model.model_files import resolve_model  # noqa: E402
 from common.sampling_params import SamplingParams  # noqa: E402
@@ -118,9 +118,12 @@ def run_pdserve(
     limits: machine_limits.Limits | None,
 ) -> tuple[ThroughputRow, LatencyRow, dict[str, float]]:
     log(f"pdserve {dtype}: loading engine")
-    engine = Engine(
-        EngineConfig(model="default", dtype=dtype, kv_cache_memory="2GiB", num_threads=threads)
-    )
+    engine = Engine(  # scheduled as `pdserve run-batch` schedules (OFFLINE_DEFAULTS)
+        EngineConfig(
+            model="default", dtype=dtype, kv_cache_memory="2GiB", num_threads=threads,
+            **OFFLINE_DEFAULTS,
+        )
+    )  # fmt: skip
     device = engine.runner.device
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     engine.warm_up()  # as `pdserve run-batch` and the workers start (--warm-up)

@@ -117,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     pull.add_argument("-q", "--quiet", action="store_true", help="no download progress")
     pull.set_defaults(func=cmd_models_pull)
 
-    from common.config import add_engine_args
+    from common.config import OFFLINE_DEFAULTS, add_engine_args
 
     batch = commands.add_parser(
         "run-batch", help="offline inference over an OpenAI batch file (JSONL), in-process"
@@ -136,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("", "hermes", "generic"),
         help="the tool-call format, as the router's flag (hermes, or generic: the default)",
     )
-    add_engine_args(batch)
+    add_engine_args(batch, OFFLINE_DEFAULTS)
     batch.set_defaults(func=cmd_run_batch)
 
     from router.cli import add_router_args

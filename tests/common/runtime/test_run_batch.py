@@ -340,3 +340,27 @@ def test_echo_and_prompt_logprobs(engine: Engine, tok: Tokenizer, model_dir: Pat
     assert body[0] is None
     got = [entry[str(t)]["logprob"] for entry, t in zip(body[1:], chat_ids[1:])]
     assert got == pytest.approx(expected(chat_ids), abs=1e-4)
+
+
+def test_run_batch_schedules_for_throughput_unless_told_otherwise(monkeypatch) -> None:
+    """run-batch takes whole prompts up to a larger step (OFFLINE_DEFAULTS); its flags and
+    PDSERVE_* still win, and a worker keeps the serving defaults."""
+    from common.cli import build_parser
+    from common.config import OFFLINE_DEFAULTS, config_from_args
+
+    def config(*argv: str) -> EngineConfig:
+        return config_from_args(build_parser().parse_args(list(argv)))
+
+    io = ["run-batch", "-i", "in.jsonl", "-o", "out.jsonl"]
+    offline = config(*io)
+    assert offline.prefill_chunk == OFFLINE_DEFAULTS["prefill_chunk"] == "off"
+    assert offline.max_num_batched_tokens == OFFLINE_DEFAULTS["max_num_batched_tokens"]
+    assert offline.max_num_batched_tokens > EngineConfig().max_num_batched_tokens
+    told = config(*io, "--prefill-chunk", "auto", "--max-num-batched-tokens", "1024")
+    assert (told.prefill_chunk, told.max_num_batched_tokens) == ("auto", 1024)
+    serving = config("decode")
+    assert serving.prefill_chunk == EngineConfig().prefill_chunk == "auto"
+    assert serving.max_num_batched_tokens == EngineConfig().max_num_batched_tokens
+    monkeypatch.setenv("PDSERVE_PREFILL_CHUNK", "512")
+    from_env = config(*io)
+    assert (from_env.prefill_chunk, from_env.max_num_batched_tokens) == ("512", 8192)
