@@ -326,7 +326,8 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, helps: dict[s
 # bfloat16, 2 threads, 64 x (256 -> 128), three runs in turns): 8.21-9.09 s against 9.16-9.74 s
 # with the serving defaults; the prompts took 2.54-3.13 s in 5 steps against 3.77-3.93 s in 16-17
 # (prompt steps of about 950 tokens, each with the running sequences' decode rows, run at ~4,000
-# prompt tokens/s; steps of 2,600-8,192 at ~5,500).
+# prompt tokens/s; steps of 2,600-8,192 at ~5,500). Budgets tried in turns, twice, chunks off:
+# 4,096 tokens 9.61 / 8.57 s, 8,192 8.77 / 7.91 s, 16,384 (one step of every prompt) 9.77 / 8.90 s.
 OFFLINE_DEFAULTS: dict[str, str | int] = {"prefill_chunk": "off", "max_num_batched_tokens": 8192}
 
 
