@@ -14,6 +14,8 @@ from dataclasses import MISSING, dataclass, fields
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # torch is imported lazily so that `pdserve --help` stays fast
+    from collections.abc import Mapping
+
     import torch
 
 _SIZE_UNITS = {
@@ -283,17 +285,27 @@ _HELP = {
 }
 
 
-def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, helps: dict[str, str]) -> None:
-    """One flag per field of the dataclass `cls`, each defaulting to $PDSERVE_<NAME> when set.
+def add_dataclass_args(
+    parser: argparse.ArgumentParser,
+    cls: type,
+    helps: dict[str, str],
+    defaults: Mapping[str, object] | None = None,
+) -> None:
+    """One flag per field of the dataclass `cls`, each defaulting to $PDSERVE_<NAME> when set,
+    else to `defaults`' value for it (a command's own), else to the field's.
 
     Field types understood: bool (--x/--no-x), int, float, str, `int | None`, `list[str]` (nargs +,
     space-separated in the environment).
     """
+    defaults = defaults or {}
     for f in fields(cls):
         flag = "--" + f.name.replace("_", "-")
         env = "PDSERVE_" + f.name.upper()
         raw = os.environ.get(env)
-        default = f.default_factory() if f.default_factory is not MISSING else f.default
+        if f.name in defaults:
+            default = defaults[f.name]
+        else:
+            default = f.default_factory() if f.default_factory is not MISSING else f.default
         if f.type == "bool":
             value = raw.lower() in ("1", "true", "yes") if raw is not None else default
             parser.add_argument(
@@ -332,18 +344,11 @@ OFFLINE_DEFAULTS: dict[str, str | int] = {"prefill_chunk": "off", "max_num_batch
 
 
 def add_engine_args(
-    parser: argparse.ArgumentParser, defaults: dict[str, str | int] | None = None
+    parser: argparse.ArgumentParser, defaults: Mapping[str, object] | None = None
 ) -> None:
     """Add one flag per EngineConfig field, each defaulting to $PDSERVE_<NAME> when set, else to
     `defaults`' value for it (a command's own, as OFFLINE_DEFAULTS), else to the field's."""
-    add_dataclass_args(parser, EngineConfig, _HELP)
-    parser.set_defaults(
-        **{
-            name: value
-            for name, value in (defaults or {}).items()
-            if "PDSERVE_" + name.upper() not in os.environ
-        }
-    )
+    add_dataclass_args(parser, EngineConfig, _HELP, defaults)
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
