@@ -15,7 +15,7 @@ common.bench.step_cost.generate_floor_s), the single-stream ITL as % of a decode
 
     python benchmarks/offline_throughput.py [--dtypes float32,bfloat16] [--num-requests 64]
         [--prompt-len 256] [--output-len 128] [--hf-requests 8] [--skip-hf] [--threads N]
-        [--json PATH] [--seed 0]
+        [--json PATH] [--seed 0] [--kv-cache-dtype auto|int8|fp8|...]
 
 The Markdown tables go to stdout, progress to stderr.
 """
@@ -116,12 +116,13 @@ def run_pdserve(
     output_len: int,
     threads: int,
     limits: machine_limits.Limits | None,
+    kv_cache_dtype: str = "auto",
 ) -> tuple[ThroughputRow, LatencyRow, dict[str, float]]:
     log(f"pdserve {dtype}: loading engine")
     engine = Engine(  # scheduled as `pdserve run-batch` schedules (OFFLINE_DEFAULTS)
         EngineConfig(
             model="default", dtype=dtype, kv_cache_memory="2GiB", num_threads=threads,
-            **OFFLINE_DEFAULTS,
+            kv_cache_dtype=kv_cache_dtype, **OFFLINE_DEFAULTS,
         )
     )  # fmt: skip
     device = engine.runner.device
@@ -141,9 +142,10 @@ def run_pdserve(
     assert out_tokens == len(prompts) * output_len, "pdserve stopped a request early"
     throughput = ThroughputRow(dtype, "pdserve", len(prompts), out_tokens, seconds)
     model, cfg, act = engine.runner.model, resolve_model("default").hf_config, engine.runner.dtype
+    kv = engine.runner.kv_dtype
     if limits is not None:
         n, prompt_len = len(prompts), len(prompts[0])
-        floor_s = generate_floor_s(limits, model, cfg, act, n, prompt_len, output_len)
+        floor_s = generate_floor_s(limits, model, cfg, act, n, prompt_len, output_len, kv)
         throughput.note = f"{100 * floor_s / seconds:.0f}% of ceiling ({out_tokens / floor_s:.0f})"
 
     log(f"pdserve {dtype}: single-stream latency")
@@ -166,7 +168,7 @@ def run_pdserve(
         note=f"each of the {len(itls_ms)} decode steps after the first token",
     )
     if limits is not None and itls_ms:
-        step = decode_floor(limits, model, cfg, 1, len(itl_prompt) + output_len // 2, act)
+        step = decode_floor(limits, model, cfg, 1, len(itl_prompt) + output_len // 2, act, kv)
         latency.note += f"; {100 * step.limit_s * 1e3 / latency.itl_median_ms:.0f}% of limit"
     del engine, seqs
     gc.collect()
@@ -359,6 +361,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: all cores)")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        help="pdserve's KV cache element type (as the engine's flag: auto, int8, fp8, ...)",
+    )
     args = p.parse_args(argv)
     args.dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     bad = [d for d in args.dtypes if d not in ("float32", "bfloat16")]
@@ -403,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     cache: dict[str, dict[str, float]] = {}
     for dtype in args.dtypes:
         tp, lr, cache[dtype] = run_pdserve(
-            dtype, prompts, itl_prompt, args.output_len, threads, limits
+            dtype, prompts, itl_prompt, args.output_len, threads, limits, args.kv_cache_dtype
         )
         rows.append(tp)
         lat.append(lr)

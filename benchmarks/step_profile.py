@@ -26,8 +26,10 @@ step time. `--clock cpu` times with the process's CPU time instead of the wall c
 machine shared with other jobs, use it with `--threads 1` (time spent waiting for a core is then
 not counted). Run: `python benchmarks/step_profile.py [--model default] [--dtype bfloat16]
 [--quantization auto] [--batches 1,8] [--context 256] [--iters 20] [--repeats 3] [--threads N]
-[--clock wall|cpu] [--verify-tokens 3,5,8]`. `--verify-tokens`: after each batch's table, the
-step with k + 1 query tokens per sequence (a speculative verify step) against the decode step,
+[--clock wall|cpu] [--verify-tokens 3,5,8] [--kv-cache-dtype auto|int8|fp8]`
+(`--kv-cache-dtype`: the cache's element type, as the engine's flag; its bytes are in the read
+floor). `--verify-tokens`: after each batch's table, the step with k + 1 query tokens per
+sequence (a speculative verify step) against the decode step,
 both with the C decode layers on, timed in turns, and the verify step's limit (its floors as
 above, every linear on all batch x (k + 1) rows) over the measured decode step: above 1.5x, a
 verify step of 1.5x a decode step is out of reach on this machine whatever the kernels do.
@@ -177,6 +179,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="auto | bfloat16 | int8 | fp8 ...")
     parser.add_argument(
         "--verify-tokens", default="", help="comma list of k + 1: also time verify steps"
     )
@@ -188,7 +191,9 @@ def main() -> None:
     verify = [int(t) for t in args.verify_tokens.split(",") if t]
     blocks_needed = max(batches) * ((args.context + max(verify, default=1)) // 16 + 1)
     dtype = EngineConfig(dtype=args.dtype).resolved_dtype()
-    kv_bytes = blocks_needed * kv_bytes_per_block(source.hf_config, 16, dtype)
+    kv_config = EngineConfig(dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype)
+    kv_dtype = kv_config.resolved_kv_dtype()
+    kv_bytes = blocks_needed * kv_bytes_per_block(source.hf_config, 16, kv_dtype)
     config = EngineConfig(
         model=args.model,
         dtype=args.dtype,
@@ -196,6 +201,7 @@ def main() -> None:
         block_size=16,
         max_model_len=args.context + 16 + max(verify, default=1),
         kv_cache_memory=f"{kv_bytes // (1 << 20) + 16}MiB",
+        kv_cache_dtype=args.kv_cache_dtype,
         num_threads=args.threads,
     )
     runner = ModelRunner(config, source.hf_config, iter_weights(source))
@@ -208,7 +214,7 @@ def main() -> None:
         f"{limits.describe()}"
     )
     for batch in batches:
-        read = decode_read_bytes(runner.model, source.hf_config, batch, args.context, dtype)
+        read = decode_read_bytes(runner.model, source.hf_config, batch, args.context, kv_dtype)
         floor = step_floor(limits, runner.model, batch, dtype, read)
         print(
             f"\nbatch {batch}: reads {read / 1e6:.1f} MB per step, read floor "

@@ -118,10 +118,17 @@ def step_floor(
 
 
 def decode_floor(
-    limits: Limits, model: nn.Module, hf_config, batch: int, context: int, dtype: torch.dtype
+    limits: Limits,
+    model: nn.Module,
+    hf_config,
+    batch: int,
+    context: int,
+    dtype: torch.dtype,
+    kv_dtype: torch.dtype | None = None,
 ) -> StepFloor:
-    """Floors of one decode step: `batch` sequences at `context` cached tokens each."""
-    read = decode_read_bytes(model, hf_config, batch, context, dtype)
+    """Floors of one decode step: `batch` sequences at `context` cached tokens each, the cache
+    in `kv_dtype` (default: the activations' `dtype`)."""
+    read = decode_read_bytes(model, hf_config, batch, context, kv_dtype or dtype)
     return step_floor(limits, model, batch, dtype, read)
 
 
@@ -133,13 +140,16 @@ def generate_floor_s(
     prompts: int,
     prompt_len: int,
     output_len: int,
+    kv_dtype: torch.dtype | None = None,
 ) -> float:
     """Least seconds to generate `output_len` tokens for each of `prompts` prompts at once: one
     prefill (weights read once, every prompt token through every linear, the head on the last
-    tokens), then output_len - 1 decode steps, each taken at the mean context."""
+    tokens), then output_len - 1 decode steps, each taken at the mean context (the cache in
+    `kv_dtype`, default `dtype`)."""
     weights = decode_read_bytes(model, hf_config, 0, 0, dtype)
     prefill = step_floor(limits, model, prompts * prompt_len, dtype, weights, head_rows=prompts)
     if output_len <= 1:
         return prefill.limit_s
-    decode = decode_floor(limits, model, hf_config, prompts, prompt_len + output_len // 2, dtype)
+    context = prompt_len + output_len // 2
+    decode = decode_floor(limits, model, hf_config, prompts, context, dtype, kv_dtype)
     return prefill.limit_s + (output_len - 1) * decode.limit_s
