@@ -113,3 +113,18 @@ def test_generate_floor_is_the_prefill_then_the_decode_steps():
     three = step_cost.generate_floor_s(limits, model, CONFIG, torch.bfloat16, 2, 32, 3)
     assert one == pytest.approx(prefill_s)
     assert three == pytest.approx(prefill_s + 2 * decode_s)
+
+
+def test_an_8_bit_cache_reads_its_codes_and_scales():
+    """The floors count the cache in its own type: int8 codes plus a float32 scale per (token,
+    KV head) row, not the activations' bfloat16."""
+    model = TinyModel(quantized=False, tied=False).to(torch.bfloat16)
+    limits = Limits(read_bytes_per_s=1e6, rates={("bfloat16", 2): 1e12})
+    weights = (128 * 64 + 256 * 64) * 2
+    rows = 2 * 1 * 2 * 10 * 2  # K and V, 1 layer, 2 heads, 10 tokens, 2 sequences
+    for kv_dtype, row_bytes in ((None, 16 * 2), (torch.bfloat16, 16 * 2), (torch.int8, 16 + 4)):
+        floor = step_cost.decode_floor(limits, model, CONFIG, 2, 10, torch.bfloat16, kv_dtype)
+        assert floor.read_s == pytest.approx((weights + rows * row_bytes) / 1e6)
+    bf16 = step_cost.generate_floor_s(limits, model, CONFIG, torch.bfloat16, 2, 8, 5)
+    int8 = step_cost.generate_floor_s(limits, model, CONFIG, torch.bfloat16, 2, 8, 5, torch.int8)
+    assert int8 < bf16
