@@ -26,9 +26,10 @@ step time. `--clock cpu` times with the process's CPU time instead of the wall c
 machine shared with other jobs, use it with `--threads 1` (time spent waiting for a core is then
 not counted). Run: `python benchmarks/step_profile.py [--model default] [--dtype bfloat16]
 [--quantization auto] [--batches 1,8] [--context 256] [--iters 20] [--repeats 3] [--threads N]
-[--clock wall|cpu] [--verify-tokens 3,5,8] [--kv-cache-dtype auto|int8|fp8]`
-(`--kv-cache-dtype`: the cache's element type, as the engine's flag; its bytes are in the read
-floor). `--verify-tokens`: after each batch's table, the step with k + 1 query tokens per
+[--clock wall|cpu] [--verify-tokens 3,5,8] [--kv-cache-dtype auto|int8|fp8]
+[--kernel-choice auto|table|PATH]` (`--kv-cache-dtype`: the cache's element type, as the engine's
+flag, its bytes in the read floor; `--kernel-choice`: the engine's flag, a quantized layer's
+kernel). `--verify-tokens`: after each batch's table, the step with k + 1 query tokens per
 sequence (a speculative verify step) against the decode step,
 both with the C decode layers on, timed in turns, and the verify step's limit (its floors as
 above, every linear on all batch x (k + 1) rows) over the measured decode step: above 1.5x, a
@@ -181,6 +182,9 @@ def main() -> None:
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall")
     parser.add_argument("--kv-cache-dtype", default="auto", help="auto | bfloat16 | int8 | fp8 ...")
     parser.add_argument(
+        "--kernel-choice", default="auto", help="the engine's flag: auto | table | a cpu_quant path"
+    )
+    parser.add_argument(
         "--verify-tokens", default="", help="comma list of k + 1: also time verify steps"
     )
     args = parser.parse_args()
@@ -202,6 +206,7 @@ def main() -> None:
         max_model_len=args.context + 16 + max(verify, default=1),
         kv_cache_memory=f"{kv_bytes // (1 << 20) + 16}MiB",
         kv_cache_dtype=args.kv_cache_dtype,
+        kernel_choice=args.kernel_choice,
         num_threads=args.threads,
     )
     runner = ModelRunner(config, source.hf_config, iter_weights(source))
