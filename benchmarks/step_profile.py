@@ -27,11 +27,12 @@ machine shared with other jobs, use it with `--threads 1` (time spent waiting fo
 not counted). Run: `python benchmarks/step_profile.py [--model default] [--dtype bfloat16]
 [--quantization auto] [--batches 1,8] [--context 256] [--iters 20] [--repeats 3] [--threads N]
 [--clock wall|cpu] [--verify-tokens 3,5,8] [--kv-cache-dtype auto|int8|fp8]
-[--kernel-choice auto|table|PATH]` (`--kv-cache-dtype`: the cache's element type, as the engine's
-flag, its bytes in the read floor; `--kernel-choice`: the engine's flag, a quantized layer's
-kernel). `--verify-tokens`: after each batch's table, the step with k + 1 query tokens per
-sequence (a speculative verify step) against the decode step,
-both with the C decode layers on, timed in turns, and the verify step's limit (its floors as
+[--kernel-choice auto|table|PATH] [--dense-weight-memory auto|SIZE]` (`--kv-cache-dtype`: the
+cache's element type, as the engine's flag, its bytes in the read floor; `--kernel-choice` and
+`--dense-weight-memory`: the engine's flags, a quantized layer's kernel and the budget of the
+dense copies some kernels multiply). `--verify-tokens`: after each batch's table, the step with
+k + 1 query tokens per sequence (a speculative verify step) against the decode step, both with
+the C decode layers on, timed in turns, and the verify step's limit (its floors as
 above, every linear on all batch x (k + 1) rows) over the measured decode step: above 1.5x, a
 verify step of 1.5x a decode step is out of reach on this machine whatever the kernels do.
 Result: the limits' table, then per batch size a line with its floors and a Markdown table (ms
@@ -185,6 +186,9 @@ def main() -> None:
         "--kernel-choice", default="auto", help="the engine's flag: auto | table | a cpu_quant path"
     )
     parser.add_argument(
+        "--dense-weight-memory", default="auto", help="the engine's flag: auto, or a size (0: none)"
+    )
+    parser.add_argument(
         "--verify-tokens", default="", help="comma list of k + 1: also time verify steps"
     )
     args = parser.parse_args()
@@ -207,6 +211,7 @@ def main() -> None:
         kv_cache_memory=f"{kv_bytes // (1 << 20) + 16}MiB",
         kv_cache_dtype=args.kv_cache_dtype,
         kernel_choice=args.kernel_choice,
+        dense_weight_memory=args.dense_weight_memory,
         num_threads=args.threads,
     )
     runner = ModelRunner(config, source.hf_config, iter_weights(source))

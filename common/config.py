@@ -210,7 +210,8 @@ class EngineConfig:
 
 # common.kernels.cpu_quant.KERNEL_CHOICES (not imported: it imports torch)
 _KERNEL_CHOICES = (
-    "auto", "table", "c", "f32tiles", "int4pack", "int8pack", "a8", "dense", "amxbf16", "dequant"
+    "auto", "table", "c", "f32tiles", "int4pack", "int8pack", "a8", "dense", "amxbf16", "amx4",
+    "dequant",
 )
 
 _HELP = {
@@ -274,8 +275,8 @@ _HELP = {
     "kernel_choice": "which kernel multiplies a quantized layer on the CPU at each batch size: "
     "auto (timed on this machine at the first start for the model, threads and CPU, cached in "
     "the kernel cache; `pdserve tune` measures again), table (a fixed table, measured on one "
-    "AVX2 host), or one of c, f32tiles, int4pack, int8pack, a8, dense, amxbf16, dequant (forced "
-    "where it applies)",
+    "AVX2 host), or one of c, f32tiles, int4pack, int8pack, a8, dense, amxbf16, amx4, dequant "
+    "(forced where it applies)",
     "dense_weight_memory": "memory the CPU quantized layers may spend on a copy of their weights "
     "dequantized to --dtype (2 bytes per weight in bfloat16), multiplied by the CPU's 16-bit GEMM "
     "(AMX/AVX-512) at the batch sizes where that measures faster (prompt steps, big batches): "

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from common.kernels.cbuild import CLibrary
+from common.kernels.quant_weight import QuantWeight
 
 PANEL = 16  # output columns per packed panel
 DEPTH = 32  # K per tile (16 pairs of bfloat16)
@@ -35,6 +36,7 @@ _SOURCE = Path(__file__).parent / "csrc" / "dense_amx.c"
 _p, _i = ctypes.c_void_p, ctypes.c_int
 _SIGNATURES = {
     "dense_amx": [_p, ctypes.c_long, _i, _i, _i, _p, _p, _i],
+    "dense_amx_q4": [_p, ctypes.c_long, _i, _i, _i, _p, _p, _p, _i, _p, _i],
     "dense_amx_available": [],
 }
 
@@ -80,4 +82,51 @@ def matmul(x: torch.Tensor, packed: torch.Tensor, lib: CLibrary | None = None) -
     )  # fmt: skip
     if rc != 0:
         raise RuntimeError(f"AMX matmul failed (code {rc})")
+    return out
+
+
+def supports_int4(w: QuantWeight) -> bool:
+    """Whether `matmul_int4` takes this weight: 4-bit, whole panels and tiles, groups of a
+    multiple of 32 columns (so a tile lies in one group)."""
+    g = w.group_size
+    return w.bits == 4 and supports(w.n, w.k) and g >= DEPTH and g % DEPTH == 0 and w.k % g == 0
+
+
+def pack_int4(w: QuantWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A 4-bit weight as dense_amx_q4 reads it, 0.5 byte a weight plus its scales: codes per
+    panel of 16 columns and 32 columns of K, 16 rows (pairs of K) of 16 bytes (one per column,
+    low nibble the pair's first code); scale and zero float32 [panels, groups, 16]."""
+    if not supports_int4(w):
+        raise ValueError(f"the AMX int4 matmul does not take {w}")
+    panels, tiles, groups = w.n // PANEL, w.k // DEPTH, w.k // w.group_size
+    # qweight [n, k/2]: byte j of row c holds K 2j (low nibble) and 2j + 1 (high)
+    codes = w.qweight.view(panels, PANEL, tiles, DEPTH // 2).permute(0, 2, 3, 1).contiguous()
+
+    def panel_floats(t: torch.Tensor) -> torch.Tensor:
+        return t.to(torch.float32).view(panels, PANEL, groups).permute(0, 2, 1).contiguous()
+
+    zero = None if w.zero is None else panel_floats(w.zero)
+    return codes, panel_floats(w.scale), zero
+
+
+def matmul_int4(
+    x: torch.Tensor,
+    packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
+    group_size: int,
+    lib: CLibrary | None = None,
+) -> torch.Tensor:
+    """x [M, K] (bfloat16 rows) @ W.T for W packed by `pack_int4`: the bits of `matmul` over
+    pack(W.dequantize(bfloat16)), with no dense copy kept (each panel made as it is used)."""
+    codes, scale, zero = packed
+    n, k = codes.shape[0] * PANEL, codes.shape[1] * DEPTH
+    if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1:
+        raise ValueError(f"AMX matmul: x must be bfloat16 [M, {k}] rows, not {tuple(x.shape)}")
+    out = torch.empty(x.shape[0], n, dtype=torch.bfloat16)
+    rc = (lib or _LIB).get().dense_amx_q4(
+        x.data_ptr(), x.stride(0), x.shape[0], k, n, codes.data_ptr(), scale.data_ptr(),
+        None if zero is None else zero.data_ptr(), group_size, out.data_ptr(),
+        torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise RuntimeError(f"AMX int4 matmul failed (code {rc})")
     return out

@@ -13,8 +13,8 @@ new tokens in all (verifying drafts, short prefill chunks) and to verify-shaped 
 own with its sequence's block table, causally, on the CPU with float32 or bfloat16 activations, a
 KV cache in that dtype or 8-bit (int8 / fp8 with scales: quantized and read in C), the torch
 attention backend, and every projection quantized and served at this batch size by the C kernel
-or the int8-activation GEMM or the AMX bfloat16 one (`cpu_quant.path_for`: c, a8 or amxbf16,
-each called from C); anything else
+or the int8-activation GEMM or the AMX bfloat16 one over a dense copy or over the 4-bit codes
+(`cpu_quant.path_for`: c, a8, amxbf16 or amx4, each called from C); anything else
 returns None and the caller runs the per-op path. The model side describes each layer as a
 `LayerWeights` (tensors, kernel weights and numbers; nothing here knows the model's classes) and
 keeps them in a `DecodeLayers`, which holds the C structs made from them per (layers run, batch
@@ -61,7 +61,7 @@ VERIFY_QUERY_LEN, MAX_VERIFY_ROWS = 8, 512
 # run) serves only larger batches (common.model.model_runner; cpu_quant.set_dense_weights). A
 # verify step of more rows runs here where the tune put c, a8 or amxbf16 first at its size.
 DENSE_FLOOR_ROWS = 64
-_FUSED_PATHS = ("c", "a8", "amxbf16")  # the cpu_quant paths the C layers run projections by
+_FUSED_PATHS = ("c", "a8", "amxbf16", "amx4")  # the cpu_quant paths the C layers run projections by
 _p, _i, _f, _l = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_long
 
 
@@ -246,15 +246,21 @@ def _fits(t: torch.Tensor, x: torch.Tensor) -> bool:
 
 
 def _proj(w: QuantWeight, bias: torch.Tensor | None, x: torch.Tensor, panels: list) -> _Proj:
-    """The projection through the path cpu_quant chose for x's rows (c, a8 or amxbf16): pointers
-    into the weight's own tensors (`c_weights`) or into its a8 panels or AMX tiles, which go
-    into `panels`."""
+    """The projection through the path cpu_quant chose for x's rows (c, a8, amxbf16 or amx4):
+    pointers into the weight's own tensors (`c_weights`) or into its a8 panels, AMX tiles or
+    tile-ordered codes, which go into `panels`."""
     bias_ptr = None if bias is None else bias.data_ptr()
     path = cpu_quant.path_for(w, x)
     if path == "amxbf16":  # dense bfloat16 tiles: no scales, 16 bits a weight
         packed = cpu_quant.amx_weights(w)
         panels.append(packed)
         return _Proj(packed.data_ptr(), None, None, bias_ptr, 16, 0, 0, w.n, w.k, 2)
+    if path == "amx4":  # 4-bit codes in tile order, float32 scales (and zeros)
+        codes, scale, zero = cpu_quant.amx4_weights(w)
+        panels.append((codes, scale, zero))
+        zero_ptr = None if zero is None else zero.data_ptr()
+        return _Proj(codes.data_ptr(), scale.data_ptr(), zero_ptr, bias_ptr, 4, w.group_size, 0,
+                     w.n, w.k, 3)  # fmt: skip
     if path == "a8":
         packed = cpu_quant.a8_weights(w)
         panels.append(packed)

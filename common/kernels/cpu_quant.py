@@ -24,6 +24,10 @@ Paths, all computing x [M, K] @ W.T for W = the dequantized weight:
   amxbf16    common.kernels.cpu_dense: bfloat16 x times such a copy (bfloat16, in the AMX tile
              layout) on the tile unit, float32 sums over all of K; AMX-BF16 hosts, within the
              same budget (one more copy). The C decode layers run it too (unlike dense).
+  amx4       common.kernels.cpu_dense's int4 form: amxbf16's products, bit for bit, with no dense
+             copy: the 4-bit codes in tile order (half a byte a weight, and float32 scales) and
+             each panel dequantized to bfloat16 as a thread reaches it. Groups of a multiple of
+             32 columns; the C decode layers run it too.
   dequant    dequantize to x's dtype, then F.linear: the reference.
 Which runs is `kernel_choice` (EngineConfig.kernel_choice, --kernel-choice, set by
 common.kernels.tune.prepare at an engine's start):
@@ -75,7 +79,7 @@ TABLE: list[tuple[int, int, tuple[str, ...]]] = [
     (8, MIN_ROWS - 1, ("a8", "int8pack", "c", "dequant")),  # int8pack: per channel only
     (8, 1 << 30, ("a8", "f32tiles", "int8pack", "c", "dequant")),
 ]
-PATHS = ("c", "f32tiles", "int4pack", "int8pack", "a8", "dense", "amxbf16", "dequant")
+PATHS = ("c", "f32tiles", "int4pack", "int8pack", "a8", "dense", "amxbf16", "amx4", "dequant")
 ACTIVATION_MODES = ("auto", "int8", "float")
 activations = "auto"  # see the module docstring; set_activations changes it
 KERNEL_CHOICES = ("auto", "table", *PATHS)
@@ -190,6 +194,13 @@ def applies(path: str, w: QuantWeight, x: torch.Tensor) -> bool:
             and cpu_dense.supports(w.n, w.k)
             and cpu_dense.available()
         )
+    if path == "amx4":
+        return (
+            x.dtype == torch.bfloat16
+            and cpu_dense.MIN_ROWS < x.shape[0] <= cpu_dense.MAX_ROWS
+            and cpu_dense.supports_int4(w)
+            and cpu_dense.available()
+        )
     return path == "dequant"
 
 
@@ -277,6 +288,9 @@ def run_path(path: str, x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
         return F.linear(x, weight)
     if path == "amxbf16":
         return cpu_dense.matmul(x if x.stride(1) == 1 else x.contiguous(), amx_weights(w))
+    if path == "amx4":
+        x = x if x.stride(1) == 1 else x.contiguous()
+        return cpu_dense.matmul_int4(x, amx4_weights(w), w.group_size)
     return F.linear(x, w.dequantize(x.dtype))
 
 
@@ -288,6 +302,8 @@ def copy_for(path: str, w: QuantWeight, dtype: torch.dtype):
         return a8_weights(w)
     if path == "amxbf16":
         return amx_weights(w)
+    if path == "amx4":
+        return amx4_weights(w)
     if path == "dense":
         return _prepared(w, path, dtype, _dense_copy)
     if path == "int4pack":
@@ -340,6 +356,13 @@ def amx_weights(w: QuantWeight) -> torch.Tensor:
     """The weight dequantized to bfloat16 in the AMX tile layout, made once and kept on it (the
     C decode layers call that kernel on it too)."""
     return _prepared(w, "amxbf16", None, lambda w: cpu_dense.pack(w.dequantize(torch.bfloat16)))
+
+
+def amx4_weights(w: QuantWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The 4-bit codes in the AMX tile order with their float32 scales and zeros
+    (cpu_dense.pack_int4), made once and kept on the weight (the C decode layers call that
+    kernel on it too)."""
+    return _prepared(w, "amx4", None, cpu_dense.pack_int4)
 
 
 def _prepared(w: QuantWeight, path: str, dtype: torch.dtype | None, make):

@@ -52,15 +52,15 @@ from common.kernels.quant_weight import QuantWeight
 
 log = logging.getLogger(__name__)
 
-VERSION = 5  # of the method and the file: part of the key (2: a8 credited like c; 3: dense;
-# 4: amxbf16; 5: amxbf16 from 17 rows)
+VERSION = 6  # of the method and the file: part of the key (2: a8 credited like c; 3: dense;
+# 4: amxbf16; 5: amxbf16 from 17 rows; 6: amx4)
 M_POINTS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 MAX_ROWS = 2048
 # the C decode layers (common.kernels.cpu_layer) fold about this many torch calls of a decoder
 # layer into one C call where its four projections all take c, a8 or amxbf16: their sums are
 # credited
 LAYER_OPS = 12
-FUSED_PATHS = ("c", "a8", "amxbf16")
+FUSED_PATHS = ("c", "a8", "amxbf16", "amx4")
 _DECODER_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 # best of, at M <= 16 and above (longer calls, smaller spread); then more of the unconfirmed
 ROUNDS, ROUNDS_LARGE, EXTRA_ROUNDS = 5, 3, 3

@@ -54,12 +54,15 @@ int qgemm_a8(const void *x_in, long x_stride, int xdtype, int M, int K, int N, i
              int nthreads);
 int dense_amx(const uint16_t *x, long x_stride, int M, int K, int N, const uint16_t *packed,
               uint16_t *out, int nthreads);
+int dense_amx_q4(const uint16_t *x, long x_stride, int M, int K, int N, const uint8_t *codes,
+                 const float *scale, const float *zero, int group, uint16_t *out, int nthreads);
 
 /* A quantized projection [n, k]; zero and bias may be NULL. bias has the activations' dtype.
  * a8 = 0: quant_matmul's format (float activations); a8 = 1: quant_gemm.c's panels (qweight the
  * codes; sdtype the format of its scale and zero, quant_gemm.c's sf), activations quantized
  * to int8 per row and block of 32; a8 = 2: dense_amx.c's tiles of the bfloat16 weight (qweight;
- * bfloat16 activations only, no scales). */
+ * bfloat16 activations only, no scales); a8 = 3: dense_amx_q4's 4-bit codes in tile order
+ * (qweight), float32 scale and zero [panels, groups, 16] (bfloat16 activations only). */
 typedef struct {
     const void *qweight, *scale, *zero, *bias;
     int bits, group_size, sdtype, n, k, a8;
@@ -112,7 +115,10 @@ static void add_bias(void *out, const void *bias, int T, int n, int dtype) {
 
 static int project(const Proj *p, const Step *s, const void *x, void *out) {
     int rc;
-    if (p->a8 == 2)
+    if (p->a8 == 3)
+        rc = dense_amx_q4(x, p->k, s->tokens, p->k, p->n, p->qweight, p->scale, p->zero,
+                          p->group_size, out, s->threads);
+    else if (p->a8 == 2)
         rc = dense_amx(x, p->k, s->tokens, p->k, p->n, p->qweight, out, s->threads);
     else if (p->a8)
         rc = qgemm_a8(x, p->k, s->dtype, s->tokens, p->k, p->n, p->bits, p->group_size,

@@ -90,51 +90,147 @@ int dense_amx_available(void) {
 #endif
 }
 
-/* x [M, K] bfloat16 (row stride x_stride elements), packed W [N, K] (above), out [M, N]
- * bfloat16 contiguous. 0, or -1 (no AMX here, or shapes it does not take), 1 out of memory. */
-int dense_amx(const uint16_t *x, long x_stride, int M, int K, int N, const uint16_t *packed,
-              uint16_t *out, int nthreads) {
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
-    if (!amx_ok || M < 1 || K < 32 || K % 32 || N < 16 || N % 16) return -1;
+/* A 4-bit weight whose panels are made as they are used (dense_amx_q4): codes in tile order
+ * (cpu_dense.pack_int4: per panel, per 32 columns of K, 16 rows of 16 bytes, byte c of row r
+ * holding column c's codes for K 2r (low nibble) and 2r + 1 (high)); scale, zero (or NULL)
+ * float32 [panels][K / group][16]; group a multiple of 32, so a tile lies in one group. */
+typedef struct {
+    const uint8_t *codes;
+    const float *scale, *zero;
+    int group;
+} Q4;
+
+/* Panel p of w in the packed layout above, each value as QuantWeight.dequantize(bfloat16)
+ * makes it: (q - 8) * s, rounded, + z, rounded (float32, nearest even; no fused multiply-add),
+ * then to bfloat16 (nearest even). So the products are amxbf16's, bit for bit. */
+static void dequant_panel(const Q4 *w, long p, int K, uint16_t *dst) {
+    const int groups = K / w->group;
+    const __m512i lo = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    const __m512i hi = _mm512_add_epi32(lo, _mm512_set1_epi32(8));
+    const __m128i nibble = _mm_set1_epi8(0x0F);
+    /* q - 8 for each code q, as a float: one permute where a conversion and a subtraction were */
+    const __m512 centred = _mm512_set_ps(7, 6, 5, 4, 3, 2, 1, 0, -1, -2, -3, -4, -5, -6, -7, -8);
+    const int rn = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    for (int t = 0; t < K / 32; t++) {
+        const size_t at = ((size_t)p * groups + (size_t)32 * t / w->group) * 16;
+        const __m512 s = _mm512_loadu_ps(w->scale + at);
+        const __m512 s0 = _mm512_permutexvar_ps(lo, s), s1 = _mm512_permutexvar_ps(hi, s);
+        __m512 z0 = _mm512_setzero_ps(), z1 = z0;
+        if (w->zero != NULL) {
+            const __m512 z = _mm512_loadu_ps(w->zero + at);
+            z0 = _mm512_permutexvar_ps(lo, z);
+            z1 = _mm512_permutexvar_ps(hi, z);
+        }
+        const uint8_t *src = w->codes + ((size_t)p * (K / 32) + t) * 256;
+        uint16_t *row = dst + (size_t)t * 512;
+        for (int r = 0; r < 16; r++, src += 16, row += 32) {
+            const __m128i b = _mm_loadu_si128((const __m128i *)src);
+            const __m128i l = _mm_and_si128(b, nibble);
+            const __m128i h = _mm_and_si128(_mm_srli_epi16(b, 4), nibble);
+            /* columns 0-7 and 8-15, each column's two codes side by side */
+            __m512 v0 = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(l, h)), centred);
+            __m512 v1 = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_unpackhi_epi8(l, h)), centred);
+            v0 = _mm512_mul_round_ps(v0, s0, rn);
+            v1 = _mm512_mul_round_ps(v1, s1, rn);
+            if (w->zero != NULL) {
+                v0 = _mm512_add_round_ps(v0, z0, rn);
+                v1 = _mm512_add_round_ps(v1, z1, rn);
+            }
+            _mm512_storeu_si512(row, (__m512i)_mm512_cvtne2ps_pbh(v1, v0));
+        }
+    }
+}
+
+/* dense_amx's work over a packed bfloat16 weight, or (q4) a 4-bit one's panels made per
+ * thread, two at a time, as each pair of panels is reached */
+static int amx_matmul(const uint16_t *x, long x_stride, int M, int K, int N,
+                      const uint16_t *packed, const Q4 *q4, uint16_t *out, int nthreads) {
     const int whole = M / 32 * 32, tail = M - whole, panels = N / 16, pairs = (panels + 1) / 2;
     const long tiles = (long)K / 32 * 512; /* elements of one panel */
-    uint16_t *pad_x = NULL, *pad_w = NULL;
+    uint16_t *pad_x = NULL, *pad_w = NULL, *made = NULL;
     if (tail) { /* the last rows, zero-padded to 32 */
         pad_x = calloc((size_t)32 * K, 2);
         if (pad_x == NULL) return 1;
         for (int r = 0; r < tail; r++)
             memcpy(pad_x + (long)r * K, x + (long)(whole + r) * x_stride, (size_t)K * 2);
     }
-    if (panels % 2) { /* an odd last panel's partner: zeros */
+    if (panels % 2) /* an odd last panel's partner: zeros */
         pad_w = calloc((size_t)tiles, 2);
-        if (pad_w == NULL) {
-            free(pad_x);
-            return 1;
-        }
+    if (q4 != NULL) /* each thread's two panels */
+        made = malloc(sizeof(uint16_t) * 2 * (size_t)tiles * (nthreads > 0 ? nthreads : 1));
+    if ((panels % 2 && pad_w == NULL) || (q4 != NULL && made == NULL)) {
+        free(pad_x);
+        free(pad_w);
+        free(made);
+        return 1;
     }
 #pragma omp parallel num_threads(nthreads)
     {
+#ifdef _OPENMP
+        uint16_t *mine = made ? made + (size_t)omp_get_thread_num() * 2 * tiles : NULL;
+#else
+        uint16_t *mine = made;
+#endif
         amx_configure_full();
 #pragma omp for schedule(static)
         for (int q = 0; q < pairs; q++) {
             const long p = 2L * q;
-            const uint16_t *w0 = packed + p * tiles;
-            const uint16_t *w1 = p + 1 < panels ? w0 + tiles : pad_w;
+            const uint16_t *w0, *w1;
+            if (q4 != NULL) {
+                dequant_panel(q4, p, K, mine);
+                if (p + 1 < panels) dequant_panel(q4, p + 1, K, mine + tiles);
+                w0 = mine;
+                w1 = p + 1 < panels ? mine + tiles : pad_w;
+            } else {
+                w0 = packed + p * tiles;
+                w1 = p + 1 < panels ? w0 + tiles : pad_w;
+            }
             const int cols = p + 1 < panels ? 32 : 16;
             for (int m0 = 0; m0 < whole; m0 += 32)
                 block(x + (long)m0 * x_stride, x_stride, K, w0, w1, out + (long)m0 * N, N,
-                      16 * p, 32, cols, m0 == 0);
+                      16 * p, 32, cols, q4 == NULL && m0 == 0);
             if (tail)
                 block(pad_x, K, K, w0, w1, out + (long)whole * N, N, 16 * p, tail, cols,
-                      whole == 0);
+                      q4 == NULL && whole == 0);
         }
         _tile_release();
     }
     free(pad_x);
     free(pad_w);
+    free(made);
     return 0;
+}
+#endif
+
+/* x [M, K] bfloat16 (row stride x_stride elements), packed W [N, K] (above), out [M, N]
+ * bfloat16 contiguous. 0, or -1 (no AMX here, or shapes it does not take), 1 out of memory. */
+int dense_amx(const uint16_t *x, long x_stride, int M, int K, int N, const uint16_t *packed,
+              uint16_t *out, int nthreads) {
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+    if (!amx_ok || M < 1 || K < 32 || K % 32 || N < 16 || N % 16) return -1;
+    return amx_matmul(x, x_stride, M, K, N, packed, NULL, out, nthreads);
 #else
     (void)x, (void)x_stride, (void)M, (void)K, (void)N, (void)packed, (void)out, (void)nthreads;
+    return -1;
+#endif
+}
+
+/* dense_amx for a 4-bit weight (codes, scale, zero or NULL, group: see Q4 above) without a
+ * dense copy: each panel dequantized to bfloat16 as a thread reaches it, the same bits as
+ * dense_amx over pack(dequantize(bfloat16)). Same returns; -1 also for a group that is not a
+ * multiple of 32. */
+int dense_amx_q4(const uint16_t *x, long x_stride, int M, int K, int N, const uint8_t *codes,
+                 const float *scale, const float *zero, int group, uint16_t *out, int nthreads) {
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+    if (!amx_ok || M < 1 || K < 32 || K % 32 || N < 16 || N % 16 || group < 32 || group % 32 ||
+        K % group)
+        return -1;
+    const Q4 q4 = {codes, scale, zero, group};
+    return amx_matmul(x, x_stride, M, K, N, NULL, &q4, out, nthreads);
+#else
+    (void)x, (void)x_stride, (void)M, (void)K, (void)N, (void)codes, (void)scale, (void)zero;
+    (void)group, (void)out, (void)nthreads;
     return -1;
 #endif
 }

@@ -102,3 +102,72 @@ def test_the_quant_path_serves_between_its_row_limits(monkeypatch) -> None:
     assert not cpu_quant.applies("amxbf16", weight, rows(64, torch.float32))
     monkeypatch.setattr(cpu_quant, "dense_weights", False)
     assert not cpu_quant.applies("amxbf16", weight, rows(64))
+
+
+def _int4_weight(n: int, k: int, group: int, zero: bool, seed: int):
+    from common.kernels.quant_weight import QuantWeight
+
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)
+    scale = (torch.rand(n, k // group, generator=g) * 0.02).to(torch.float16)
+    zeros = (torch.randn(n, k // group, generator=g) * 0.01).to(torch.float16) if zero else None
+    return QuantWeight(4, group, codes, scale, zeros, n, k)
+
+
+def test_pack_int4_puts_each_pair_of_codes_where_its_tile_row_is() -> None:
+    w = _int4_weight(32, 128, 64, True, 0)
+    codes, scale, zero = cpu_dense.pack_int4(w)
+    assert codes.shape == (2, 4, 16, 16) and codes.dtype == torch.uint8
+    # panel p, tile t, pair row r, column c: the byte of W[16p + c] holding K 32t + 2r, + 1
+    for p, t, r, c in [(0, 0, 0, 0), (1, 3, 15, 15), (0, 2, 7, 9), (1, 1, 4, 3)]:
+        assert codes[p, t, r, c] == w.qweight[16 * p + c, 16 * t + r]
+    assert scale.shape == zero.shape == (2, 2, 16) and scale.dtype == torch.float32
+    assert scale[1, 1, 5] == w.scale[21, 1].float() and zero[0, 1, 2] == w.zero[2, 1].float()
+    assert cpu_dense.supports_int4(w)
+    assert not cpu_dense.supports_int4(_int4_weight(32, 128, 16, False, 0))  # group < a tile
+    with pytest.raises(ValueError, match="does not take"):
+        cpu_dense.pack_int4(_int4_weight(20, 128, 32, False, 0))  # not whole panels
+
+
+@needs_amx
+@pytest.mark.parametrize("zero", [False, True])
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("n,k", [(48, 128), (960, 576)])  # 48: an odd panel count
+def test_int4_gives_the_dense_copys_bits(zero, group, n, k) -> None:
+    """Each panel made from the codes as it is used is the dense copy's panel, bit for bit:
+    (q - 8) * s + z rounded as QuantWeight.dequantize rounds it, then to bfloat16."""
+    if k % group:
+        pytest.skip("K not a whole number of groups")
+    w = _int4_weight(n, k, group, zero, n + k + group)
+    dense, packed = cpu_dense.pack(w.dequantize(torch.bfloat16)), cpu_dense.pack_int4(w)
+    g = torch.Generator().manual_seed(group)
+    for m in (1, 3, 17, 32, 64, 65, 130):
+        x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+        out = cpu_dense.matmul_int4(x, packed, group)
+        assert torch.equal(out, cpu_dense.matmul(x, dense)), m
+    with pytest.raises(ValueError, match="bfloat16"):
+        cpu_dense.matmul_int4(torch.zeros(2, k), packed, group)  # float32
+
+
+def test_the_int4_quant_path_serves_between_its_row_limits() -> None:
+    """cpu_quant's amx4: bfloat16 rows from MIN_ROWS + 1 to MAX_ROWS on an AMX-BF16 host, with
+    no dense-copy budget needed; a group below 32 columns is not taken."""
+    from common.kernels import cpu_quant
+    from common.model.quant import QuantLinear, quantize_rtn
+
+    weight = QuantLinear(quantize_rtn(torch.randn(96, 256), 4, 32)).kernel_weight()
+
+    def rows(m: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        return torch.zeros(m, 256, dtype=dtype)
+
+    limits = (1, cpu_dense.MIN_ROWS, cpu_dense.MIN_ROWS + 1, cpu_dense.MAX_ROWS)
+    tried = (*limits, cpu_dense.MAX_ROWS + 1)
+    served = [m for m in tried if cpu_quant.applies("amx4", weight, rows(m))]
+    assert served == (list(limits[2:]) if cpu_dense.available() else [])
+    assert not cpu_quant.applies("amx4", weight, rows(64, torch.float32))
+    small = QuantLinear(quantize_rtn(torch.randn(96, 256), 4, 16)).kernel_weight()
+    assert not cpu_quant.applies("amx4", small, rows(64))
+    if cpu_dense.available():
+        x = torch.randn(40, 256).to(torch.bfloat16)
+        reference = cpu_quant.run_path("amxbf16", x, weight)
+        assert torch.equal(cpu_quant.run_path("amx4", x, weight), reference)

@@ -247,6 +247,29 @@ def test_amx_bf16_projections_run_inside_the_c_layers(tiny_llama, mode, monkeypa
     torch.testing.assert_close(fused.float(), reference.float(), rtol=0.05, atol=0.05)
 
 
+def test_amx_int4_projections_run_inside_the_c_layers(tiny_llama, monkeypatch) -> None:
+    """The 4-bit codes on AMX tiles (cpu_quant's amx4, no dense copy): the C layers call that
+    kernel themselves, bit-identical to the per-op path and to the dense copies' amxbf16."""
+    from common.kernels import cpu_dense
+
+    if not cpu_dense.available():
+        pytest.skip("no AMX-BF16 here")
+    hf_model, _ = tiny_llama
+    monkeypatch.setattr(cpu_dense, "MIN_ROWS", 0)  # it serves 17+ rows: here 3
+    runner = _runner(hf_model, "int4", "bfloat16", kernel="amx4")
+    inputs = _prefill_then_decode_inputs(runner)
+    per_op = _forward(runner, inputs, False, monkeypatch)
+    fused = _forward(runner, inputs, True, monkeypatch)
+    assert _stack_in_use(runner)
+    weight = runner.model.layers[0].mlp.gate_up_proj.kernel_weight()
+    rows = torch.zeros(len(CONTEXTS), weight.k, dtype=torch.bfloat16)
+    assert cpu_quant.path_for(weight, rows) == "amx4"
+    assert torch.equal(fused, per_op), (fused.float() - per_op.float()).abs().max()
+    dense = _runner(hf_model, "int4", "bfloat16", kernel="amxbf16")
+    copies = _forward(dense, _prefill_then_decode_inputs(dense), True, monkeypatch)
+    assert torch.equal(fused, copies)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_half_scale_a8_panels_inside_the_c_layers(tiny_llama, dtype, monkeypatch) -> None:
     """Scales and zeros as a GGUF Q4_1 weight has them (float16 scale and minimum; a bfloat16
