@@ -7,6 +7,9 @@ bfloat16 per output: no per-block float steps, which bound the int8-activation k
 16-128 rows. The C decode layers run it inside their one call a layer, unlike oneDNN's dense
 path (measured: the per-op path that oneDNN needs cost more than its faster matmul saved at
 64 sequences). Where it serves is the kernel tune's choice, by measurement on the host.
+`matmul_int4` (cpu_quant's "amx4") gives the same bits from a 4-bit weight with no dense copy:
+the codes kept in tile order (`pack_int4`, half a byte a weight plus float32 scales), each
+panel dequantized to bfloat16 by the thread that reaches it.
 """
 
 from __future__ import annotations

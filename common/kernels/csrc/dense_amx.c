@@ -1,7 +1,9 @@
 /* A bfloat16 matmul on AMX tiles for the CPU: out[M, N] = x[M, K] @ W.T, x and out bfloat16,
  * W a dense bfloat16 copy of a quantized weight (cpu_quant's "amxbf16" path; the C decode
  * layers call it too). Compiled on first use by common/kernels/cpu_dense.py, which also packs
- * W into the tile layout below; entry points `dense_amx` and `dense_amx_available`.
+ * W into the tile layout below; entry points `dense_amx`, `dense_amx_q4` (the same products
+ * from a 4-bit weight's codes, each panel made as it is reached: cpu_quant's "amx4") and
+ * `dense_amx_available`.
  *
  * Why: at 16-128 rows (decode batches, verify steps) the int8-activation kernel's per-block
  * float steps bound it (quant_gemm.c), while a dense weight needs none: each output tile sums
