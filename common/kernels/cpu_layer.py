@@ -59,7 +59,7 @@ MAX_MULTI_ROWS = 16
 VERIFY_QUERY_LEN, MAX_VERIFY_ROWS = 8, 512
 # Decode steps of up to this many sequences keep the C layers: the dense path (which they cannot
 # run) serves only larger batches (common.model.model_runner; cpu_quant.set_dense_weights). A
-# verify step of more rows runs here where the tune put c, a8 or amxbf16 first at its size.
+# verify step of more rows runs here where the tune put c, a8, amxbf16 or amx4 first at its size.
 DENSE_FLOOR_ROWS = 64
 _FUSED_PATHS = ("c", "a8", "amxbf16", "amx4")  # the cpu_quant paths the C layers run projections by
 _p, _i, _f, _l = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_long

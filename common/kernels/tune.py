@@ -13,12 +13,12 @@ slower at some M than the fastest at that M times 256 / M is not timed at larger
 does not drop as M grows, the fastest's at most grows with M) and ranks after those that were. Sums
 where a path does not apply to one of the layers count that layer at its fastest path's time. The C
 decode layers (common.kernels.cpu_layer) run a whole decoder layer in one C call only where all its
-projections take c, a8 or amxbf16, saving the torch calls between them that a matmul's timing
-does not see: where they are on, those paths' sums for the projections' width are credited with
-`LAYER_OPS` small torch calls, timed here. A few seconds on a 2-core host for the default model. A
-measurement where more than `MAX_UNSURE` of the timings stayed unconfirmed (a machine busy with
-other work) serves its process but is not cached (`pdserve tune` writes it anyway, with that share
-in the file).
+projections take c, a8, amxbf16 or amx4, saving the torch calls between them that a matmul's
+timing does not see: where they are on, those paths' sums for the projections' width are credited
+with `LAYER_OPS` small torch calls, timed here. A few seconds on a 2-core host for the default
+model. A measurement where more than `MAX_UNSURE` of the timings stayed unconfirmed (a machine busy
+with other work) serves its process but is not cached (`pdserve tune` writes it anyway, with that
+share in the file).
 
 The result, per bits, is each point's paths ordered fastest first; a batch of M rows uses the
 order of the first point >= M (the last beyond 256), so point m_i serves M in (m_{i-1}, m_i].
@@ -57,7 +57,7 @@ VERSION = 6  # of the method and the file: part of the key (2: a8 credited like 
 M_POINTS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 MAX_ROWS = 2048
 # the C decode layers (common.kernels.cpu_layer) fold about this many torch calls of a decoder
-# layer into one C call where its four projections all take c, a8 or amxbf16: their sums are
+# layer into one C call where its four projections all take c, a8, amxbf16 or amx4: their sums are
 # credited
 LAYER_OPS = 12
 FUSED_PATHS = ("c", "a8", "amxbf16", "amx4")

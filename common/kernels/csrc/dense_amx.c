@@ -37,10 +37,11 @@
 /* Bytes of each W panel asked for into L2 ahead of its tile loads, by the first row block of a
  * panel pair (the later ones find it in cache). In a decode step the weights come from memory,
  * and the tile loads stalled on them: in a profile of a batch-64 step (C decode layers) this
- * kernel had 29% of the samples, 63% of its own on the W loads and the product after them. Measured (the default model's 30 layers of projections,
- * bfloat16 copies, caches evicted, 2 threads, seven runs alternated, medians): M = 16 10.0 ->
- * 9.2 ms, 32 10.1 -> 9.1 (2 KiB ahead: 9.1), 64 12.9 -> 11.9 (1, 2, 8 and 16 KiB within 0.5 ms
- * of it), 128 20.9 -> 20.0, 256 33.2 -> 32.0. */
+ * kernel had 29% of the samples, 63% of its own on the W loads and the product after them.
+ * Measured (the default model's 30 layers of projections, bfloat16 copies, caches evicted, 2
+ * threads, seven runs alternated, medians): M = 16 10.0 -> 9.2 ms, 32 10.1 -> 9.1 (2 KiB
+ * ahead: 9.1), 64 12.9 -> 11.9 (1, 2, 8 and 16 KiB within 0.5 ms of it), 128 20.9 -> 20.0,
+ * 256 33.2 -> 32.0. */
 #define W_AHEAD 4096
 
 /* Tiles (amx_configure_full: all 16 rows x 64 bytes): tmm0-3 the 2 x 2 result tiles (16 rows
@@ -206,9 +207,8 @@ static int amx_matmul(const uint16_t *x, long x_stride, int M, int K, int N,
                     block(pad_x, K, K, w0, w1, out + (long)whole * N, N, 16 * p, tail, cols,
                           whole == 0, NULL);
             }
-        } else { /* the pairs dealt out as the loop above deals them, each thread's next pair
-                  * made while it multiplies the one before (a pair's bits do not depend on
-                  * the thread) */
+        } else { /* each thread a contiguous share of the pairs, its next pair made while it
+                  * multiplies the one before (a pair's bits do not depend on the thread) */
 #ifdef _OPENMP
             const int me = omp_get_thread_num(), nth = omp_get_num_threads();
 #else
