@@ -73,12 +73,17 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return w.permute(0, 2, 3, 1, 4).contiguous()
 
 
+def _out_for(x: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The result of x @ W.T for a W of [n, k], after checking that the kernels take x."""
+    if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1:
+        raise ValueError(f"AMX matmul: x must be bfloat16 [M, {k}] rows, not {tuple(x.shape)}")
+    return torch.empty(x.shape[0], n, dtype=torch.bfloat16)
+
+
 def matmul(x: torch.Tensor, packed: torch.Tensor, lib: CLibrary | None = None) -> torch.Tensor:
     """x [M, K] (bfloat16, rows of contiguous elements) @ W.T for W packed by `pack`."""
     n, k = packed.shape[0] * PANEL, packed.shape[1] * DEPTH
-    if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1:
-        raise ValueError(f"AMX matmul: x must be bfloat16 [M, {k}] rows, not {tuple(x.shape)}")
-    out = torch.empty(x.shape[0], n, dtype=torch.bfloat16)
+    out = _out_for(x, n, k)
     rc = (lib or _LIB).get().dense_amx(
         x.data_ptr(), x.stride(0), x.shape[0], k, n, packed.data_ptr(), out.data_ptr(),
         torch.get_num_threads(),
@@ -121,12 +126,10 @@ def matmul_int4(
     """x [M, K] (bfloat16 rows) @ W.T for W packed by `pack_int4`: the bits of `matmul` over
     pack(W.dequantize(bfloat16)), with no dense copy kept (each panel made as it is used)."""
     codes, scale, zero = packed
-    n, k = codes.shape[0] * PANEL, codes.shape[1] * DEPTH
-    if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1:
-        raise ValueError(f"AMX matmul: x must be bfloat16 [M, {k}] rows, not {tuple(x.shape)}")
-    out = torch.empty(x.shape[0], n, dtype=torch.bfloat16)
+    out = _out_for(x, codes.shape[0] * PANEL, codes.shape[1] * DEPTH)
     rc = (lib or _LIB).get().dense_amx_q4(
-        x.data_ptr(), x.stride(0), x.shape[0], k, n, codes.data_ptr(), scale.data_ptr(),
+        x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], out.shape[1], codes.data_ptr(),
+        scale.data_ptr(),
         None if zero is None else zero.data_ptr(), group_size, out.data_ptr(),
         torch.get_num_threads(),
     )  # fmt: skip

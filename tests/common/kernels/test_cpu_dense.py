@@ -83,6 +83,22 @@ def test_wrong_inputs_are_refused() -> None:
         cpu_dense.matmul(torch.zeros(2, 32, dtype=torch.bfloat16), packed)  # K differs
 
 
+def _rows(m: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    return torch.zeros(m, 256, dtype=dtype)
+
+
+def _check_row_limits(path: str, weight) -> None:
+    """cpu_quant's `path` takes `weight` for bfloat16 rows from MIN_ROWS + 1 to MAX_ROWS on an
+    AMX-BF16 host, never elsewhere, never for float32 rows."""
+    from common.kernels import cpu_quant
+
+    limits = (1, cpu_dense.MIN_ROWS, cpu_dense.MIN_ROWS + 1, cpu_dense.MAX_ROWS)
+    tried = (*limits, cpu_dense.MAX_ROWS + 1)
+    served = [m for m in tried if cpu_quant.applies(path, weight, _rows(m))]
+    assert served == (list(limits[2:]) if cpu_dense.available() else [])
+    assert not cpu_quant.applies(path, weight, _rows(64, torch.float32))
+
+
 def test_the_quant_path_serves_between_its_row_limits(monkeypatch) -> None:
     """cpu_quant's amxbf16: bfloat16 rows from MIN_ROWS + 1 to MAX_ROWS, within the dense
     copies' budget, on an AMX-BF16 host."""
@@ -91,17 +107,9 @@ def test_the_quant_path_serves_between_its_row_limits(monkeypatch) -> None:
 
     monkeypatch.setattr(cpu_quant, "dense_weights", True)
     weight = QuantLinear(quantize_rtn(torch.randn(96, 256), 4, 32)).kernel_weight()
-
-    def rows(m: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-        return torch.zeros(m, 256, dtype=dtype)
-
-    limits = (1, cpu_dense.MIN_ROWS, cpu_dense.MIN_ROWS + 1, cpu_dense.MAX_ROWS)
-    tried = (*limits, cpu_dense.MAX_ROWS + 1)
-    served = [m for m in tried if cpu_quant.applies("amxbf16", weight, rows(m))]
-    assert served == (list(limits[2:]) if cpu_dense.available() else [])
-    assert not cpu_quant.applies("amxbf16", weight, rows(64, torch.float32))
+    _check_row_limits("amxbf16", weight)
     monkeypatch.setattr(cpu_quant, "dense_weights", False)
-    assert not cpu_quant.applies("amxbf16", weight, rows(64))
+    assert not cpu_quant.applies("amxbf16", weight, _rows(64))
 
 
 def _int4_weight(n: int, k: int, group: int, zero: bool, seed: int):
@@ -156,17 +164,9 @@ def test_the_int4_quant_path_serves_between_its_row_limits() -> None:
     from common.model.quant import QuantLinear, quantize_rtn
 
     weight = QuantLinear(quantize_rtn(torch.randn(96, 256), 4, 32)).kernel_weight()
-
-    def rows(m: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-        return torch.zeros(m, 256, dtype=dtype)
-
-    limits = (1, cpu_dense.MIN_ROWS, cpu_dense.MIN_ROWS + 1, cpu_dense.MAX_ROWS)
-    tried = (*limits, cpu_dense.MAX_ROWS + 1)
-    served = [m for m in tried if cpu_quant.applies("amx4", weight, rows(m))]
-    assert served == (list(limits[2:]) if cpu_dense.available() else [])
-    assert not cpu_quant.applies("amx4", weight, rows(64, torch.float32))
+    _check_row_limits("amx4", weight)  # it keeps no dense copy: no budget to ask
     small = QuantLinear(quantize_rtn(torch.randn(96, 256), 4, 16)).kernel_weight()
-    assert not cpu_quant.applies("amx4", small, rows(64))
+    assert not cpu_quant.applies("amx4", small, _rows(64))
     if cpu_dense.available():
         x = torch.randn(40, 256).to(torch.bfloat16)
         reference = cpu_quant.run_path("amxbf16", x, weight)
