@@ -3,7 +3,7 @@ that it does not pay their one-time costs. Measured on the default model (CPU, 2
 engine's first 16-token request took 445 ms against ~30 ms, the first 300-token prompt 656 ms
 against 101 (weight repacking for the int8-activation kernels, the dense copies and oneDNN's first
 calls for prompt-sized steps, first calls of the C kernels). The weight copies are now made when
-the model runner loads, for every batch size up to the step's budget (cpu_quant.prepare_copies);
+the model runner loads, for every batch size up to the step's budget (weight_copies.prepare_copies);
 these requests still take the first calls. On the CPU it then runs one decoder layer's
 projections at every row count a padded prompt step can take, up to `WARM_UP_MAX_ROWS`
 (CausalLM.build_padded_matmuls: oneDNN builds a matmul per row count, 20-30 ms each when a step

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from common.config import EngineConfig, parse_size
-from common.kernels import cpu_quant, kv_quant, tune
+from common.kernels import cpu_quant, kv_quant, tune, weight_copies
 from common.kernels.attention import AttentionMetadata, Row, build_batch
 from common.model.llama import PAD_ROWS, CausalLM, head_dim_of
 from common.model.quant import kernel_weights
@@ -295,7 +295,7 @@ class ModelRunner:
 
     def _prepare_copies(self, config: EngineConfig, weights: list) -> None:
         """The repacked weight copies every batch size up to the step's token budget will use,
-        made now rather than by the first steps of each size (cpu_quant.prepare_copies); an LM
+        made now rather than by the first steps of each size (weight_copies.prepare_copies); an LM
         head's batches are logits rows, at most a step's sequences times their tokens to
         verify (prompt logprobs may ask for more: those copies are still made when first
         used)."""
@@ -303,7 +303,7 @@ class ModelRunner:
         most = config.max_num_batched_tokens
         per_seq = 1 + (config.num_speculative_tokens if config.speculative != "none" else 0)
         logits = min(most, config.max_num_seqs * per_seq)
-        serves = cpu_quant.prepare_copies(
+        serves = weight_copies.prepare_copies(
             [(w, logits if name.rsplit(".", 1)[-1] == "lm_head" else most) for name, w in weights],
             self.dtype,
         )

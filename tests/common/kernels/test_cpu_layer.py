@@ -222,52 +222,37 @@ def test_a8_projections_run_inside_the_c_layers(tiny_llama, mode, dtype, monkeyp
     assert torch.equal(fused, per_op), (fused.float() - per_op.float()).abs().max()
 
 
-@pytest.mark.parametrize("mode", ["int4", "int8"])
-def test_amx_bf16_projections_run_inside_the_c_layers(tiny_llama, mode, monkeypatch) -> None:
-    """The dense bfloat16 copies on AMX tiles (cpu_quant's amxbf16): the C layers call that
-    kernel themselves, bit-identical to the per-op path, and close to the float reference."""
+@pytest.mark.parametrize(
+    "kernel, mode", [("amxbf16", "int4"), ("amxbf16", "int8"), ("amx4", "int4")]
+)
+def test_amx_projections_run_inside_the_c_layers(tiny_llama, kernel, mode, monkeypatch) -> None:
+    """The AMX bfloat16 matmuls (cpu_quant's amxbf16 over dense copies, amx4 over the 4-bit
+    codes): the C layers call those kernels themselves, bit-identical to the per-op path and
+    close to the float reference; amx4's bits are amxbf16's."""
     from common.kernels import cpu_dense
 
     if not cpu_dense.available():
         pytest.skip("no AMX-BF16 here")
     hf_model, _ = tiny_llama
-    monkeypatch.setattr(cpu_dense, "MIN_ROWS", 0)  # it serves 17+ rows: here 3
-    runner = _runner(hf_model, mode, "bfloat16", kernel="amxbf16")
-    assert cpu_quant.dense_weights  # the tiny model's copies fit the auto budget
+    monkeypatch.setattr(cpu_dense, "MIN_ROWS", 0)  # they serve 17+ rows: here 3
+    runner = _runner(hf_model, mode, "bfloat16", kernel=kernel)
+    if kernel == "amxbf16":
+        assert cpu_quant.dense_weights  # the tiny model's copies fit the auto budget
     inputs = _prefill_then_decode_inputs(runner)
     per_op = _forward(runner, inputs, False, monkeypatch)
     fused = _forward(runner, inputs, True, monkeypatch)
     assert _stack_in_use(runner)
     weight = runner.model.layers[0].mlp.gate_up_proj.kernel_weight()
     rows = torch.zeros(len(CONTEXTS), weight.k, dtype=torch.bfloat16)
-    assert cpu_quant.path_for(weight, rows) == "amxbf16"
+    assert cpu_quant.path_for(weight, rows) == kernel
     assert torch.equal(fused, per_op), (fused.float() - per_op.float()).abs().max()
     plain = _runner(hf_model, mode, "bfloat16", kernel="dequant")  # the reference
     reference = _forward(plain, _prefill_then_decode_inputs(plain), False, monkeypatch)
     torch.testing.assert_close(fused.float(), reference.float(), rtol=0.05, atol=0.05)
-
-
-def test_amx_int4_projections_run_inside_the_c_layers(tiny_llama, monkeypatch) -> None:
-    """The 4-bit codes on AMX tiles (cpu_quant's amx4, no dense copy): the C layers call that
-    kernel themselves, bit-identical to the per-op path and to the dense copies' amxbf16."""
-    from common.kernels import cpu_dense
-
-    if not cpu_dense.available():
-        pytest.skip("no AMX-BF16 here")
-    hf_model, _ = tiny_llama
-    monkeypatch.setattr(cpu_dense, "MIN_ROWS", 0)  # it serves 17+ rows: here 3
-    runner = _runner(hf_model, "int4", "bfloat16", kernel="amx4")
-    inputs = _prefill_then_decode_inputs(runner)
-    per_op = _forward(runner, inputs, False, monkeypatch)
-    fused = _forward(runner, inputs, True, monkeypatch)
-    assert _stack_in_use(runner)
-    weight = runner.model.layers[0].mlp.gate_up_proj.kernel_weight()
-    rows = torch.zeros(len(CONTEXTS), weight.k, dtype=torch.bfloat16)
-    assert cpu_quant.path_for(weight, rows) == "amx4"
-    assert torch.equal(fused, per_op), (fused.float() - per_op.float()).abs().max()
-    dense = _runner(hf_model, "int4", "bfloat16", kernel="amxbf16")
-    copies = _forward(dense, _prefill_then_decode_inputs(dense), True, monkeypatch)
-    assert torch.equal(fused, copies)
+    if kernel == "amx4":
+        dense = _runner(hf_model, mode, "bfloat16", kernel="amxbf16")
+        copies = _forward(dense, _prefill_then_decode_inputs(dense), True, monkeypatch)
+        assert torch.equal(fused, copies)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

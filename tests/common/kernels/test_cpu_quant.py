@@ -12,7 +12,7 @@ import torch
 
 from common.config import EngineConfig, add_engine_args, config_from_args
 from common.engine.engine import Engine
-from common.kernels import cpu_qgemm, cpu_quant
+from common.kernels import cpu_qgemm, cpu_quant, weight_copies
 from common.model.quant import QuantLinear, quantize_rtn
 from common.sampling_params import SamplingParams
 
@@ -176,10 +176,10 @@ def test_the_copies_every_batch_size_uses_are_made_ahead(monkeypatch):
     monkeypatch.setattr(cpu_quant, "tuned", {key: ([1, 16, 128, 256], orders)})
     lay = layer().to(torch.bfloat16)
     w = lay.kernel_weight()
-    rows = cpu_quant.switch_rows(300)
+    rows = weight_copies.switch_rows(300)
     assert rows[0] == 1 and rows[-1] == 300 and {16, 17, 64, 65, 128, 129, 256, 257} <= set(rows)
     assert all(m <= 300 for m in rows) and rows == sorted(set(rows))
-    serves = cpu_quant.prepare_copies([(w, 300)], torch.bfloat16)
+    serves = weight_copies.prepare_copies([(w, 300)], torch.bfloat16)
     want = {cpu_quant.path_for(w, torch.empty(m, 192, dtype=torch.bfloat16)) for m in range(1, 301)}
     assert set(serves) == want and all(n == 1 for n in serves.values())
     assert "dense" in want and "c" in want  # dense past 64 rows, where its copies may serve
@@ -188,5 +188,5 @@ def test_the_copies_every_batch_size_uses_are_made_ahead(monkeypatch):
         lay(torch.randn(m, 192, dtype=torch.bfloat16))
     assert set(w.derived) == made  # nothing new made by a step
     small = layer().to(torch.bfloat16).kernel_weight()
-    cpu_quant.prepare_copies([(small, 16)], torch.bfloat16)  # up to 16 rows: no dense copy
+    weight_copies.prepare_copies([(small, 16)], torch.bfloat16)  # up to 16 rows: no dense copy
     assert not any(key[0] == "dense" for key in small.derived)
