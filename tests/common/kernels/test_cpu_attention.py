@@ -268,3 +268,63 @@ def test_a_lone_verify_steps_rows_equal_each_row_alone(dtype, rows, first_len, h
             assert torch.equal(alone[0], together[i]), lens[i]
     finally:
         torch.set_num_threads(threads)
+
+
+def int8_case(heads: int, kv_heads: int, head_dim: int, seed: int = 0):
+    """An int8 cache and a batch over it: decode rows (one past a 512-token split) and a verify
+    step's 5 rows of one sequence; the kernel's arguments after q."""
+    block_size = 16
+    lens = [1, 17, 300, 700, *range(90, 95)]
+    seq_of = [0, 1, 2, 3, 4, 4, 4, 4, 4]
+    g = torch.Generator().manual_seed(seed)
+    max_blocks = -(-max(lens) // block_size)
+    num_blocks = 5 * max_blocks
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    k_cache, v_cache, k_scales, v_scales = make_caches("int8", torch.float32, shape, g)
+    per_seq = torch.randperm(num_blocks, generator=g).view(5, max_blocks).int()
+    tables = per_seq[torch.tensor(seq_of)].contiguous()
+    q = torch.randn(len(lens), heads, head_dim, generator=g)
+    lens_t = torch.tensor(lens, dtype=torch.int32)
+    return q, (k_cache, v_cache, tables, lens_t, 0.125, k_scales, v_scales)
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 1, 64), (8, 2, 128)])
+def test_int8_sums_are_the_same_with_and_without_vnni(heads, kv_heads, head_dim, monkeypatch):
+    """The int8 cache's integer sums: vpdpwssd on VNNI builds, vpmaddwd + vpaddd on plain
+    AVX-512 ones. Exact either way, so the bits agree, for every part of the kernel."""
+    if cpu_attention.isa_level() not in ("avx512vnni", "avx512bf16", "amx"):
+        pytest.skip("no AVX-512 VNNI build on this host")
+    assert cpu_attention.int8_dots(heads, kv_heads, head_dim)
+    q, args = int8_case(heads, kv_heads, head_dim)
+    for dtype in (torch.float32, torch.bfloat16):
+        want = cpu_attention.paged_decode_attention(q.to(dtype), *args)
+        monkeypatch.setenv("PDSERVE_CPU_ISA", "avx512")
+        lib = cpu_attention.new_library()
+        monkeypatch.setattr(cpu_attention, "_LIB", lib)
+        assert lib.available() and cpu_attention.isa_level() == "avx512"
+        got = cpu_attention.paged_decode_attention(q.to(dtype), *args)
+        monkeypatch.undo()
+        assert torch.equal(got, want)
+
+
+def test_int8_codes_keep_a_non_finite_q_as_nan():
+    """q is rounded to int16 codes through its largest value: a row with an infinite or NaN
+    value gives NaN, as multiplying in float does, and leaves the other rows alone."""
+    if not cpu_attention.int8_dots(9, 3, 64):
+        pytest.skip("no integer dot products in this build")
+    q, args = int8_case(9, 3, 64, seed=1)
+    clean = cpu_attention.paged_decode_attention(q, *args)
+    q[2, 4, 7], q[5, 0, 0] = float("inf"), float("nan")
+    out = cpu_attention.paged_decode_attention(q, *args)
+    assert out[2, 4].isnan().all() and out[5, 0].isnan().all()
+    nan = torch.zeros(out.shape[:2], dtype=torch.bool)
+    nan[2, 4] = nan[5, 0] = True
+    assert torch.equal(out[~nan], clean[~nan])  # each query head's codes are its own
+
+
+def test_int8_dots_where_the_build_and_shape_allow():
+    avx512 = cpu_attention.isa_level().startswith(("avx512", "amx"))
+    assert cpu_attention.int8_dots(9, 3, 64) == avx512
+    assert cpu_attention.int8_dots(8, 2, 128) == avx512
+    assert not cpu_attention.int8_dots(10, 2, 64)  # 5 query heads a kv head: the portable part
+    assert not cpu_attention.int8_dots(6, 1, 32)
