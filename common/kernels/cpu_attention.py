@@ -6,9 +6,8 @@ sequence's KV blocks into a padded copy first (several times the bytes attention
 first use into `$PDSERVE_CACHE/kernels/` and called through ctypes (which releases the GIL);
 where no C compiler is found, `available()` is False and the torch path is used. An 8-bit cache
 (int8 / fp8 e4m3 with a float32 scale per (token, KV head), common.kernels.kv_quant) is read as
-such and dequantized in registers (an int8 one multiplied in integers on AVX-512 builds:
-`int8_dots`), and a float16 cache beside bfloat16 or float32 activations is converted in
-registers. A decode step of enough sequences goes by whole sequences, each
+such and dequantized in registers, and a float16 cache beside bfloat16 or float32 activations is
+converted in registers. A decode step of enough sequences goes by whole sequences, each
 sequence's kv heads in one walk over its cache rows (`whole_sequences`). Called by
 common.kernels.attention.
 """
@@ -31,23 +30,19 @@ _SOURCE = Path(__file__).parent / "csrc" / "paged_decode.c"
 # -fopenmp links the libgomp torch already loaded (same soname): one thread pool, not two competing.
 _FLAGS = ["-O3", *REDUCTION_FLAGS, "-fopenmp"]
 _c_int, _ptr = ctypes.c_int, ctypes.c_void_p
-_SIGNATURES = {
-    "paged_decode": [_ptr, ctypes.c_long, _ptr, _ptr, _ptr, _ptr, _ptr, _c_int, _c_int, _c_int,
-                     _c_int, _c_int, _c_int, ctypes.c_float, _c_int, _c_int],
-    "paged_decode_kv": [_ptr, ctypes.c_long, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _c_int,
-                        _c_int, _c_int, _c_int, _c_int, _c_int, ctypes.c_float, _c_int, _c_int,
-                        _c_int],
-    "paged_decode_whole": [_c_int, _c_int, _c_int, _c_int, _c_int, _c_int],
-}  # fmt: skip
-
-
-def new_library() -> CLibrary:
-    """A kernel library, built on its first use at the ISA level cbuild picks then (tests build
-    one per level)."""
-    return CLibrary(_SOURCE, _FLAGS, _SIGNATURES, "CPU decode attention")
-
-
-_LIB = new_library()
+_LIB = CLibrary(
+    _SOURCE,
+    _FLAGS,
+    {
+        "paged_decode": [_ptr, ctypes.c_long, _ptr, _ptr, _ptr, _ptr, _ptr, _c_int, _c_int,
+                         _c_int, _c_int, _c_int, _c_int, ctypes.c_float, _c_int, _c_int],
+        "paged_decode_kv": [_ptr, ctypes.c_long, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr,
+                            _c_int, _c_int, _c_int, _c_int, _c_int, _c_int, ctypes.c_float,
+                            _c_int, _c_int, _c_int],
+        "paged_decode_whole": [_c_int, _c_int, _c_int, _c_int, _c_int, _c_int],
+    },  # fmt: skip
+    "CPU decode attention",
+)
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _KV_DTYPES = {torch.int8: 2, **({kv_quant.FP8: 3} if kv_quant.FP8 is not None else {})}
 KV_FLOAT16 = 4  # the C code of a float16 cache beside activations of another dtype (no scales)
@@ -62,20 +57,6 @@ def available() -> bool:
 def isa_level() -> str | None:
     """The ISA level the kernel library was built at (None where it could not be built)."""
     return _LIB.level if available() else None
-
-
-def int8_dots(heads: int, kv_heads: int, head_dim: int) -> bool:
-    """Whether an int8 cache of this shape is read with integer dot products (AVX-512 builds, up
-    to 4 query heads a kv head, head dim 64 or 128): q and each chunk of 16 softmax weights
-    rounded to int16 codes first (csrc/paged_decode.c `q_codes16`, `v_chunk_int8`), which moves
-    the output by a bounded amount (tests/common/kernels/test_kv_quant.py `code_rounding`)."""
-    level = isa_level() or ""
-    return (
-        level.startswith(("avx512", "amx"))
-        and head_dim in (64, 128)
-        and heads % kv_heads == 0
-        and heads // kv_heads <= 4
-    )
 
 
 def whole_sequences(

@@ -12,17 +12,13 @@
  * dtype: 0 = float32, 1 = bfloat16. The cache may instead be 8-bit (paged_decode_kv, kv_dtype
  * 2 = int8, 3 = float8 e4m3) with float32 scales k_scales, v_scales [N, bs, Hkv], one per (token,
  * kv head): a row is dequantized in registers as value * scale (K's scale folded into the score,
- * V's into the softmax weight), never written back as floats; AVX-512 builds multiply an int8
- * cache in integers instead (int8_dots: q and the softmax weights rounded to int16 codes, exact
- * int32 sums; measured on an AVX-512 + AMX Xeon, 2 threads, 30 layers of 64 x 320 tokens from
- * memory: 29 -> 19 ms, where a bfloat16 cache took 27-35). kv_dtype 4 = float16 (no scales):
+ * V's into the softmax weight), never written back as floats. kv_dtype 4 = float16 (no scales):
  * a float16 cache beside bfloat16 or float32 activations, converted in registers (F16C).
  * AVX-512 BF16 builds read a bfloat16 cache with bfloat16 q their own way (kvq 3: the scores by
  * dpbf16 on the stored pairs, V converted 32 values a load; measured on an AVX-512 + AMX Xeon,
  * one thread, one layer of 64 x 320 tokens: 19.7 -> 18.0 ns a (token, kv head), 4 x 320: 14.9
  * -> 13.0; in a whole decode step, where the cache comes from memory, 5-10% of its attention).
  */
-#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -432,151 +428,6 @@ static inline __m128 reduce4_16(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
     return _mm_add_ps(_mm256_castps256_ps128(z), _mm256_extractf128_ps(z, 1));
 }
 
-/* Two vectors of 32 values in split32's (bfloat16 V) and v_chunk_int8's lane order (lane l of
- * lo: values 8l .. 8l+3, of hi: 8l+4 .. 8l+7) back in order: 32 floats to dst */
-static inline void unsplit32(__m512 lo, __m512 hi, float *dst) {
-    const __m512i first = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
-    const __m512i second =
-        _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
-    _mm512_storeu_ps(dst, _mm512_permutex2var_ps(lo, first, hi));
-    _mm512_storeu_ps(dst + 16, _mm512_permutex2var_ps(lo, second, hi));
-}
-
-/* An int8 cache's scores as integer dot products. Each query head's D floats become, in place,
- * int16 codes c = round(q / sq), sq = max|q| / 32767 (nearest even): the codes in the first
- * half of the head's floats, sq at qh[D / 2] (NaN where q is not finite, so the scores are).
- * K's int8 rows are widened to int16 and multiplied pairwise with the codes (vpdpwssd; without
- * VNNI vpmaddwd and vpaddd, the same sums): the int32 sums are exact (|sum| <= 128 * 32767 *
- * 128 < 2^31), so their bits do not depend on the order they were taken in, and the score is
- * float(sum) * (sq * K's scale * the softmax scale). q's rounding, at most 2^-16 of its largest
- * value, is the only change from multiplying in float32; the work per 32 K values is one
- * widening and one dot per query head where float32 took four conversions and two FMAs. */
-static inline int int8_dots(const Job *j, int kvq) { return kvq == 1 && j->kv_dtype == 2; }
-
-static void q_codes16(float *qh, int D) {
-    __m512 top = _mm512_setzero_ps();
-    __mmask16 bad = 0;
-    for (int d = 0; d < D; d += 16) {
-        const __m512 x = _mm512_abs_ps(_mm512_loadu_ps(qh + d));
-        bad |= _mm512_cmp_ps_mask(x, _mm512_set1_ps(FLT_MAX), _CMP_NLE_UQ); /* inf or NaN */
-        top = _mm512_max_ps(top, x);
-    }
-    const float mx = _mm512_reduce_max_ps(top);
-    const float inv = mx > 0.f ? 32767.f / mx : 0.f;
-    for (int d = 0; d < D; d += 16) { /* codes d.. over floats already read (2d < 4d + 64) */
-        const __m512i c = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(qh + d),
-                                                           _mm512_set1_ps(inv)));
-        _mm256_storeu_si256((__m256i *)((int16_t *)qh + d), _mm512_cvtsepi32_epi16(c));
-    }
-    qh[D / 2] = bad ? NAN : mx / 32767.f;
-}
-
-/* 32 int8 values at base + idx, widened to int16 */
-static inline __m512i load32_i16(const void *base, long idx) {
-    return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)((const int8_t *)base + idx)));
-}
-
-/* acc + the pairwise products of 32 int16 values x and 32 codes cv (int32 lanes: pairs) */
-static inline __m512i dot_i16v(__m512i acc, __m512i x, __m512i cv) {
-#ifdef __AVX512VNNI__
-    return _mm512_dpwssd_epi32(acc, x, cv);
-#else
-    return _mm512_add_epi32(acc, _mm512_madd_epi16(x, cv));
-#endif
-}
-
-/* acc + the pairwise products of 32 int16 K values and 32 codes at c */
-static inline __m512i dot_i16(__m512i acc, __m512i k, const int16_t *c) {
-    return dot_i16v(acc, k, _mm512_loadu_si512(c));
-}
-
-/* An int8 cache's V sums, a chunk of VCHUNK tokens at a time (chunks counted from the part's
- * first token, so every part cuts a row's tokens alike). In a chunk each query head's weight of a
- * token, w = p * V's scale, becomes an int16 code round(w / sw), sw = the chunk's largest w /
- * 32767 (NaN where a w is not finite); two tokens' V rows, widened to int16 and interleaved,
- * multiply a pair of codes (vpdpwssd: exact int32 sums, |sum| <= 16 * 32767 * 128); each chunk's
- * sums are added to the float sums as float(sum) * sw, chunk after chunk. A weight moves by at
- * most half a step of its chunk's largest, so the output moves by at most 16 / 65534 of V's
- * largest value: where float32 took two conversions per V value and an FMA per query head, this
- * takes about half the instructions. nr rows (1 or 2) of one sequence share the V rows; row r's
- * weights: p[r][g * pstride[r] + t] for its cnt[r] tokens of the chunk (none past them); token
- * t's V row (and scale) is cache row srow[t] + h, its values from d0. Sums in split32's lane
- * order, acc[r][g][0..3] for 64 values. */
-#define VCHUNK 16
-static inline __attribute__((always_inline)) void v_chunk_int8(
-    const Job *j, const long *srow, long h, int D, int d0, const int nr, const float *const *p,
-    const int *pstride, const int *cnt, const int G, __m512 acc[][4][4]) {
-    int most = 0;
-    for (int r = 0; r < nr; r++) most = cnt[r] > most ? cnt[r] : most;
-    long rows[VCHUNK];
-    for (int t = 0; t < most; t++) rows[t] = (srow[t] + h) * D + d0;
-    /* V's scales gathered in registers (16 floats stored one by one and loaded as a vector
-     * would wait for the stores) */
-    const __mmask16 any = (__mmask16)((1u << most) - 1);
-    const __mmask8 lo = (__mmask8)any, hi = (__mmask8)(any >> 8);
-    const __m512i hv = _mm512_set1_epi64(h);
-    const __m256 s0 = _mm512_mask_i64gather_ps(
-        _mm256_setzero_ps(), lo, _mm512_add_epi64(_mm512_maskz_loadu_epi64(lo, srow), hv),
-        j->v_scales, 4);
-    const __m256 s1 = _mm512_mask_i64gather_ps(
-        _mm256_setzero_ps(), hi, _mm512_add_epi64(_mm512_maskz_loadu_epi64(hi, srow + 8), hv),
-        j->v_scales, 4);
-    const __m512 vsv = _mm512_insertf32x8(_mm512_castps256_ps512(s0), s1, 1);
-    int32_t code[2][4][VCHUNK / 2]; /* [row][head][token pair]: (code 2i) | (code 2i+1) << 16 */
-    float sw[2][4];
-    for (int r = 0; r < nr; r++) {
-        const __mmask16 real = (__mmask16)((1u << cnt[r]) - 1);
-        for (int g = 0; g < G; g++) {
-            const __m512 w = _mm512_mul_ps(_mm512_maskz_loadu_ps(real, p[r] + g * pstride[r]), vsv);
-            const __mmask16 bad = _mm512_mask_cmp_ps_mask(real, _mm512_abs_ps(w),
-                                                          _mm512_set1_ps(FLT_MAX), _CMP_NLE_UQ);
-            const float mx = _mm512_mask_reduce_max_ps(real, w);
-            const float inv = mx > 0.f ? 32767.f / mx : 0.f;
-            const __m512i c = _mm512_maskz_cvtps_epi32(real, _mm512_mul_ps(w, _mm512_set1_ps(inv)));
-            _mm256_storeu_si256((__m256i *)code[r][g], _mm512_cvtsepi32_epi16(c));
-            sw[r][g] = bad ? NAN : mx / 32767.f;
-        }
-    }
-    __m512i s[2][4][4];
-    for (int r = 0; r < nr; r++)
-        for (int g = 0; g < G; g++)
-            for (int i = 0; i < 4; i++) s[r][g][i] = _mm512_setzero_si512();
-    const int8_t *v = (const int8_t *)j->v_cache;
-    for (int t = 0; t < most; t += 2) {
-        const long ra = rows[t], rb = t + 1 < most ? rows[t + 1] : ra; /* a pad's code is 0 */
-        const __m512i a0 = load32_i16(v, ra), a1 = load32_i16(v, ra + 32);
-        const __m512i b0 = load32_i16(v, rb), b1 = load32_i16(v, rb + 32);
-        const __m512i x[4] = {_mm512_unpacklo_epi16(a0, b0), _mm512_unpackhi_epi16(a0, b0),
-                              _mm512_unpacklo_epi16(a1, b1), _mm512_unpackhi_epi16(a1, b1)};
-        for (int r = 0; r < nr; r++)
-            for (int g = 0; g < G; g++) {
-                const __m512i cv = _mm512_set1_epi32(code[r][g][t / 2]);
-                for (int i = 0; i < 4; i++) s[r][g][i] = dot_i16v(s[r][g][i], x[i], cv);
-            }
-    }
-    for (int r = 0; r < nr; r++)
-        for (int g = 0; g < G; g++) {
-            if (cnt[r] <= 0) continue;
-            const __m512 f = _mm512_set1_ps(sw[r][g]);
-            for (int i = 0; i < 4; i++)
-                acc[r][g][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r][g][i]), f, acc[r][g][i]);
-        }
-}
-
-/* 4 tokens' scores of one query head from their int32 sums s[0..3]: float(sum) * sc * sq */
-static inline __m128 int_scores(const __m512i *s, __m128 sc, float sq) {
-    const __m512i x01 = _mm512_add_epi32(_mm512_unpacklo_epi32(s[0], s[1]),
-                                         _mm512_unpackhi_epi32(s[0], s[1]));
-    const __m512i x23 = _mm512_add_epi32(_mm512_unpacklo_epi32(s[2], s[3]),
-                                         _mm512_unpackhi_epi32(s[2], s[3]));
-    const __m512 a = _mm512_castsi512_ps(x01), b = _mm512_castsi512_ps(x23);
-    const __m512i y = _mm512_add_epi32(_mm512_castps_si512(_mm512_shuffle_ps(a, b, 0x44)),
-                                       _mm512_castps_si512(_mm512_shuffle_ps(a, b, 0xEE)));
-    const __m256i z = _mm256_add_epi32(_mm512_castsi512_si256(y), _mm512_extracti64x4_epi64(y, 1));
-    const __m128i w = _mm_add_epi32(_mm256_castsi256_si128(z), _mm256_extracti128_si256(z, 1));
-    return _mm_mul_ps(_mm_cvtepi32_ps(w), _mm_mul_ps(sc, _mm_set1_ps(sq)));
-}
-
 /* 32 bfloat16 at base + idx as they are, in a float vector's register */
 static inline __m512 load32_raw(const void *base, long idx) {
     return _mm512_castsi512_ps(_mm512_loadu_si512((const uint16_t *)base + idx));
@@ -595,6 +446,14 @@ static inline void split32(const void *base, long idx, __m512 *lo, __m512 *hi) {
     const __m512i z = _mm512_setzero_si512();
     *lo = _mm512_castsi512_ps(_mm512_unpacklo_epi16(z, raw)); /* lane l: values 8l .. 8l+3 */
     *hi = _mm512_castsi512_ps(_mm512_unpackhi_epi16(z, raw)); /* lane l: values 8l+4 .. 8l+7 */
+}
+/* split32's two vectors back in order: 32 floats to dst */
+static inline void unsplit32(__m512 lo, __m512 hi, float *dst) {
+    const __m512i first = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
+    const __m512i second =
+        _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
+    _mm512_storeu_ps(dst, _mm512_permutex2var_ps(lo, first, hi));
+    _mm512_storeu_ps(dst + 16, _mm512_permutex2var_ps(lo, second, hi));
 }
 static inline __m512 dot_pairs(__m512 acc, const void *q, long qi, const void *k, long ki) {
     return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512((const uint16_t *)q + qi),
@@ -629,32 +488,6 @@ static inline __attribute__((always_inline)) void group_values(
     const int n_last = t1s[nr - 1] - t0;
     int n[2];
     for (int r = 0; r < nr; r++) n[r] = t1s[r] - t0;
-    if (int8_dots(j, kvq)) {
-        for (int d0 = 0; d0 < D; d0 += 64) {
-            __m512 v_acc[2][4][4];
-            for (int r = 0; r < nr; r++)
-                for (int g = 0; g < G; g++)
-                    for (int i = 0; i < 4; i++) v_acc[r][g][i] = _mm512_setzero_ps();
-            for (int c0 = 0; c0 < n_last; c0 += VCHUNK) {
-                const int c1 = c0 + VCHUNK < n_last ? c0 + VCHUNK : n_last;
-                const float *pr[2];
-                int cnt[2];
-                for (int r = 0; r < nr; r++) {
-                    pr[r] = sc + (size_t)r * G * most + c0;
-                    cnt[r] = (n[r] < c1 ? n[r] : c1) - c0;
-                    cnt[r] = cnt[r] > 0 ? cnt[r] : 0;
-                }
-                v_chunk_int8(j, srow + c0, 0, D, d0, nr, pr, n, cnt, G, v_acc);
-            }
-            for (int r = 0; r < nr; r++)
-                for (int g = 0; g < G; g++) {
-                    float *dst = acc + ((size_t)r * G + g) * D + d0;
-                    unsplit32(v_acc[r][g][0], v_acc[r][g][1], dst);
-                    unsplit32(v_acc[r][g][2], v_acc[r][g][3], dst + 32);
-                }
-        }
-        return;
-    }
     for (int d0 = 0; d0 < D; d0 += 64) {
         __m512 v_acc[2][4][4];
         for (int r = 0; r < nr; r++)
@@ -704,20 +537,6 @@ static inline __attribute__((always_inline)) void score4(const Job *j, const lon
     __m512 a[4][4];
     for (int g = 0; g < G; g++)
         for (int i = 0; i < 4; i++) a[g][i] = _mm512_setzero_ps();
-    if (int8_dots(j, kvq)) { /* qf: codes (q_codes16) */
-        __m512i s[4][4];
-        for (int g = 0; g < G; g++)
-            for (int i = 0; i < 4; i++) s[g][i] = _mm512_setzero_si512();
-        for (int d = 0; d < D; d += 32)
-            for (int i = 0; i < 4; i++) {
-                const __m512i k = load32_i16(j->k_cache, rows[i] + d);
-                for (int g = 0; g < G; g++)
-                    s[g][i] = dot_i16(s[g][i], k, (const int16_t *)(qf + g * D) + d);
-            }
-        for (int g = 0; g < G; g++)
-            keep_scores(int_scores(s[g], sc, qf[g * D + D / 2]), &mx4[g], scores + g * n, count);
-        return;
-    }
 #ifdef PAIRED
     if (kvq == 3) {
         for (int d = 0; d < D; d += 32)
@@ -747,8 +566,6 @@ static inline __attribute__((always_inline)) void attend_part_avx512(
     float *restrict l, long *restrict srow) {
     const int n = t1 - t0;
     const size_t esize = part_start(j, b, h, t0, t1, G, D, kvq, srow, qf);
-    if (int8_dots(j, kvq))
-        for (int g = 0; g < G; g++) q_codes16(qf + g * D, D);
     long rows[4];
     float kscale[4] = {1.f, 1.f, 1.f, 1.f};
     __m128 mx4[4];
@@ -786,8 +603,6 @@ static inline __attribute__((always_inline)) void attend_group_avx512(
         for (int g = 0; g < G; g++)
             load_row(j->q, (b0 + r) * j->q_stride + (long)(h * G + g) * D, D, dtype,
                      qf + ((size_t)r * G + g) * D);
-    if (int8_dots(j, kvq))
-        for (int hr = 0; hr < R * G; hr++) q_codes16(qf + (size_t)hr * D, D);
     long rows[4];
     float kscale[4] = {1.f, 1.f, 1.f, 1.f};
     __m128 mx4[GROUP_ROWS][4];
@@ -797,32 +612,6 @@ static inline __attribute__((always_inline)) void attend_group_avx512(
     while (t < t1) {
         const int count = t1 - t < 4 ? t1 - t : 4;
         block_rows(j, srow, t, t0, t1, count, D, kvq, esize, rows, kscale);
-        const __m128 sc = kvq == 1 ? _mm_loadu_ps(kscale) : _mm_set1_ps(j->scale);
-        if (int8_dots(j, kvq)) { /* the loop below with score4's integer sums */
-            __m512i k16[4][2];
-            for (int d = 0; d < 2; d++)
-                for (int i = 0; i < 4; i++) k16[i][d] = load32_i16(j->k_cache, rows[i] + 32 * d);
-            for (int r = 0; r < R; r++) {
-                const int left = t1s[r] - t, n = t1s[r] - t0;
-                if (left <= 0) continue;
-                const int cnt = left < 4 ? left : 4;
-                const __mmask8 past = (__mmask8)(0xF & ~((1 << cnt) - 1));
-                for (int g = 0; g < G; g++) {
-                    const float *qg = qf + ((size_t)r * G + g) * D;
-                    __m512i s4[4];
-                    for (int i = 0; i < 4; i++) s4[i] = _mm512_setzero_si512();
-                    for (int d = 0; d < 2; d++)
-                        for (int i = 0; i < 4; i++)
-                            s4[i] = dot_i16(s4[i], k16[i][d], (const int16_t *)qg + 32 * d);
-                    __m128 sv = int_scores(s4, sc, qg[D / 2]);
-                    if (past) sv = _mm_mask_mov_ps(sv, past, _mm_permute_ps(sv, 0));
-                    keep_scores(sv, &mx4[r][g],
-                                scores + (size_t)r * G * most + g * n + (t - t0), cnt);
-                }
-            }
-            t += count;
-            continue;
-        }
         __m512 k[4][4]; /* [token][16 of D]; kvq 3: [token][32 of D, as stored], two of them */
         for (int d = 0; d < (kvq == 3 ? 2 : 4); d++)
             for (int i = 0; i < 4; i++)
@@ -830,6 +619,7 @@ static inline __attribute__((always_inline)) void attend_group_avx512(
                           : kvq == 1 ? load16_q(j->k_cache, rows[i] + 16 * d, j->kv_dtype)
                           : kvq == 2 ? load16_h(j->k_cache, rows[i] + 16 * d)
                                      : load16(j->k_cache, rows[i] + 16 * d, dtype);
+        const __m128 sc = kvq == 1 ? _mm_loadu_ps(kscale) : _mm_set1_ps(j->scale);
         for (int r = 0; r < R; r++) {
             const int left = t1s[r] - t, n = t1s[r] - t0;
             if (left <= 0) continue;
@@ -890,7 +680,7 @@ static inline __attribute__((always_inline)) void attend_group_avx512(
  * the registers, so they go to acc between chunks of SEQ_VCHUNK tokens), so the bits are a
  * part's. scores [Hkv][G * n], qf, acc and raw [Hkv][G * D], m and l [Hkv][G]. */
 #define SEQ_MAX_HKV 8
-#define SEQ_VCHUNK VCHUNK /* v_chunk_int8 takes a chunk at a time */
+#define SEQ_VCHUNK 16
 /* tokens whose rows are asked for ahead of the score loop (64 x 320 tokens, 30 layers from
  * memory: 4, 8, 16 and 32 all within noise) */
 #define SEQ_AHEAD 16
@@ -921,8 +711,6 @@ static inline __attribute__((always_inline)) void attend_seq_avx512(
     for (int tt = t0; tt < ahead; tt++) SEQ_PREFETCH(tt);
     for (int hg = 0; hg < H; hg++)
         load_row(j->q, b * j->q_stride + (long)hg * D, D, dtype, qf + (size_t)hg * D);
-    if (int8_dots(j, kvq))
-        for (int hg = 0; hg < H; hg++) q_codes16(qf + (size_t)hg * D, D);
     __m128 mx4[SEQ_MAX_HKV][4];
     for (int h = 0; h < Hkv; h++)
         for (int g = 0; g < G; g++) mx4[h][g] = _mm_set1_ps(-INFINITY);
@@ -960,20 +748,6 @@ static inline __attribute__((always_inline)) void attend_seq_avx512(
             for (int h = 0; h < Hkv; h++) {
                 const float *sh = scores + (size_t)h * G * n;
                 float *rh = raw + (size_t)h * G * D + d0;
-                if (int8_dots(j, kvq)) { /* as group_values' for one row */
-                    __m512 vi[1][4][4];
-                    for (int g = 0; g < G; g++)
-                        for (int i = 0; i < 4; i++)
-                            vi[0][g][i] = c0 ? _mm512_loadu_ps(rh + (size_t)g * D + 16 * i)
-                                             : _mm512_setzero_ps();
-                    const float *pr[1] = {sh + c0};
-                    const int cnt[1] = {c1 - c0};
-                    v_chunk_int8(j, srow + c0, h, D, d0, 1, pr, &n, cnt, G, vi);
-                    for (int g = 0; g < G; g++)
-                        for (int i = 0; i < 4; i++)
-                            _mm512_storeu_ps(rh + (size_t)g * D + 16 * i, vi[0][g][i]);
-                    continue;
-                }
                 __m512 v_acc[4][4];
                 for (int g = 0; g < G; g++)
                     for (int i = 0; i < 4; i++)
@@ -999,11 +773,13 @@ static inline __attribute__((always_inline)) void attend_seq_avx512(
         for (int hg = 0; hg < H; hg++) {
             const float *src = raw + (size_t)hg * D + d0;
             float *dst = acc + (size_t)hg * D + d0;
-            if (kvq == 3 || int8_dots(j, kvq)) { /* split32's order */
+#ifdef PAIRED
+            if (kvq == 3) {
                 unsplit32(_mm512_loadu_ps(src), _mm512_loadu_ps(src + 16), dst);
                 unsplit32(_mm512_loadu_ps(src + 32), _mm512_loadu_ps(src + 48), dst + 32);
                 continue;
             }
+#endif
             memcpy(dst, src, sizeof(float) * 64);
         }
     }
