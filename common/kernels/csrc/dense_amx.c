@@ -193,48 +193,41 @@ static int amx_matmul(const uint16_t *x, long x_stride, int M, int K, int N,
 #pragma omp parallel num_threads(nthreads)
     {
         amx_configure_full();
-        if (q4 == NULL) {
-#pragma omp for schedule(static)
-            for (int q = 0; q < pairs; q++) {
-                const long p = 2L * q;
-                const uint16_t *w0 = packed + p * tiles;
-                const uint16_t *w1 = p + 1 < panels ? w0 + tiles : pad_w;
-                const int cols = p + 1 < panels ? 32 : 16;
-                for (int m0 = 0; m0 < whole; m0 += 32)
-                    block(x + (long)m0 * x_stride, x_stride, K, w0, w1, out + (long)m0 * N, N,
-                          16 * p, 32, cols, m0 == 0, NULL);
-                if (tail)
-                    block(pad_x, K, K, w0, w1, out + (long)whole * N, N, 16 * p, tail, cols,
-                          whole == 0, NULL);
-            }
-        } else { /* each thread a contiguous share of the pairs, its next pair made while it
-                  * multiplies the one before (a pair's bits do not depend on the thread) */
+        /* each thread a contiguous share of the pairs (a pair's bits do not depend on the
+         * thread); a 4-bit weight's next pair made while the thread multiplies the one before */
 #ifdef _OPENMP
-            const int me = omp_get_thread_num(), nth = omp_get_num_threads();
+        const int me = omp_get_thread_num(), nth = omp_get_num_threads();
 #else
-            const int me = 0, nth = 1;
+        const int me = 0, nth = 1;
 #endif
-            const int lo = (int)((long)pairs * me / nth), hi = (int)((long)pairs * (me + 1) / nth);
-            uint16_t *now = made + (size_t)me * 4 * tiles, *next = now + 2 * tiles;
+        const int lo = (int)((long)pairs * me / nth), hi = (int)((long)pairs * (me + 1) / nth);
+        uint16_t *now = NULL, *next = NULL;
+        if (q4 != NULL) {
+            now = made + (size_t)me * 4 * tiles;
+            next = now + 2 * tiles;
             Making first = {q4, 2L * lo, K, 0, 0, 0, now};
             first.total = (2L * lo + 1 < panels ? 2 : 1) * (K / 32);
             if (lo < hi) making_step(&first, first.total);
-            for (int q = lo; q < hi; q++) {
-                const long p = 2L * q;
-                Making mk = {q4, p + 2, K, 0, 0, 0, next};
-                if (q + 1 < hi) {
-                    mk.total = (p + 3 < panels ? 2 : 1) * (K / 32);
-                    mk.per_step = (mk.total + steps - 1) / steps;
-                }
-                __asm__ volatile("" ::: "memory"); /* `now` made before its tiles are loaded */
-                const uint16_t *w0 = now, *w1 = p + 1 < panels ? now + tiles : pad_w;
-                const int cols = p + 1 < panels ? 32 : 16;
-                for (int m0 = 0; m0 < whole; m0 += 32)
-                    block(x + (long)m0 * x_stride, x_stride, K, w0, w1, out + (long)m0 * N, N,
-                          16 * p, 32, cols, 0, &mk);
-                if (tail)
-                    block(pad_x, K, K, w0, w1, out + (long)whole * N, N, 16 * p, tail, cols, 0,
-                          &mk);
+        }
+        for (int q = lo; q < hi; q++) {
+            const long p = 2L * q;
+            Making mk = {q4, p + 2, K, 0, 0, 0, next};
+            if (q4 != NULL && q + 1 < hi) {
+                mk.total = (p + 3 < panels ? 2 : 1) * (K / 32);
+                mk.per_step = (mk.total + steps - 1) / steps;
+            }
+            __asm__ volatile("" ::: "memory"); /* `now` made before its tiles are loaded */
+            const uint16_t *w0 = q4 != NULL ? now : packed + p * tiles;
+            const uint16_t *w1 = p + 1 < panels ? w0 + tiles : pad_w;
+            const int cols = p + 1 < panels ? 32 : 16;
+            Making *making = q4 != NULL ? &mk : NULL; /* a made pair is in cache: no asking */
+            for (int m0 = 0; m0 < whole; m0 += 32)
+                block(x + (long)m0 * x_stride, x_stride, K, w0, w1, out + (long)m0 * N, N,
+                      16 * p, 32, cols, q4 == NULL && m0 == 0, making);
+            if (tail)
+                block(pad_x, K, K, w0, w1, out + (long)whole * N, N, 16 * p, tail, cols,
+                      q4 == NULL && whole == 0, making);
+            if (q4 != NULL) {
                 making_step(&mk, mk.total); /* what the steps left */
                 __asm__ volatile("" ::: "memory"); /* `now`'s tiles loaded before it is remade */
                 uint16_t *swap = now;
