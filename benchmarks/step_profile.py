@@ -22,9 +22,12 @@ The step's limit (common.bench.limits, measured in this process; common.bench.st
 larger of its read floor (the bytes it reads: every linear's weight once, the LM head once, each
 sequence's K/V, over the read-only memory bandwidth) and its compute floor (each linear's FLOPs
 over the best measured rate of the dtype it computes in at that batch); "% of limit" = limit /
-step time. `--clock cpu` times with the process's CPU time instead of the wall clock: on a
-machine shared with other jobs, use it with `--threads 1` (time spent waiting for a core is then
-not counted). Run: `python benchmarks/step_profile.py [--model default] [--dtype bfloat16]
+step time. Beside it, the step's cores' floor (what the threads need at least when each reads at
+one thread's rate and computes at one thread's rate: where that is above the limit, reading takes
+the cores and the floors add up) and, where higher, the step's % of it. `--clock cpu` times with
+the process's CPU time instead of the wall clock: on a machine shared with other jobs, use it
+with `--threads 1` (time spent waiting for a core is then not counted). Run:
+`python benchmarks/step_profile.py [--model default] [--dtype bfloat16]
 [--quantization auto] [--batches 1,8] [--context 256] [--iters 20] [--repeats 3] [--threads N]
 [--clock wall|cpu] [--verify-tokens 3,5,8] [--kv-cache-dtype auto|int8|fp8]
 [--kernel-choice auto|table|PATH] [--dense-weight-memory auto|SIZE]` (`--kv-cache-dtype`: the
@@ -229,7 +232,8 @@ def main() -> None:
         print(
             f"\nbatch {batch}: reads {read / 1e6:.1f} MB per step, read floor "
             f"{floor.read_s * 1e3:.2f} ms, compute floor {floor.compute_s * 1e3:.2f} ms "
-            f"(in {'/'.join(floor.dtypes)}), limit {floor.limit_s * 1e3:.2f} ms"
+            f"(in {'/'.join(floor.dtypes)}), limit {floor.limit_s * 1e3:.2f} ms; the cores' "
+            f"floor {floor.core_s * 1e3:.2f} ms"
         )
         inputs = decode_inputs(runner, batch, args.context)
         results: dict[str, dict[str, float]] = {}
@@ -255,6 +259,10 @@ def main() -> None:
         shares = [100 * floor.limit_s * 1e3 / results[m]["step"] for m in modes]
         pcts = [f"{v:.2f}%" if v < 10 else f"{v:.0f}%" for v in shares]
         print(f"| % of limit | {' | '.join(pcts)} |")
+        if floor.core_s > floor.limit_s:  # reading takes the cores: the floors add up
+            shares = [100 * floor.core_s * 1e3 / results[m]["step"] for m in modes]
+            pcts = [f"{v:.2f}%" if v < 10 else f"{v:.0f}%" for v in shares]
+            print(f"| % of the cores' floor | {' | '.join(pcts)} |")
         if verify:
             floors = {t: step_floor(limits, runner.model, batch * t, dtype, read) for t in verify}
             verify_table(runner, batch, args, results["layer"]["step"], verify, floors)
@@ -268,12 +276,13 @@ def verify_table(
     verify step's own limit (`floors[tokens]`: its weights and K/V read once, every linear, the
     LM head included, on all its rows at the best measured rate of the dtype it computes in) as
     a multiple of the measured decode step: where that exceeds 1.5x, no kernel reaches a verify
-    step of 1.5x a decode step on this machine."""
+    step of 1.5x a decode step on this machine; and its cores' floor (common.bench.limits) the
+    same way."""
     one = decode_inputs(runner, batch, args.context)
     print(f"\nbatch {batch}: verify steps (k + 1 tokens per sequence) vs the decode step\n")
     print(
-        "| tokens | verify ms | decode ms | ratio | verify limit ms (in) | limit / decode |\n"
-        "|---:|---:|---:|---:|---:|---:|"
+        "| tokens | verify ms | decode ms | ratio | verify limit ms (in) | limit / decode "
+        "| cores' floor / decode |\n|---:|---:|---:|---:|---:|---:|---:|"
     )
     for tokens in verify:
         many = decode_inputs(runner, batch, args.context, tokens)
@@ -285,7 +294,7 @@ def verify_table(
         print(
             f"| {tokens} | {t_many:.2f} | {t_one:.2f} | {t_many / t_one:.2f}x "
             f"| {floor.limit_s * 1e3:.2f} ({'/'.join(floor.dtypes)}) "
-            f"| {floor.limit_s * 1e3 / t_one:.2f}x |"
+            f"| {floor.limit_s * 1e3 / t_one:.2f}x | {floor.core_s * 1e3 / t_one:.2f}x |"
         )
 
 

@@ -17,9 +17,19 @@ Owns three figures and the arithmetic that turns them into floors (DESIGN.md sec
   best call of at least `repeats` (and `MIN_TIME_S`) after one warm-up.
 The read floor of a step is its bytes read / read bandwidth, its compute floor its FLOPs / the
 best rate of the dtype it computes in measured at M >= its rows (`Limits.rate`), its limit the
-larger; "% of limit" in the benchmarks = limit / measured time. Figures are cached in this
-process only (a session's machine is not the next one's): never written to disk. 5-10 s on a
-2-core host, the longer the more loaded it is.
+larger; "% of limit" in the benchmarks = limit / measured time.
+
+The same read and the matmuls at the largest M are also measured on one thread (`one_core_*`).
+They give a step's **cores' floor** (`Limits.core_floor_s`): every byte is read and every FLOP
+computed by some core, each core reads at most the one-thread rate and computes at most the
+one-thread rate, so the threads together need at least (bytes / one-thread read + FLOPs /
+one-thread rate) / threads. The limit (the larger floor) assumes reading and computing overlap;
+where one core cannot stream memory by itself (a 2-core VM: one thread reads about half of what
+two do), reading at the read floor takes every core and the cores' floor, about the read floor
+plus the compute floor, is the higher bound. Benchmarks print it beside the limit.
+
+Figures are cached in this process only (a session's machine is not the next one's): never
+written to disk. 5-10 s on a 2-core host, the longer the more loaded it is.
 
 Called by the benchmarks (benchmarks/quantization.py, step_profile.py, offline_throughput.py,
 gpu_quant.py: its device's read bandwidth), through common.bench.step_cost, and by `pdserve
@@ -29,6 +39,8 @@ limits` (common/cli.py).
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -171,6 +183,10 @@ class Limits:
     unavailable: dict[str, str] = field(default_factory=dict)  # dtype -> why not measured
     threads: int = 0
     seconds: float = 0.0  # how long measuring took
+    # one thread's figures (0 / empty: not measured): read bytes/s, and FLOP/s per dtype at the
+    # largest M measured (the most one core computes)
+    one_core_read_bytes_per_s: float = 0.0
+    one_core_rates: dict[str, float] = field(default_factory=dict)
 
     def rate(self, dtype: str | torch.dtype, m: int) -> float:
         """Best FLOP/s of `dtype` for M = m rows: the best measured at any M >= m (more rows only
@@ -197,6 +213,27 @@ class Limits:
         """A step's limit: the larger of its read floor and its compute floor."""
         return max(self.read_floor_s(bytes_read), self.compute_floor_s(flops, dtype, m))
 
+    def core_floor_s(self, bytes_read: float, flops_by_dtype: dict[str, float]) -> float:
+        """The cores' floor of a step that reads `bytes_read` and computes `flops_by_dtype`
+        (FLOPs per dtype): (bytes / one thread's read rate + each dtype's FLOPs / one thread's
+        rate) / threads; 0.0 where the one-thread figures were not measured."""
+        if self.one_core_read_bytes_per_s <= 0 or self.threads <= 0:
+            return 0.0
+        core_s = bytes_read / self.one_core_read_bytes_per_s
+        for dtype, flops in flops_by_dtype.items():
+            name = str(dtype).removeprefix("torch.")
+            if flops and name not in self.one_core_rates:
+                return 0.0
+            core_s += flops / self.one_core_rates[name] if flops else 0.0
+        return core_s / self.threads
+
+    def reads_take_the_cores(self) -> bool:
+        """True where the threads, each reading at one thread's rate, need at least 80% of
+        their time to reach the read bandwidth: reading leaves (almost) no core free to compute
+        beside it."""
+        one = self.one_core_read_bytes_per_s
+        return one > 0 and self.read_bytes_per_s / (one * max(self.threads, 1)) >= 0.8
+
     def ceiling_tokens_per_s(
         self, bytes_per_step: float, flops_per_token: float, dtype: str | torch.dtype, batch: int
     ) -> float:
@@ -214,6 +251,10 @@ class Limits:
             "copy_GB_s": self.copy_bytes_per_s / 1e9,
             "matmul_GFLOP_s": gflops,
             "unavailable": self.unavailable,
+            "one_core": {
+                "read_GB_s": self.one_core_read_bytes_per_s / 1e9,
+                "matmul_GFLOP_s": {d: r / 1e9 for d, r in sorted(self.one_core_rates.items())},
+            },
         }
 
     def describe(self) -> str:
@@ -233,6 +274,16 @@ class Limits:
             elif any(d == dtype for d, _ in self.rates):
                 cells = [f"{self.rates[(dtype, m)] / 1e9:.1f}" for m in ms]
                 lines.append(f"| {dtype} | " + " | ".join(cells) + " |")
+        if self.one_core_read_bytes_per_s > 0:
+            rates = ", ".join(f"{d} {r / 1e9:.1f}" for d, r in self.one_core_rates.items())
+            share = self.read_bytes_per_s / (self.one_core_read_bytes_per_s * max(self.threads, 1))
+            lines += [
+                "",
+                f"one thread: read {self.one_core_read_bytes_per_s / 1e9:.2f} GB/s ({share:.0%} of "
+                f"the threads' time at the read bandwidth: "
+                f"{'reading takes the cores' if self.reads_take_the_cores() else 'cores left free'}"
+                f"); matmul GFLOP/s at M={ms[-1]}: {rates}",
+            ]
         return "\n".join(lines)
 
 
@@ -259,6 +310,8 @@ def measure(
             copy_bytes_per_s=copy_bandwidth(nbytes, buf=buf),
             threads=torch.get_num_threads(),
         )
+        with _one_thread():
+            limits.one_core_read_bytes_per_s = read_bandwidth(nbytes, buf=buf)
         del buf
         if "int8" in dtypes and (why := int8_unavailable()):
             limits.unavailable["int8"] = why
@@ -269,6 +322,34 @@ def measure(
                     rate = matmul_rate(dtype, m, k, n, repeats, source)
                     limits.shape_rates[(dtype, m, name)] = rate
                     limits.rates[(dtype, m)] = max(limits.rates.get((dtype, m), 0.0), rate)
+        _measure_one_core(limits, shapes, max(batch_rows), dtypes, repeats)
         limits.seconds = time.perf_counter() - start
         _CACHE[key] = limits
     return _CACHE[key]  # type: ignore[return-value]
+
+
+@contextmanager
+def _one_thread() -> Iterator[None]:
+    """torch (and the kernels it calls) on one thread inside, the thread count restored after."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _measure_one_core(
+    limits: Limits,
+    shapes: list[tuple[str, int, int]],
+    m: int,
+    dtypes: tuple[str, ...],
+    repeats: int,
+) -> None:
+    """One thread's matmul rates at M = `m` (the best over `shapes`, per dtype) into `limits`."""
+    with _one_thread():
+        for _name, n, k in shapes:
+            source = _weight("float32", n, k)
+            for dtype in (d for d in dtypes if d not in limits.unavailable):
+                rate = matmul_rate(dtype, m, k, n, repeats, source)
+                limits.one_core_rates[dtype] = max(limits.one_core_rates.get(dtype, 0.0), rate)

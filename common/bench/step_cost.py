@@ -82,15 +82,22 @@ def compute_dtype(module: nn.Module, m: int, act_dtype: torch.dtype) -> str:
 
 @dataclass
 class StepFloor:
-    """A step's floors in seconds; `limit_s` is the larger."""
+    """A step's floors in seconds; `limit_s` is the larger of the read and compute floors;
+    `core_s` the cores' floor (Limits.core_floor_s; 0.0 where not measured)."""
 
     read_s: float
     compute_s: float
     dtypes: tuple[str, ...]  # the dtypes its linears compute in
+    core_s: float = 0.0
 
     @property
     def limit_s(self) -> float:
         return max(self.read_s, self.compute_s)
+
+    @property
+    def cores_limit_s(self) -> float:
+        """The limit, raised to the cores' floor where that is higher."""
+        return max(self.limit_s, self.core_s)
 
 
 def step_floor(
@@ -103,7 +110,7 @@ def step_floor(
 ) -> StepFloor:
     """Floors of a step that reads `read_bytes` and multiplies `rows` tokens through every
     linear (the LM head `head_rows` of them: a prefill's last tokens; default `rows`)."""
-    compute_s, dtypes = 0.0, []
+    compute_s, flops_by_dtype = 0.0, {}
     for name, module in linears(model):
         m = (
             rows
@@ -113,8 +120,13 @@ def step_floor(
         dtype = compute_dtype(module, m, act_dtype)
         flops = 2 * m * module.out_features * module.in_features
         compute_s += limits.compute_floor_s(flops, dtype, m)
-        dtypes += [dtype] if dtype not in dtypes else []
-    return StepFloor(limits.read_floor_s(read_bytes), compute_s, tuple(dtypes))
+        flops_by_dtype[dtype] = flops_by_dtype.get(dtype, 0) + flops
+    return StepFloor(
+        limits.read_floor_s(read_bytes),
+        compute_s,
+        tuple(flops_by_dtype),
+        limits.core_floor_s(read_bytes, flops_by_dtype),
+    )
 
 
 def decode_floor(
@@ -141,15 +153,18 @@ def generate_floor_s(
     prompt_len: int,
     output_len: int,
     kv_dtype: torch.dtype | None = None,
+    cores: bool = False,
 ) -> float:
     """Least seconds to generate `output_len` tokens for each of `prompts` prompts at once: one
     prefill (weights read once, every prompt token through every linear, the head on the last
     tokens), then output_len - 1 decode steps, each taken at the mean context (the cache in
-    `kv_dtype`, default `dtype`)."""
+    `kv_dtype`, default `dtype`). Each step at its limit, or with `cores` at its
+    `cores_limit_s` (the cores' floor where that is higher)."""
     weights = decode_read_bytes(model, hf_config, 0, 0, dtype)
     prefill = step_floor(limits, model, prompts * prompt_len, dtype, weights, head_rows=prompts)
+    limit = (lambda f: f.cores_limit_s) if cores else (lambda f: f.limit_s)
     if output_len <= 1:
-        return prefill.limit_s
+        return limit(prefill)
     context = prompt_len + output_len // 2
     decode = decode_floor(limits, model, hf_config, prompts, context, dtype, kv_dtype)
-    return prefill.limit_s + (output_len - 1) * decode.limit_s
+    return limit(prefill) + (output_len - 1) * limit(decode)

@@ -83,6 +83,35 @@ def test_measure_on_a_tiny_model(fresh_cache):
         assert "_int_mm" in lim.unavailable["int8"]
     table = lim.describe()
     assert "read" in table and "| float32 |" in table and "| int8 |" in table
+    # one thread's figures too, the thread count restored after measuring them
+    assert torch.get_num_threads() == lim.threads
+    assert 1e8 < lim.one_core_read_bytes_per_s < 1e13
+    assert set(lim.one_core_rates) == set(measured)
+    assert all(rate > 0 for rate in lim.one_core_rates.values())
+    assert "one thread: read" in table
+    assert lim.as_dict()["one_core"]["read_GB_s"] == lim.one_core_read_bytes_per_s / 1e9
+
+
+def test_cores_floor_adds_the_reading_and_computing_each_core_can_do():
+    lim = limits.Limits(
+        read_bytes_per_s=20e9,
+        rates={("bfloat16", 512): 2e12},
+        threads=2,
+        one_core_read_bytes_per_s=10e9,
+        one_core_rates={"bfloat16": 1e12, "int8": 4e12},
+    )
+    # 1 GB at 10 GB/s a core (0.1 s) + 1 TFLOP at 1 TFLOP/s a core (1 s), shared by 2 cores
+    assert lim.core_floor_s(1e9, {"bfloat16": 1e12}) == pytest.approx(1.1 / 2)
+    assert lim.core_floor_s(1e9, {"bfloat16": 1e12, torch.int8: 4e12}) == pytest.approx(2.1 / 2)
+    assert lim.core_floor_s(1e9, {}) == pytest.approx(0.1 / 2)
+    # a dtype with no one-thread rate, or no one-thread figures at all: no cores' floor
+    assert lim.core_floor_s(1e9, {"float32": 1e9}) == 0.0
+    assert limits.Limits(read_bytes_per_s=20e9, threads=2).core_floor_s(1e9, {}) == 0.0
+    # two threads read 2x one thread's rate: reading takes both cores
+    assert lim.reads_take_the_cores()
+    many = limits.Limits(read_bytes_per_s=40e9, threads=16, one_core_read_bytes_per_s=10e9)
+    assert not many.reads_take_the_cores()  # 4 of 16 cores reach the bandwidth
+    assert not limits.Limits(read_bytes_per_s=1e9, threads=2).reads_take_the_cores()
 
 
 def test_int8_reported_unavailable(fresh_cache, monkeypatch):

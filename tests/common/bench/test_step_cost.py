@@ -115,6 +115,33 @@ def test_generate_floor_is_the_prefill_then_the_decode_steps():
     assert three == pytest.approx(prefill_s + 2 * decode_s)
 
 
+def test_cores_floor_of_a_step_and_of_a_run():
+    model = TinyModel(quantized=False, tied=False).to(torch.bfloat16)
+    rates = {("bfloat16", 8): 1e9, ("float32", 8): 4e9}
+    limits = Limits(
+        read_bytes_per_s=2e6,
+        rates=rates,
+        threads=2,
+        one_core_read_bytes_per_s=1e6,
+        one_core_rates={"bfloat16": 0.5e9, "float32": 2e9},
+    )
+    floor = step_cost.step_floor(limits, model, 8, torch.bfloat16, read_bytes=2e6)
+    flops = 2 * 8 * (128 * 64 + 256 * 64)
+    assert floor.read_s == pytest.approx(1.0) and floor.compute_s == pytest.approx(flops / 1e9)
+    assert floor.core_s == pytest.approx((2e6 / 1e6 + flops / 0.5e9) / 2)
+    assert floor.cores_limit_s == pytest.approx(max(floor.limit_s, floor.core_s))
+    assert floor.core_s > floor.limit_s  # reading takes the cores: the floors add
+    plain = step_cost.generate_floor_s(limits, model, CONFIG, torch.bfloat16, 2, 8, 5)
+    cores = step_cost.generate_floor_s(limits, model, CONFIG, torch.bfloat16, 2, 8, 5, cores=True)
+    assert cores > plain
+    # without one-thread figures the cores' floor is absent and changes nothing
+    bare = Limits(read_bytes_per_s=2e6, rates=rates)
+    assert step_cost.step_floor(bare, model, 8, torch.bfloat16, 2e6).core_s == 0.0
+    assert step_cost.generate_floor_s(
+        bare, model, CONFIG, torch.bfloat16, 2, 8, 5, cores=True
+    ) == pytest.approx(step_cost.generate_floor_s(bare, model, CONFIG, torch.bfloat16, 2, 8, 5))
+
+
 def test_an_8_bit_cache_reads_its_codes_and_scales():
     """The floors count the cache in its own type: int8 codes plus a float32 scale per (token,
     KV head) row, not the activations' bfloat16."""
