@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
-import ctypes.util
 import gc
 import logging
 import os
@@ -56,6 +55,8 @@ from concurrent.futures import Executor
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from common.runtime.malloc import libc_function, set_thresholds
+
 log = logging.getLogger(__name__)
 
 MIDDLE_EVERY_S = 0.2  # CollectionPacer: the middle generation's collections
@@ -64,42 +65,21 @@ FULL_RSS_GROWTH = 64 * 2**20  # or once the process grew this much since the las
 LARGE_BYTES = 256 * 1024  # body read + body sent (a 60k-token /tokenize is ~540 KB, kept 60 MiB)
 TRIM_THRESHOLD = 128 * 1024  # glibc's defaults (M_TRIM_THRESHOLD, M_MMAP_THRESHOLD), pinned
 MMAP_THRESHOLD = 128 * 1024
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt parameters, <malloc.h>
-_ENV_THRESHOLDS = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_")
-
-
-def _libc_function(name: str) -> ctypes._CFuncPtr | None:
-    try:
-        return getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
-    except (OSError, AttributeError):  # not glibc (musl, macOS)
-        return None
 
 
 def _malloc_trim() -> ctypes._CFuncPtr | None:
-    trim = _libc_function("malloc_trim")
+    trim = libc_function("malloc_trim")
     if trim is not None:
         trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
     return trim
 
 
 def pin_malloc_thresholds() -> bool:
-    """Fix glibc's trim and mmap thresholds (no dynamic growth): whether they were set.
-
-    Leaves them to the user when the environment sets either (MALLOC_*_THRESHOLD_, or any
-    glibc.malloc.* tunable in GLIBC_TUNABLES), and does nothing without glibc. Process-wide:
-    call it in the router process only.
+    """Fix glibc's trim and mmap thresholds at its starting values (no dynamic growth): whether
+    they were set (common.runtime.malloc.set_thresholds: not where the environment sets them,
+    nor without glibc). Process-wide: call it in the router process only.
     """
-    if any(os.environ.get(name) for name in _ENV_THRESHOLDS):
-        return False
-    if "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""):
-        return False
-    mallopt = _libc_function("mallopt")
-    if mallopt is None:
-        return False
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    # mallopt returns 1 on success; setting either threshold also turns off glibc's adjustment
-    pinned = mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
-    return mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1 and pinned
+    return set_thresholds(TRIM_THRESHOLD, MMAP_THRESHOLD)
 
 
 def freeze_startup_heap() -> int:

@@ -226,6 +226,7 @@ def run_batch_command(args: argparse.Namespace) -> int:
     from common.config import config_from_args
     from common.model.model_files import resolve_model
     from common.model.weights import iter_weights
+    from common.runtime.malloc import keep_step_buffers
     from common.runtime.worker_cli import seed_generators
 
     config = config_from_args(args)
@@ -235,6 +236,8 @@ def run_batch_command(args: argparse.Namespace) -> int:
     engine = Engine(
         config, source.hf_config, iter_weights(source), eos_token_ids=tokenizer.eos_token_ids
     )
+    if engine.runner.device.type == "cpu":
+        keep_step_buffers()
     if config.warm_up:
         engine.warm_up()
     seed_generators(config.seed)  # unseeded sampled requests: same --seed, same output file

@@ -5,7 +5,8 @@ Owns `--router`, `--worker-id`, `--cluster-secret-file`, the KV receiver's flags
 worker the blocks it fetches from peers) and the health endpoint's flags
 (`--health-port`, `--health-host`, `--health-stall-timeout-s`; each also read from a PDSERVE_*
 variable; the engine flags come from `common.config.add_engine_args`), turning the parsed flags
-into a loaded, warmed-up `Engine` (`--warm-up`), seeding the process's random generators from
+into a loaded, warmed-up `Engine` (`--warm-up`; on the CPU, glibc's thresholds set to keep
+what a step frees: common.runtime.malloc), seeding the process's random generators from
 `--seed`, and running the worker beside its health endpoint (`serve`). Called by `prefill.cli`
 and `decode.cli`; heavy imports happen inside the functions so that `pdserve --help` stays fast.
 """
@@ -17,6 +18,8 @@ import logging
 import os
 import random
 from typing import TYPE_CHECKING
+
+from common.runtime.malloc import keep_step_buffers
 
 if TYPE_CHECKING:
     from common.config import EngineConfig
@@ -143,6 +146,7 @@ def build_engine(args: argparse.Namespace) -> Engine:
     config = config_from_args(args)
     engine = load_engine(config)
     if engine.runner.device.type == "cpu":
+        keep_step_buffers()  # before the warm-up's steps
         build_cpu_kernels()
     if config.warm_up:
         log.info("warm-up: %.2f s", engine.warm_up())

@@ -15,11 +15,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from common.runtime.malloc import libc_function
 from router.memory import (
     LARGE_BYTES,
     CollectionPacer,
     Trimmer,
-    _libc_function,
     pin_malloc_thresholds,
 )
 
@@ -129,7 +129,7 @@ def _rss_left(mode: str) -> float:
     return float(out.stdout)
 
 
-@pytest.mark.skipif(_libc_function("mallopt") is None, reason="needs glibc")
+@pytest.mark.skipif(libc_function("mallopt") is None, reason="needs glibc")
 def test_pinned_thresholds_give_a_thread_arenas_free_top_back() -> None:
     pinned, unpinned = _rss_left("pin"), _rss_left("none")
     assert pinned < 8, f"{pinned:.1f} MiB left over the baseline with the thresholds pinned"
