@@ -216,16 +216,23 @@ class Limits:
     def core_floor_s(self, bytes_read: float, flops_by_dtype: dict[str, float]) -> float:
         """The cores' floor of a step that reads `bytes_read` and computes `flops_by_dtype`
         (FLOPs per dtype): (bytes / one thread's read rate + each dtype's FLOPs / one thread's
-        rate) / threads; 0.0 where the one-thread figures were not measured."""
+        rate) / threads; 0.0 where the one-thread figures were not measured. Each one-thread
+        figure counts as at least 1 / threads of the threads' own (they reached that together,
+        so one of them did: a busy moment while measuring one thread cannot raise the floor
+        past the read floor plus the compute floor)."""
         if self.one_core_read_bytes_per_s <= 0 or self.threads <= 0:
             return 0.0
-        core_s = bytes_read / self.one_core_read_bytes_per_s
+        n = self.threads
+        core_s = bytes_read / max(self.one_core_read_bytes_per_s, self.read_bytes_per_s / n)
         for dtype, flops in flops_by_dtype.items():
             name = str(dtype).removeprefix("torch.")
-            if flops and name not in self.one_core_rates:
+            if not flops:
+                continue
+            if name not in self.one_core_rates:
                 return 0.0
-            core_s += flops / self.one_core_rates[name] if flops else 0.0
-        return core_s / self.threads
+            together = max((r for (d, _), r in self.rates.items() if d == name), default=0.0)
+            core_s += flops / max(self.one_core_rates[name], together / n)
+        return core_s / n
 
     def reads_take_the_cores(self) -> bool:
         """True where the threads, each reading at one thread's rate, need at least 80% of

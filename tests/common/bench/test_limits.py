@@ -107,6 +107,15 @@ def test_cores_floor_adds_the_reading_and_computing_each_core_can_do():
     # a dtype with no one-thread rate, or no one-thread figures at all: no cores' floor
     assert lim.core_floor_s(1e9, {"float32": 1e9}) == 0.0
     assert limits.Limits(read_bytes_per_s=20e9, threads=2).core_floor_s(1e9, {}) == 0.0
+    # a one-thread figure measured at a busy moment counts as 1 / threads of the threads' own
+    busy = limits.Limits(
+        read_bytes_per_s=20e9,
+        rates={("bfloat16", 512): 2e12},
+        threads=2,
+        one_core_read_bytes_per_s=1e9,
+        one_core_rates={"bfloat16": 0.1e12},
+    )
+    assert busy.core_floor_s(1e9, {"bfloat16": 1e12}) == pytest.approx(1.1 / 2)
     # two threads read 2x one thread's rate: reading takes both cores
     assert lim.reads_take_the_cores()
     many = limits.Limits(read_bytes_per_s=40e9, threads=16, one_core_read_bytes_per_s=10e9)
