@@ -288,7 +288,9 @@ static inline void keep_scores(__m128 s, __m128 *mx, float *restrict dst, int co
 
 /* exp_approx (vecmath.h) on 8 lanes: the same steps */
 static inline __m256 exp8(__m256 x) {
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.33654f)), _mm256_set1_ps(88.72283f));
+    /* the constants first: (v)maxps and minps return their second operand where one is NaN, so
+     * a NaN score stays NaN (its weight, its row's sum and its output then NaN, as torch's) */
+    x = _mm256_min_ps(_mm256_set1_ps(88.72283f), _mm256_max_ps(_mm256_set1_ps(-87.33654f), x));
     const __m256 n = _mm256_floor_ps(
         _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
     __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);

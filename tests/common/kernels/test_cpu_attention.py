@@ -268,3 +268,37 @@ def test_a_lone_verify_steps_rows_equal_each_row_alone(dtype, rows, first_len, h
             assert torch.equal(alone[0], together[i]), lens[i]
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("batch", [2, 16])  # by (sequence, kv head) parts; by whole sequences
+def test_a_nan_query_gives_nan_where_torch_does(dtype, batch):
+    """A NaN in one query head makes that head's output NaN, as the torch path's softmax does,
+    and leaves every other row finite (the vectorised exp once clamped a NaN to a number)."""
+    g = torch.Generator().manual_seed(batch)
+    heads, kv_heads, head_dim, block_size = 9, 3, 64, 16
+    seq_lens = [40 + 8 * i for i in range(batch)]  # multiples of 8: no scalar tail in the softmax
+    max_blocks = max(-(-n // block_size) for n in seq_lens)
+    num_blocks = batch * max_blocks + 1
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
+    tables = (torch.arange(batch * max_blocks) + 1).view(batch, max_blocks).int()
+    q = torch.randn(batch, heads, head_dim, generator=g).to(dtype)
+    q[batch - 1, 4, 7] = float("nan")
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(batch, dtype=torch.long),
+        query_start_loc=torch.arange(batch + 1, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=tables,
+        query_lens_cpu=[1] * batch,
+        seq_lens_cpu=seq_lens,
+    )
+    out = paged_attention(q, k_cache, v_cache, meta, head_dim**-0.5)
+    ref = torch_reference(q, k_cache, v_cache, meta, head_dim**-0.5)
+    expected = torch.zeros(batch, heads, dtype=torch.bool)
+    expected[batch - 1, 4] = True
+    assert torch.equal(ref.isnan().any(-1), expected)
+    assert torch.equal(out.isnan().any(-1), expected)
+    assert torch.equal(out.isnan(), ref.isnan())
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol, equal_nan=True)
