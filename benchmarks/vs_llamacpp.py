@@ -21,7 +21,9 @@ prefill of the prompts, then output_len - 1 decode steps at the mean context; at
 request, at N streams N at once), ITL beside the decode step's limit at that batch (the larger of
 its read floor, bytes read / read bandwidth, and its compute floor, FLOPs / the best rate of the
 dtype each linear computes in), TTFT beside the prefill floor of one prompt (a bound for any
-request; at N streams a request also waits for the others' prefills and decode steps).
+request; at N streams a request also waits for the others' prefills and decode steps). A line
+above the table also gives the cores' floors of the two decode steps and the N streams' ceiling
+at them (common.bench.limits: where reading takes the cores, read and compute floors add up).
 
     python benchmarks/vs_llamacpp.py --llama-server PATH [--systems llama,colocated,disagg]
         [--threads T] [--prompt-len 256] [--output-len 128] [--concurrency 16]
@@ -96,12 +98,17 @@ def measure_floors(args, engine_args: list[str]) -> tuple[machine_limits.Limits,
     step_n = decode_floor(limits, model, cfg, n, ctx, act)
     floors = {
         "step_1": {"read_ms": step1.read_s * 1e3, "compute_ms": step1.compute_s * 1e3,
-                   "limit_ms": step1.limit_s * 1e3, "dtypes": list(step1.dtypes)},
+                   "limit_ms": step1.limit_s * 1e3, "cores_ms": step1.core_s * 1e3,
+                   "dtypes": list(step1.dtypes)},
         "step_n": {"read_ms": step_n.read_s * 1e3, "compute_ms": step_n.compute_s * 1e3,
-                   "limit_ms": step_n.limit_s * 1e3, "dtypes": list(step_n.dtypes)},
+                   "limit_ms": step_n.limit_s * 1e3, "cores_ms": step_n.core_s * 1e3,
+                   "dtypes": list(step_n.dtypes)},
         "prefill_1_ms": generate_floor_s(limits, model, cfg, act, 1, p, 1) * 1e3,
         "ceiling_1_tok_s": o / generate_floor_s(limits, model, cfg, act, 1, p, o),
         "ceiling_n_tok_s": n * o / generate_floor_s(limits, model, cfg, act, n, p, o),
+        "cores_ceiling_n_tok_s": n * o / generate_floor_s(
+            limits, model, cfg, act, n, p, o, cores=True
+        ),
         "act_dtype": str(act).removeprefix("torch."),
     }  # fmt: skip
     del engine, model
@@ -365,6 +372,9 @@ def print_report(machine: str, load: dict, limits, floors: dict, rows, goals, re
         f" ms ({'/'.join(s1['dtypes'])}); batch-{n} step read {sn['read_ms']:.2f} / compute "
         f"{sn['compute_ms']:.2f} ms ({'/'.join(sn['dtypes'])}); one prompt's prefill "
         f"{floors['prefill_1_ms']:.1f} ms\n"
+        f"cores' floors (common.bench.limits: reading and computing on the same cores): batch-1 "
+        f"step {s1['cores_ms']:.2f} ms, batch-{n} step {sn['cores_ms']:.2f} ms, {n} streams' "
+        f"ceiling {floors['cores_ceiling_n_tok_s']:.1f} tok/s\n"
     )
     names = list(results)
     others = [s for s in names if s != "llama"]
