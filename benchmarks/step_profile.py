@@ -255,17 +255,19 @@ def main() -> None:
         for part in ["step", *PARTS, "step (instrumented)", "step without linear work"]:
             cells = [f"{results[m][part]:.2f}" if part in results[m] else "-" for m in modes]
             print(f"| {part} | {' | '.join(cells)} |")
-        # a tiny model's step is a fraction of a percent of its limit: decimals below 10%
-        shares = [100 * floor.limit_s * 1e3 / results[m]["step"] for m in modes]
-        pcts = [f"{v:.2f}%" if v < 10 else f"{v:.0f}%" for v in shares]
-        print(f"| % of limit | {' | '.join(pcts)} |")
+        print(f"| % of limit | {shares(floor.limit_s, results, modes)} |")
         if floor.core_s > floor.limit_s:  # reading takes the cores: the floors add up
-            shares = [100 * floor.core_s * 1e3 / results[m]["step"] for m in modes]
-            pcts = [f"{v:.2f}%" if v < 10 else f"{v:.0f}%" for v in shares]
-            print(f"| % of the cores' floor | {' | '.join(pcts)} |")
+            print(f"| % of the cores' floor | {shares(floor.core_s, results, modes)} |")
         if verify:
             floors = {t: step_floor(limits, runner.model, batch * t, dtype, read) for t in verify}
             verify_table(runner, batch, args, results["layer"]["step"], verify, floors)
+
+
+def shares(floor_s: float, results: dict, modes: tuple[str, ...]) -> str:
+    """A floor as % of each mode's step, as table cells (a tiny model's step is a fraction of a
+    percent of its limit: decimals below 10%)."""
+    values = [100 * floor_s * 1e3 / results[m]["step"] for m in modes]
+    return " | ".join(f"{v:.2f}%" if v < 10 else f"{v:.0f}%" for v in values)
 
 
 def verify_table(

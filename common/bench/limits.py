@@ -234,12 +234,16 @@ class Limits:
             core_s += flops / max(self.one_core_rates[name], together / n)
         return core_s / n
 
-    def reads_take_the_cores(self) -> bool:
-        """True where the threads, each reading at one thread's rate, need at least 80% of
-        their time to reach the read bandwidth: reading leaves (almost) no core free to compute
-        beside it."""
+    def read_share(self) -> float:
+        """The share of the threads' time that reading at the read bandwidth takes, each
+        reading at one thread's rate (0.0 where that was not measured)."""
         one = self.one_core_read_bytes_per_s
-        return one > 0 and self.read_bytes_per_s / (one * max(self.threads, 1)) >= 0.8
+        return self.read_bytes_per_s / (one * max(self.threads, 1)) if one > 0 else 0.0
+
+    def reads_take_the_cores(self) -> bool:
+        """True where reading at the read bandwidth takes at least 80% of the threads' time:
+        it leaves (almost) no core free to compute beside it."""
+        return self.read_share() >= 0.8
 
     def ceiling_tokens_per_s(
         self, bytes_per_step: float, flops_per_token: float, dtype: str | torch.dtype, batch: int
@@ -283,10 +287,10 @@ class Limits:
                 lines.append(f"| {dtype} | " + " | ".join(cells) + " |")
         if self.one_core_read_bytes_per_s > 0:
             rates = ", ".join(f"{d} {r / 1e9:.1f}" for d, r in self.one_core_rates.items())
-            share = self.read_bytes_per_s / (self.one_core_read_bytes_per_s * max(self.threads, 1))
             lines += [
                 "",
-                f"one thread: read {self.one_core_read_bytes_per_s / 1e9:.2f} GB/s ({share:.0%} of "
+                f"one thread: read {self.one_core_read_bytes_per_s / 1e9:.2f} GB/s "
+                f"({self.read_share():.0%} of "
                 f"the threads' time at the read bandwidth: "
                 f"{'reading takes the cores' if self.reads_take_the_cores() else 'cores left free'}"
                 f"); matmul GFLOP/s at M={ms[-1]}: {rates}",

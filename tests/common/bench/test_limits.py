@@ -117,6 +117,7 @@ def test_cores_floor_adds_the_reading_and_computing_each_core_can_do():
     )
     assert busy.core_floor_s(1e9, {"bfloat16": 1e12}) == pytest.approx(1.1 / 2)
     # two threads read 2x one thread's rate: reading takes both cores
+    assert lim.read_share() == pytest.approx(1.0)
     assert lim.reads_take_the_cores()
     many = limits.Limits(read_bytes_per_s=40e9, threads=16, one_core_read_bytes_per_s=10e9)
     assert not many.reads_take_the_cores()  # 4 of 16 cores reach the bandwidth

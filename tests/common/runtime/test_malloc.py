@@ -1,5 +1,6 @@
 """common/runtime/malloc.py: an engine process keeps what a step frees instead of faulting it in
-again; the environment's own thresholds win; the router's pinning goes through the same call.
+again; the environment's own thresholds win (the router's pinning, which goes through the same
+call, is tested in tests/router/test_memory.py).
 
 The page faults are counted in fresh processes: the thresholds are process-wide."""
 
@@ -72,7 +73,9 @@ def test_the_environment_keeps_its_own_thresholds(monkeypatch: pytest.MonkeyPatc
 
 
 def test_no_glibc_sets_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    for name in ("GLIBC_TUNABLES", "MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_"):
+        monkeypatch.delenv(name, raising=False)  # so only the missing glibc can say no
+    assert not malloc.environment_sets_thresholds()
     monkeypatch.setattr(malloc, "libc_function", lambda name: None)
     assert malloc.set_thresholds(1 << 20, 1 << 20) is False
     assert malloc.keep_step_buffers() is False
