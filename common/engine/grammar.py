@@ -13,7 +13,9 @@ decoding needs). Owns:
   stay, never feeds a token twice, and a decode worker that receives the prefill worker's first
   token consumes it like any other;
 - `check_structured_output`: the router's check before dispatch (a ValueError naming the
-  unsupported feature becomes a 400).
+  unsupported feature becomes a 400). It validates without the tokenizer where the grammar names
+  no token (every JSON schema, regex and choice): building llguidance's tokenizer holds the GIL
+  for 0.3-1 s, which would stall the router's event loop, and costs its memory.
 
 The engine creates matchers (`Engine._new_sequence`) and advances them as tokens are appended; the
 verifier (`common.engine.spec.verify`) asks for bitmasks, also after draft tokens; the sampler
@@ -41,6 +43,8 @@ assert sys.byteorder == "little", "refused_tokens reads bitmask words as little-
 MAX_CACHED_GRAMMARS = 256
 # Fixed separators and no free whitespace: a model that may emit whitespace anywhere can pad an
 # object until max_tokens; this way every object has exactly one spelling up to its values.
+# llguidance's warning for a grammar whose token references it validated without a tokenizer.
+NO_TOKENIZER = "no tokenizer"
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
@@ -101,6 +105,7 @@ class GrammarCompiler:
         self._vocab_size = vocab_size
         self._max_cached = max_cached
         self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()  # matcher or ValueError
+        self._checked: OrderedDict[tuple[str, str], ValueError | None] = OrderedDict()
         self._lock = threading.Lock()
         self._tokenizer_lock = threading.Lock()
         self._tokenizer = None
@@ -123,6 +128,11 @@ class GrammarCompiler:
                 except Exception as e:  # the request fails, not the worker
                     raise ValueError(f"structured outputs need the model's tokenizer: {e}") from e
         return self._tokenizer
+
+    @property
+    def tokenizer_built(self) -> bool:
+        """Whether `ll_tokenizer` has been built (the router's checks mostly never need it)."""
+        return self._tokenizer is not None
 
     @classmethod
     def for_model(cls, model: str, vocab_size: int) -> GrammarCompiler:
@@ -172,6 +182,41 @@ class GrammarCompiler:
         if matcher.is_error():
             return ValueError(f"unsupported {_kind_name(so.kind)}: {matcher.get_error()}")
         return matcher
+
+    def check(self, so: StructuredOutput) -> None:
+        """ValueError as `compile`, without building the tokenizer unless the grammar names
+        tokens (`<|special|>`, `<[id]>`): only those need it to be validated. Cached."""
+        key = (so.kind, so.spec)
+        with self._lock:
+            found = key in self._checked
+            error = self._checked.get(key)
+            if found:
+                self._checked.move_to_end(key)
+        if not found:
+            error = self._check(so)
+            with self._lock:
+                self._checked[key] = error
+                while len(self._checked) > self._max_cached:
+                    self._checked.popitem(last=False)
+        if error is not None:
+            raise ValueError(str(error))
+
+    def _check(self, so: StructuredOutput) -> ValueError | None:
+        from llguidance import LLMatcher
+
+        try:
+            text = grammar_text(so)
+        except ValueError as e:
+            return e
+        is_error, messages = LLMatcher.validate_grammar_with_warnings(text, None)
+        if is_error:
+            return ValueError(f"unsupported {_kind_name(so.kind)}: {'; '.join(messages)}")
+        if any(NO_TOKENIZER in m for m in messages):  # token references: only a compile can tell
+            try:
+                self.compile(so)
+            except ValueError as e:
+                return e
+        return None
 
     def matcher(self, so: StructuredOutput) -> GrammarMatcher:
         """A fresh matcher for one sequence; ValueError as `compile`."""
@@ -275,7 +320,8 @@ def compiler_for(tokenizer: Any) -> GrammarCompiler:
 def check_structured_output(so: StructuredOutput, tokenizer: Any) -> None:
     """Raise ValueError naming what is malformed or unsupported in `so` (the router's 400).
 
-    Compiles and caches: the first call for a schema may take milliseconds to (for huge schemas)
-    a second, and a tokenizer's first call about a second, so call it off the event loop.
+    Validates without the tokenizer where it can (`GrammarCompiler.check`) and caches: a schema's
+    first call may take milliseconds to (for huge schemas) a second, so call it off the event
+    loop. A grammar naming tokens builds the tokenizer on its first call (0.3-1 s holding the GIL).
     """
-    compiler_for(tokenizer).compile(so)
+    compiler_for(tokenizer).check(so)

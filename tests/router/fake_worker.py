@@ -313,6 +313,9 @@ class RouterThread:
     def __init__(self, **config: Any) -> None:
         config.setdefault("port", 0)
         config.setdefault("control_port", 0)
+        # In-process, the router's event loop shares the GIL with the test's clients and fake
+        # workers: its lag would measure them. Tests of the guard set it.
+        config.setdefault("max_loop_lag_s", 0.0)
         self.server = RouterServer(RouterConfig(**config), default_tokenizer(), 8192)
         ready = threading.Event()
         self._thread = threading.Thread(

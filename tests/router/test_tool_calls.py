@@ -14,6 +14,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from common.api.tokenizer import Tokenizer
+from common.engine.grammar import compiler_for
 from common.protocol import Generate
 from router.server import RouterConfig, RouterServer
 from tests.common.api.tool_template import tool_tokenizer_dir
@@ -129,6 +130,9 @@ def test_forced_calls_carry_the_schema_and_become_tool_calls(
     # The worker was asked to enforce the required-call schema.
     sent = worker.messages(Generate)[-1].params.structured_output
     assert sent.kind == "json" and json.loads(sent.spec)["minItems"] == 1
+    # The router checked the schema without building llguidance's tokenizer, which holds the GIL
+    # long enough (0.3-1 s) to stall its event loop and have --max-loop-lag-s refuse requests.
+    assert not compiler_for(router.server.state.tokenizer).tokenizer_built
 
 
 def test_round_trip_messages_and_named_choice(router: RouterThread, tok: Tokenizer) -> None:

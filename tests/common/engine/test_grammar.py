@@ -84,6 +84,35 @@ def test_bad_specs_raise_naming_the_problem(hf_tokenizer, so, named) -> None:
         check_structured_output(so, hf_tokenizer)
 
 
+def test_checks_build_the_tokenizer_only_for_grammars_naming_tokens(hf_tokenizer) -> None:
+    # Building llguidance's tokenizer holds the GIL for 0.3-1 s: the router's event loop would
+    # stall on it, so schemas, regexes and choices are checked without it.
+    compiler = GrammarCompiler(hf_tokenizer)
+    for so in (
+        StructuredOutput("json", json.dumps(SCHEMA)),
+        StructuredOutput("json_object"),
+        StructuredOutput("regex", r"\d+"),
+        StructuredOutput("choice", '["a", "b"]'),
+        StructuredOutput("grammar", 'start: "x" /[0-9]+/\n'),
+    ):
+        compiler.check(so)
+    for so, named in (
+        (StructuredOutput("json", '{"type": "string", "format": "weird"}'), "weird"),
+        (StructuredOutput("grammar", "start: nope\n"), "nope"),
+    ):
+        with pytest.raises(ValueError, match=named):
+            compiler.check(so)
+    assert not compiler.tokenizer_built and compiler.num_compiled == 0
+    # Token references can only be judged against the vocabulary.
+    compiler.check(StructuredOutput("grammar", 'start: "a" <|endoftext|>\n'))
+    assert compiler.tokenizer_built
+    for spec, named in (("start: <|nosuch|>\n", "nosuch"), ("start: <[99999999]>\n", "too large")):
+        for _ in range(2):  # the second answer comes from the cache
+            with pytest.raises(ValueError, match=named):
+                compiler.check(StructuredOutput("grammar", spec))
+    assert compiler.num_compiled == 3
+
+
 def test_compiled_grammars_are_cached_and_bounded(hf_tokenizer) -> None:
     compiler = GrammarCompiler(hf_tokenizer, max_cached=2)
     specs = [StructuredOutput("regex", f"a{{{n}}}") for n in (1, 2, 3)]
