@@ -113,6 +113,22 @@ def test_checks_build_the_tokenizer_only_for_grammars_naming_tokens(hf_tokenizer
     assert compiler.num_compiled == 3
 
 
+def test_a_padding_tokenizer_is_served_unpadded_and_left_as_it_was(hf_tokenizer) -> None:
+    import copy
+
+    padded = copy.deepcopy(hf_tokenizer)
+    padded.backend_tokenizer.enable_padding(length=64)
+    padded.backend_tokenizer.enable_truncation(max_length=64)
+    compiler = GrammarCompiler(padded)
+    so = StructuredOutput("json", json.dumps(SCHEMA))
+    text = '{"name": "Bo", "age": 3}'
+    ids = hf_tokenizer.encode(text, add_special_tokens=False)
+    assert compiler.ll_tokenizer.tokenize_str(text) == ids
+    assert _accepts(compiler, hf_tokenizer, so, text)
+    assert padded.backend_tokenizer.padding["length"] == 64
+    assert padded.backend_tokenizer.truncation["max_length"] == 64
+
+
 def test_compiled_grammars_are_cached_and_bounded(hf_tokenizer) -> None:
     compiler = GrammarCompiler(hf_tokenizer, max_cached=2)
     specs = [StructuredOutput("regex", f"a{{{n}}}") for n in (1, 2, 3)]

@@ -127,3 +127,32 @@ def test_warm_up_runs_the_projections_at_every_padded_row_count(tiny_model, monk
     monkeypatch.setattr(big.runner.model, "build_padded_matmuls", built.append)
     big.warm_up()
     assert built == [512]
+
+
+@pytest.mark.parametrize("tiny_model", ["llama"], indirect=True)
+def test_warm_up_builds_the_grammar_tokenizer(tiny_model, caplog) -> None:
+    """Built by a first structured request instead, it holds the interpreter lock long enough
+    (0.3-1 s) to stall every running stream's step."""
+    from transformers import AutoTokenizer
+
+    from common.engine.grammar import GrammarCompiler
+    from common.model.model_files import resolve_model
+
+    _, hf_model, _ = tiny_model
+    engine = make_engine(hf_model)
+    hf = AutoTokenizer.from_pretrained(resolve_model("default").hf_dir)
+    engine.grammars = GrammarCompiler(hf, vocab_size=engine.vocab_size)
+    assert not engine.grammars.tokenizer_built
+    engine.warm_up()
+    assert engine.grammars.tokenizer_built
+
+    # Without a usable tokenizer the warm-up still completes; structured requests say why.
+    def no_tokenizer():
+        raise OSError("no tokenizer files")
+
+    broken = make_engine(hf_model)
+    broken.grammars = GrammarCompiler(load_tokenizer=no_tokenizer)
+    with caplog.at_level("INFO", logger="common.engine.warm_up"):
+        assert broken.warm_up() > 0
+    assert "structured outputs unavailable" in caplog.text and "no tokenizer files" in caplog.text
+    assert not broken.grammars.tokenizer_built
