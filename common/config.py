@@ -247,7 +247,8 @@ _HELP = {
     "warm_up": "run a few throwaway requests at start, before the worker registers, so that the "
     "first real request does not pay one-time costs (weight repacking, first kernel calls: ~0.4 "
     "s of a first short request's TTFT, ~0.55 s of a 300-token prompt's, default model on 2 CPU "
-    "cores); ~1 s of start-up there",
+    "cores; and the grammar engine's tokenizer, whose build a first structured request made "
+    "every running stream wait for); ~1 s of start-up there",
     "cuda_graph_max_batch": "largest decode batch captured as a CUDA graph (sizes 1, 2, 4, 8, "
     "then every 8); larger batches run eagerly",
     "quantization": "weight-only quantization of the linear layers: auto (serve what the "
