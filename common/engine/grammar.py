@@ -41,10 +41,10 @@ if TYPE_CHECKING:
 
 assert sys.byteorder == "little", "refused_tokens reads bitmask words as little-endian"
 MAX_CACHED_GRAMMARS = 256
-# Fixed separators and no free whitespace: a model that may emit whitespace anywhere can pad an
-# object until max_tokens; this way every object has exactly one spelling up to its values.
 # llguidance's warning for a grammar whose token references it validated without a tokenizer.
 NO_TOKENIZER = "no tokenizer"
+# Fixed separators and no free whitespace: a model that may emit whitespace anywhere can pad an
+# object until max_tokens; this way every object has exactly one spelling up to its values.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 

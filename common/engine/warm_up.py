@@ -10,10 +10,11 @@ projections at every row count a padded prompt step can take, up to `WARM_UP_MAX
 first met it; about 2 s in all for a 2,048-token budget), and so a separate draft model's
 (`--draft-model`), whose prompt steps have the same row counts. Meanwhile a thread builds the
 grammar engine's tokenizer (`GrammarCompiler.ll_tokenizer`): built by a first structured request
-instead, it held the interpreter lock for 0.37 s (the default model's 49k tokens; about 1 s at
-150k), and every running stream's step waited (measured: 8 streams decoding, one step of 532 ms
-among steps of 9.6). It costs the worker about 35 MiB there. Workers run the warm-up before they
-register and run-batch before it reads its input (--warm-up), through `Engine.warm_up`.
+instead, it held the interpreter lock (0.25 s for the default model's 49k tokens, more for larger
+vocabularies) and every running stream's step waited (measured: 8 streams decoding, one step of
+492 ms among steps of 8.6, the model's tokenizer loaded too). It costs the worker about 27 MiB
+there. Workers run the warm-up before they register and run-batch before it reads its input
+(--warm-up), through `Engine.warm_up`.
 """
 
 from __future__ import annotations
