@@ -4,7 +4,8 @@ Starts a router with one prefill and one decode worker (`common.runtime.launcher
 benchmarks do; default model, every prompt over `--local-prefill-max-tokens` prefilled remotely),
 then `--concurrency` clients send requests back to back for `--minutes`, each drawn from a mix
 (`KINDS` in `benchmarks/soak_mix.py`): short and long prompts, chat and completions, streamed and
-not, streams the client drops mid-body (aborts), n=2, logprobs, stop strings. Every `--sample-s` it
+not, streams the client drops mid-body (aborts), n=2, logprobs, stop strings, JSON-schema answers
+(a new schema most times; a finished answer outside its schema counts as failed). Every `--sample-s` it
 reads each process's RSS (/proc/PID/status VmRSS) and, through
 `benchmarks/soak_probe/sitecustomize.py` loaded into every child, glibc's heap view (mallinfo2
 bytes in use); `--tracemalloc` also traces Python allocations in the children and prints, at the

@@ -80,6 +80,19 @@ def make_request(kind: str, rng: random.Random, args: argparse.Namespace) -> tup
             "prompt": long, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True},
         }  # fmt: skip
+    if kind == "chat_schema":  # a new schema most times: both grammar caches keep turning over
+        keys = list(dict.fromkeys(rng.choice(WORDS) for _ in range(rng.randint(1, 3))))
+        types = [rng.choice(["string", "integer", "boolean"]) for _ in keys]
+        schema = {
+            "type": "object", "properties": {k: {"type": t} for k, t in zip(keys, types)},
+            "required": keys, "additionalProperties": False,
+        }  # fmt: skip
+        return "/v1/chat/completions", {
+            "max_tokens": 4 * args.max_tokens, "temperature": 0.8,
+            "messages": [{"role": "user", "content": f"{short}: answer in JSON"}],
+            "response_format": {"type": "json_schema", "json_schema": {
+                "name": "answer", "schema": schema}},
+        }  # fmt: skip
     if kind == "abort":  # streamed, dropped after a few chunks
         return "/v1/completions", {
             "prompt": rng.choice([short, long]), "max_tokens": 4 * args.max_tokens,
@@ -96,6 +109,7 @@ KINDS = {
     "completion_logprobs": 2,
     "completion_n2": 1,
     "completion_long": 1,
+    "chat_schema": 1,
     "abort": 1,
 }
 
@@ -112,7 +126,12 @@ async def one_request(
                 stats.failed += 1
                 stats.errors[(kind, f"HTTP {r.status_code}")] += 1
                 return
-            stats.output_tokens += r.json()["usage"]["completion_tokens"]
+            answer = r.json()
+            if kind == "chat_schema" and not _follows_schema(answer, body):
+                stats.failed += 1
+                stats.errors[(kind, "answer outside its schema")] += 1
+                return
+            stats.output_tokens += answer["usage"]["completion_tokens"]
             stats.ok += 1
             return
         drop_after = rng.randint(2, 6) if kind == "abort" else None
@@ -146,6 +165,30 @@ async def one_request(
     except (httpx.HTTPError, KeyError, ValueError, TypeError) as e:
         stats.failed += 1
         stats.errors[(kind, type(e).__name__)] += 1
+
+
+def _follows_schema(answer: dict, body: dict) -> bool:
+    """A finished (`stop`) structured answer is a JSON object of exactly the schema's keys, each
+    of its type; one cut at max_tokens (`length`) is only a prefix, so it passes."""
+    (choice,) = answer["choices"]
+    if choice["finish_reason"] != "stop":
+        return True
+    schema = body["response_format"]["json_schema"]["schema"]
+    try:
+        value = json.loads(choice["message"]["content"])
+    except ValueError:
+        return False
+    kinds = {"string": str, "integer": int, "boolean": bool}
+    props = schema["properties"]
+    return (
+        isinstance(value, dict)
+        and set(value) == set(props)
+        and all(
+            isinstance(value[k], kinds[p["type"]])
+            and (p["type"] != "integer" or not isinstance(value[k], bool))
+            for k, p in props.items()
+        )
+    )
 
 
 async def client_loop(
