@@ -5,8 +5,8 @@ benchmarks do; default model, every prompt over `--local-prefill-max-tokens` pre
 then `--concurrency` clients send requests back to back for `--minutes`, each drawn from a mix
 (`KINDS` in `benchmarks/soak_mix.py`): short and long prompts, chat and completions, streamed and
 not, streams the client drops mid-body (aborts), n=2, logprobs, stop strings, JSON-schema answers
-(a new schema most times; a finished answer outside its schema counts as failed). Every `--sample-s` it
-reads each process's RSS (/proc/PID/status VmRSS) and, through
+(a new schema most times; a finished answer outside its schema counts as failed). Every
+`--sample-s` it reads each process's RSS (/proc/PID/status VmRSS) and, through
 `benchmarks/soak_probe/sitecustomize.py` loaded into every child, glibc's heap view (mallinfo2
 bytes in use); `--tracemalloc` also traces Python allocations in the children and prints, at the
 end, what grew over the second half (tracemalloc by line, live objects by type).
