@@ -181,6 +181,11 @@ class GrammarCompiler:
             return ValueError(f"unsupported {_kind_name(so.kind)}: {matcher.get_error()}")
         return matcher
 
+    def is_compiled(self, so: StructuredOutput) -> bool:
+        """Whether `compile(so)` would answer from the cache (a matcher or a cached error)."""
+        with self._lock:
+            return (so.kind, so.spec) in self._cache
+
     def check(self, so: StructuredOutput) -> None:
         """ValueError as `compile`, without building the tokenizer unless the grammar names
         tokens (`<|special|>`, `<[id]>`): only those need it to be validated. Cached."""
