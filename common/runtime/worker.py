@@ -432,8 +432,8 @@ class WorkerBase(WorkerKV):
         return True
 
     def _compiled(self) -> None:
-        """Handle the dispatches whose grammar is compiled (or cached as an error, which
-        `handle` then reports as it would have), in the order they came."""
+        """Handle each dispatch whose grammar is compiled (or cached as an error, which
+        `handle` then reports as it would have); those ready together, in the order they came."""
         for rid, (future, message) in list(self.compiling.items()):
             if future.done():
                 del self.compiling[rid]
