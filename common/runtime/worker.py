@@ -20,9 +20,10 @@ audit. Both roles own a KV sender and a KV receiver (`attach_kv`): besides the p
 (`common.runtime.worker_kv`): a dispatch carrying a `PeerHint` waits while the fetch runs, then is
 handled as if it came now. A dispatch whose structured output is not compiled yet waits the
 same way while a thread compiles it (`_compile_first`; llguidance releases the interpreter lock
-while it compiles), so a new large grammar does not stop the running streams' steps: measured
+while it compiles: `grammar.compiler_thread`), so a new large grammar does not stop the running
+streams' steps for all of its compile (it still takes a core from them meanwhile): measured
 on the default tokenizer, a forced call of 200 tools compiles in 66-85 ms, a 3,000-property
-schema in 0.2-0.3 s, a 20,000-way choice in 0.3-0.5 s. `WorkerBase` is subclassed by
+schema in 0.3-1.2 s, a 20,000-way choice in 0.3-0.5 s. `WorkerBase` is subclassed by
 prefill/worker.py and decode/worker.py.
 """
 
@@ -43,6 +44,7 @@ import zmq
 
 from common import protocol
 from common.engine.engine import Engine
+from common.engine.grammar import compiler_thread
 from common.protocol import Heartbeat, KVEvents, Register, RegisterAck
 from common.runtime import cores, kv_events
 from common.runtime.auth import ClusterKeys
@@ -426,7 +428,7 @@ class WorkerBase(WorkerKV):
         if so is None or grammars.is_compiled(so):
             return False
         if self._compiler_pool is None:
-            self._compiler_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+            self._compiler_pool = compiler_thread()
         rid = message.request_id  # type: ignore[union-attr]
         self.compiling[rid] = (self._compiler_pool.submit(_compile, grammars, so), message)
         return True
