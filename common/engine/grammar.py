@@ -15,7 +15,9 @@ decoding needs). Owns:
 - `check_structured_output`: the router's check before dispatch (a ValueError naming the
   unsupported feature becomes a 400). It validates without the tokenizer where the grammar names
   no token (every JSON schema, regex and choice): building llguidance's tokenizer holds the GIL
-  for 0.3-1 s, which would stall the router's event loop, and costs its memory.
+  for 0.3-1 s, which would stall the router's event loop, and costs its memory;
+- `compiler_thread`: the thread the router's checks and a worker's compiles of new grammars run
+  on, off their loops (common.runtime.worker `_compile_first`, router.app).
 
 The engine creates matchers (`Engine._new_sequence`) and advances them as tokens are appended; the
 verifier (`common.engine.spec.verify`) asks for bitmasks, also after draft tokens; the sampler
