@@ -35,7 +35,7 @@ import secrets
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import msgspec
 from fastapi import FastAPI, Request
@@ -53,7 +53,6 @@ from common.api.requests import (
     COMPLETIONS_URL,
     RequestError,
 )
-from common.api.structured import check_structured_output
 from common.api.tokenizer import Tokenizer
 from router.admission import Admission
 from router.dispatch import Dispatcher
@@ -67,9 +66,6 @@ from router.memory import Trimmer
 from router.metrics import RouterMetrics
 from router.registry import Registry
 from router.tokenize import check_model, detokenize_body, tokenize_body
-
-if TYPE_CHECKING:
-    from common.sampling_params import StructuredOutput
 
 log = logging.getLogger(__name__)
 
@@ -108,23 +104,9 @@ class RouterState:
         default_factory=lambda: ThreadPoolExecutor(TOKENIZER_THREADS, "tokenizer")
     )
 
-    grammar_executor: ThreadPoolExecutor | None = None  # started on the first structured output
-
     async def offload(self, fn: Callable[..., T], *args: Any) -> T:
         """Run fn(*args) on the tokenizer pool, off the event loop."""
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
-
-    async def check_structured_output(self, so: StructuredOutput) -> None:
-        """RequestError (400) naming what the grammar engine cannot do with `so`; checked on
-        a thread of its own (`grammar.compiler_thread`), so that a large schema's check (tenths
-        of a second) holds up no tokenizing."""
-        if self.grammar_executor is None:
-            from common.engine.grammar import compiler_thread
-
-            self.grammar_executor = compiler_thread()
-        await asyncio.get_running_loop().run_in_executor(
-            self.grammar_executor, check_structured_output, so, self.tokenizer
-        )
 
     def tool_format(self) -> str:
         """hermes or generic: --tool-call-parser as the chat template allows (cached there)."""

@@ -35,6 +35,7 @@ from common.api.choice import Choice
 from common.api.prompts import EngineInput, choice_params, engine_inputs
 from common.api.requests import CHAT_URL, GenerationRequest, RequestError, parse_request
 from common.api.responses import chat_body, completion_body
+from common.api.structured import check_structured_output
 from common.api.tools import message_texts
 from router.feed import collect
 from router.job import Job
@@ -137,7 +138,7 @@ async def validated(
     texts = prompt_texts(gen)
     check_prompt_chars(texts, context_len, "messages" if url == CHAT_URL else "prompt")
     if gen.params.structured_output is not None:  # compiles (cached): a 400 names what fails
-        await state.check_structured_output(gen.params.structured_output)
+        await state.offload(check_structured_output, gen.params.structured_output, state.tokenizer)
     if gen.endpoint != "chat" and sum(map(len, texts)) <= INLINE_TOKENIZE_CHARS:
         # Token ids or a short text: a hop to the pool costs more than the work.
         return gen, engine_inputs(gen, state.tokenizer, context_len)

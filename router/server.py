@@ -216,8 +216,6 @@ class RouterServer:
             await asyncio.gather(*tasks, return_exceptions=True)
             self.control.close()
             self.state.executor.shutdown(wait=False, cancel_futures=True)
-            if self.state.grammar_executor is not None:
-                self.state.grammar_executor.shutdown(wait=False, cancel_futures=True)
 
     def run(self, on_ready: Callable[[], None] | None = None) -> None:
         """`serve` on an event loop of its own (`--event-loop`), until it returns."""

@@ -16,8 +16,8 @@ decoding needs). Owns:
   unsupported feature becomes a 400). It validates without the tokenizer where the grammar names
   no token (every JSON schema, regex and choice): building llguidance's tokenizer holds the GIL
   for 0.3-1 s, which would stall the router's event loop, and costs its memory;
-- `compiler_thread`: the thread the router's checks and a worker's compiles of new grammars run
-  on, off their loops (common.runtime.worker `_compile_first`, router.app).
+- `compiler_thread`: the thread a worker compiles new grammars on, off its loop
+  (common.runtime.worker `_compile_first`).
 
 The engine creates matchers (`Engine._new_sequence`) and advances them as tokens are appended; the
 verifier (`common.engine.spec.verify`) asks for bitmasks, also after draft tokens; the sampler
@@ -329,13 +329,13 @@ def refused_tokens(bitmasks: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 
 def compiler_thread() -> ThreadPoolExecutor:
-    """One thread for compiling (and checking) grammars off the caller's loop: llguidance
-    releases the interpreter lock while it compiles, so the loop goes on meanwhile. The thread
-    competes for the cores at normal priority. Measured beside a worker's OpenMP threads (default
-    model, 2 threads, 8 streams decoding through `pdserve up`, a 3,000-property schema new to both
-    router and worker): steps of up to 155-259 ms among steps of 7-10. At the idle scheduling
-    class (SCHED_IDLE) most runs showed none over 94-102 ms, but 2 runs of 5 had stalls of 553
-    and 1,089 ms: an idle thread preempted while it holds the interpreter lock keeps every other
+    """One thread for compiling grammars off a worker's loop: llguidance releases the
+    interpreter lock while it compiles, so the loop goes on meanwhile. The thread competes for the
+    cores at normal priority. Measured beside a worker's OpenMP threads (default model, 2 threads,
+    8 streams decoding through `pdserve up`, a 3,000-property schema new to router and worker):
+    the streams' largest token gaps 155-259 ms, among gaps of 7-12 ms. At the idle scheduling
+    class (SCHED_IDLE) three runs of five showed none over 94-102 ms, but two had gaps of 553 and
+    1,089 ms: an idle thread preempted while it holds the interpreter lock keeps every other
     thread of the process waiting until a core goes idle. So normal priority."""
     return ThreadPoolExecutor(1, thread_name_prefix="grammar")
 
