@@ -85,7 +85,12 @@ class DecodeWorker(WorkerBase):
         }
 
     def is_idle(self) -> bool:
-        return not self.engine.has_unfinished() and not self.engine.reserved and not self.deferred
+        return (
+            not self.engine.has_unfinished()
+            and not self.engine.reserved
+            and not self.deferred
+            and not self.compiling
+        )
 
     def step(self) -> None:
         """Write arrived KV, drop overdue reservations, run one engine step."""

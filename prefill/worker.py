@@ -80,7 +80,12 @@ class PrefillWorker(WorkerBase):
         return {"kv_transfer_seconds": self.kv_seconds.snapshot()}
 
     def is_idle(self) -> bool:
-        return not self.jobs and not self.engine.has_unfinished() and not self.deferred
+        return (
+            not self.jobs
+            and not self.engine.has_unfinished()
+            and not self.deferred
+            and not self.compiling
+        )
 
     def step(self) -> None:
         """One engine step; push the KV of finished prompts; settle finished transfers."""

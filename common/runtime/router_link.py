@@ -8,7 +8,8 @@ and a monitor of the control connection, so the worker learns at once when a rou
 (and aborts that router's requests: their streams died with it). Also turns `--router` into
 addresses: a comma-separated list, each a tcp:// address whose host name may resolve to several
 routers (a Kubernetes headless Service), resolved again every `RESOLVE_INTERVAL_S` so routers
-that come and go (a rolling update) are picked up. Used by `common.runtime.worker.WorkerBase`.
+that come and go (a rolling update) are picked up. `engine_heartbeat` is what a beat says of the
+worker's engine. Used by `common.runtime.worker.WorkerBase`.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 import msgspec
@@ -28,6 +30,9 @@ from zmq.utils.monitor import recv_monitor_message
 
 from common import protocol
 from common.protocol import Heartbeat, Register, RegisterAck
+
+if TYPE_CHECKING:
+    from common.engine.engine import Engine
 from common.runtime.auth import ClusterKeys
 from common.sockets import keepalive
 
@@ -265,3 +270,30 @@ def register_any(
             return early
     addresses = ", ".join(link.address for link in links) or "(none resolved)"
     raise RuntimeError(f"no answer from the router at {addresses}")
+
+
+# engine.stats() entries a heartbeat carries: counters, and the KV sizes (bytes per token, tiers')
+HEARTBEAT_SUFFIXES = ("_total", "_bytes", "_per_token")
+
+
+def engine_heartbeat(
+    worker_id: str, engine: Engine, extra_counters: Callable[[], dict[str, float]] | None = None
+) -> Heartbeat:
+    """A heartbeat of `engine`'s load: requests running and waiting (reservations count as
+    waiting), free blocks, prompt tokens still to prefill, and its counters."""
+    stats = engine.stats()
+    counters = {k: float(v) for k, v in stats.items() if k.endswith(HEARTBEAT_SUFFIXES)}
+    if extra_counters is not None:
+        counters.update(extra_counters())
+    queued = sum(
+        s.num_tokens - s.num_computed_tokens for s in list(engine.scheduler.waiting)
+    ) + sum(s.num_tokens - s.num_computed_tokens - 1 for s in list(engine.scheduler.running))
+    return Heartbeat(
+        worker_id=worker_id,
+        num_running=int(stats["num_requests_running"]),
+        num_waiting=int(stats["num_requests_waiting"]) + len(engine.reserved),
+        num_free_blocks=int(stats["num_free_blocks"]),
+        num_blocks=int(stats["num_blocks"]),
+        queued_prefill_tokens=max(queued, 0),
+        counters=counters,
+    )

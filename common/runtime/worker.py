@@ -18,13 +18,9 @@ waits. Asked with `BlockBooksQuery`, it answers with its engine's block
 audit. Both roles own a KV sender and a KV receiver (`attach_kv`): besides the prompt handoff
 (prefill pushes, decode receives) a worker fetches prefixes from peers and answers their fetches
 (`common.runtime.worker_kv`): a dispatch carrying a `PeerHint` waits while the fetch runs, then is
-handled as if it came now. A dispatch whose structured output is not compiled yet waits the
-same way while a thread compiles it (`_compile_first`; llguidance releases the interpreter lock
-while it compiles: `grammar.compiler_thread`), so a new large grammar does not stop the running
-streams' steps for all of its compile (it still takes a core from them meanwhile): measured
-on the default tokenizer, a forced call of 200 tools compiles in 66-85 ms, a 3,000-property
-schema in 0.3-1.2 s, a 20,000-way choice in 0.3-0.5 s. `WorkerBase` is subclassed by
-prefill/worker.py and decode/worker.py.
+handled as if it came now; one whose grammar is new waits while a thread compiles it
+(`common.runtime.worker_grammar`). `WorkerBase` is subclassed by prefill/worker.py and
+decode/worker.py.
 """
 
 from __future__ import annotations
@@ -34,8 +30,6 @@ import os
 import signal
 import socket
 import time
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -44,7 +38,6 @@ import zmq
 
 from common import protocol
 from common.engine.engine import Engine
-from common.engine.grammar import compiler_thread
 from common.protocol import Heartbeat, KVEvents, Register, RegisterAck
 from common.runtime import cores, kv_events
 from common.runtime.auth import ClusterKeys
@@ -53,15 +46,15 @@ from common.runtime.router_link import (
     ControlConnection,
     Heartbeater,
     RouterLink,
+    engine_heartbeat,
     register,
     register_any,
     resolve_routers,
 )
+from common.runtime.worker_grammar import WorkerGrammar
 from common.runtime.worker_kv import WorkerKV
 
 if TYPE_CHECKING:
-    from common.engine.grammar import GrammarCompiler
-    from common.sampling_params import StructuredOutput
     from kvtransfer.peer_fetch import PeerFetcher
     from kvtransfer.receiver import KVReceiver
     from kvtransfer.sender import KVSender
@@ -71,8 +64,6 @@ __all__ = ["ControlConnection", "Heartbeater", "WorkerBase", "engine_heartbeat",
 log = logging.getLogger(__name__)
 
 
-# engine.stats() entries a heartbeat carries: counters, and the KV sizes (bytes per token, tiers')
-HEARTBEAT_SUFFIXES = ("_total", "_bytes", "_per_token")
 IDLE_WAIT_MS = 10  # the loop's wait with no work at all (a deadline is seen that late at most)
 
 
@@ -80,28 +71,7 @@ def default_worker_id(role: str) -> str:
     return f"{role}-{socket.gethostname()}-{os.getpid()}"
 
 
-def engine_heartbeat(
-    worker_id: str, engine: Engine, extra_counters: Callable[[], dict[str, float]] | None = None
-) -> Heartbeat:
-    stats = engine.stats()
-    counters = {k: float(v) for k, v in stats.items() if k.endswith(HEARTBEAT_SUFFIXES)}
-    if extra_counters is not None:
-        counters.update(extra_counters())
-    queued = sum(
-        s.num_tokens - s.num_computed_tokens for s in list(engine.scheduler.waiting)
-    ) + sum(s.num_tokens - s.num_computed_tokens - 1 for s in list(engine.scheduler.running))
-    return Heartbeat(
-        worker_id=worker_id,
-        num_running=int(stats["num_requests_running"]),
-        num_waiting=int(stats["num_requests_waiting"]) + len(engine.reserved),
-        num_free_blocks=int(stats["num_free_blocks"]),
-        num_blocks=int(stats["num_blocks"]),
-        queued_prefill_tokens=max(queued, 0),
-        counters=counters,
-    )
-
-
-class WorkerBase(WorkerKV):
+class WorkerBase(WorkerGrammar, WorkerKV):
     """The loop around one engine: commands in, `step()` work, heartbeats, drain on SIGTERM."""
 
     role: protocol.Role
@@ -135,9 +105,7 @@ class WorkerBase(WorkerKV):
         self.receiver: KVReceiver | None = None
         self.fetcher: PeerFetcher | None = None
         self.deferred: dict[str, msgspec.Struct] = {}  # request id -> dispatch waiting on a fetch
-        # request id -> (its grammar's compile, the dispatch waiting on it), in arrival order
-        self.compiling: dict[str, tuple[Future, msgspec.Struct]] = {}
-        self._compiler_pool: ThreadPoolExecutor | None = None  # started on the first compile
+        self.compiling = {}  # request id -> (its grammar's compile, the dispatch waiting on it)
         self.peer_served_tokens = 0  # tokens of blocks pushed to peers that asked for them
         self.running = True
         self.draining = False
@@ -310,12 +278,11 @@ class WorkerBase(WorkerKV):
         if not self.engine.has_unfinished() and not self.serving_peers():
             if self.cores is not None:
                 self.cores.before_step(busy=False)  # lend our cores while we wait
-            idle = self.is_idle() and not self.compiling
-            self._wait(IDLE_WAIT_MS if idle else self.busy_wait_ms)
+            self._wait(IDLE_WAIT_MS if self.is_idle() else self.busy_wait_ms)
         for link in list(self.links.values()):
             for message in link.control.poll(timeout_ms=0):
                 self._dispatch(link, message)
-        self._compiled()
+        self._handle_compiled()
         if self.cores is not None:
             self.cores.before_step(busy=self.engine.has_unfinished())
         self.step()
@@ -383,12 +350,7 @@ class WorkerBase(WorkerKV):
     def _drained(self) -> bool:
         # Work sent before the router saw a draining heartbeat may still arrive: wait a grace.
         grace_s = 2.5 * protocol.HEARTBEAT_INTERVAL_S
-        return (
-            self.draining
-            and self.is_idle()
-            and not self.compiling
-            and time.monotonic() - self.drain_started > grace_s
-        )
+        return self.draining and self.is_idle() and time.monotonic() - self.drain_started > grace_s
 
     def _dispatch(self, link: RouterLink, message: protocol.ControlMessage) -> None:
         if isinstance(message, RegisterAck):
@@ -419,35 +381,6 @@ class WorkerBase(WorkerKV):
             if not self._compile_first(message) and not self._fetch_first(message):
                 self.handle(message)
 
-    def _compile_first(self, message: protocol.ControlMessage) -> bool:
-        """Start compiling the dispatch's structured output on the compiler thread when it is
-        not compiled yet; True: the dispatch waits for it in `compiling`."""
-        params = getattr(message, "params", None)
-        so = getattr(params, "structured_output", None)
-        grammars = self.engine.grammars
-        if so is None or grammars.is_compiled(so):
-            return False
-        if self._compiler_pool is None:
-            self._compiler_pool = compiler_thread()
-        rid = message.request_id  # type: ignore[union-attr]
-        self.compiling[rid] = (self._compiler_pool.submit(_compile, grammars, so), message)
-        return True
-
-    def _compiled(self) -> None:
-        """Handle each dispatch whose grammar is compiled (or cached as an error, which
-        `handle` then reports as it would have); those ready together, in the order they came."""
-        for rid, (future, message) in list(self.compiling.items()):
-            if future.done():
-                del self.compiling[rid]
-                if not self._fetch_first(message):
-                    self.handle(message)
-
-    def _abort(self, request_id: str) -> None:
-        """Abort a request, a dispatch waiting on its grammar included (the compile finishes
-        and stays cached)."""
-        self.compiling.pop(request_id, None)
-        super()._abort(request_id)
-
     def block_books(self, query_id: int) -> protocol.BlockBooksReply:
         """The engine's block audit, for the router's /debug/block_books (leak checks)."""
         b = self.engine.block_books()
@@ -471,8 +404,7 @@ class WorkerBase(WorkerKV):
         raise NotImplementedError
 
     def close(self) -> None:
-        if self._compiler_pool is not None:
-            self._compiler_pool.shutdown(wait=False, cancel_futures=True)
+        self._close_compiler()
         for link in self.links.values():
             link.close()
         if self.cores is not None:
@@ -487,15 +419,6 @@ class WorkerBase(WorkerKV):
             self.receiver.close()
         if self.engine.tier is not None:
             self.engine.tier.close()  # its disk files: the next start would delete them anyway
-
-
-def _compile(grammars: GrammarCompiler, so: StructuredOutput) -> None:
-    """Compile `so` into the engine's cache (a bad spec is cached as its error: the dispatch's
-    `add_request` raises it)."""
-    try:
-        grammars.compile(so)
-    except ValueError:
-        pass
 
 
 def _is_final(message: msgspec.Struct) -> bool:
