@@ -83,6 +83,10 @@ def test_streams_go_on_while_a_new_grammar_compiles(model, served) -> None:
     # The compile waits on the gate; the other stream keeps getting tokens meanwhile.
     got = outputs_of(router, "plain", 10)
     assert "json" in worker.compiling and not any(o.finished for o in got[:-1])
+    beat = worker._heartbeat(next(iter(worker.links.values())))
+    # the router sees it waiting, its prompt still to prefill
+    assert beat.num_running == 1 and beat.num_waiting == 1
+    assert beat.queued_prefill_tokens >= len(prompt(model))
     compiler.gate.set()
     tokens: list[int] = []
     while True:
