@@ -290,7 +290,15 @@ class WorkerBase(WorkerGrammar, WorkerKV):
         self._handle_compiled()
         if self.cores is not None:
             self.cores.before_step(busy=self.engine.has_unfinished())
-        self.step()
+        threads = self._step_threads()
+        if threads:
+            torch.set_num_threads(threads)
+            try:
+                self.step()
+            finally:
+                torch.set_num_threads(threads + 1)
+        else:
+            self.step()
         self.publish_kv_events()
         # A turn with no work counts, and so does one spent waiting for KV still on its way
         # (a waiting sequence may need the blocks held for it: the wait ends when it arrives or

@@ -14,6 +14,7 @@ import time
 
 import jsonschema
 import pytest
+import torch
 import zmq
 
 from common import protocol
@@ -76,6 +77,14 @@ def outputs_of(router: FakeRouter, rid: str, count: int) -> list[TokenOutput]:
 
 def test_streams_go_on_while_a_new_grammar_compiles(model, served) -> None:
     router, worker, compiler = served
+    steps: list[tuple[bool, int]] = []  # (a compile waiting, the step's torch threads)
+    step = worker.step
+
+    def counted_step() -> None:
+        steps.append((bool(worker.compiling), torch.get_num_threads()))
+        step()
+
+    worker.step = counted_step
     router.send(protocol.Generate("plain", prompt(model), PLAIN))
     outputs_of(router, "plain", 2)  # decoding
     structured = SamplingParams(max_tokens=60, temperature=0.0, structured_output=JSON)
@@ -99,6 +108,13 @@ def test_streams_go_on_while_a_new_grammar_compiles(model, served) -> None:
     jsonschema.validate(json.loads(model[2].decode(tokens, skip_special_tokens=True)), SCHEMA)
     assert compiler.threads == ["grammar_0"]  # compiled once, on the compiler thread
     assert not worker.compiling
+    # While it compiled, the steps left it a core: one thread fewer than before and after (a
+    # step as the compile ends may still see it in `compiling`, done, and run on all of them).
+    during = {threads for compiling, threads in steps if compiling}
+    alone = {threads for compiling, threads in steps if not compiling}
+    assert len(alone) == 1
+    own = alone.pop()
+    assert (own - 1 if own > 1 else own) in during and during <= {own - 1, own}
 
 
 def test_an_abort_while_compiling_drops_the_dispatch(model, served) -> None:
