@@ -290,14 +290,7 @@ class WorkerBase(WorkerGrammar, WorkerKV):
         self._handle_compiled()
         if self.cores is not None:
             self.cores.before_step(busy=self.engine.has_unfinished())
-        threads = self._step_threads()
-        if threads:
-            torch.set_num_threads(threads)
-            try:
-                self.step()
-            finally:
-                torch.set_num_threads(threads + 1)
-        else:
+        with self._core_for_compiles():
             self.step()
         self.publish_kv_events()
         # A turn with no work counts, and so does one spent waiting for KV still on its way

@@ -10,7 +10,7 @@ Compiled on the loop, a new large grammar stopped every stream for all of its co
 default tokenizer a forced call of 200 tools compiles in 66-85 ms, a 3,000-property schema in
 0.3-1.2 s, a 20,000-way choice in 0.3-0.5 s (benchmarks/grammar_stall.py measures the streams'
 gaps). An abort drops a waiting dispatch (its compile finishes and stays cached).
-While a compile runs, a CPU engine's steps run on one torch thread fewer (`_step_threads`), so
+While a compile runs, a CPU engine's steps run on one torch thread fewer (`_core_for_compiles`), so
 that the compile does not push a step's thread off its core (grammar_stall.py, default model,
 2 cores, 4 runs each alternated: 17-49 gaps over 40 ms against 64-74, the schema request
 1.45-1.79 s against 1.63-2.46 s, the largest gap 112-235 ms against 184-228).
@@ -18,7 +18,9 @@ that the compile does not push a step's thread off its core (grammar_stall.py, d
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -74,17 +76,25 @@ class WorkerGrammar:
                 if not self._fetch_first(message):
                     self.handle(message)
 
-    def _step_threads(self) -> int:
-        """The torch threads this turn's step runs on: one fewer than set while a compile runs
-        on a CPU engine of several threads, so that the compile has a core of its own; 0: as
-        set. On as many threads as cores, a step's parallel regions waited for a thread the
-        compile had pushed off its core."""
-        if not self.compiling or self.engine.runner.device.type != "cpu":
-            return 0
+    @contextmanager
+    def _core_for_compiles(self) -> Iterator[None]:
+        """Around a step: while a compile runs, a CPU engine of several threads steps on one
+        fewer, so that the compile has a core of its own (on as many threads as cores, a step's
+        parallel regions waited for a thread the compile had pushed off its core)."""
         threads = torch.get_num_threads()
-        if threads < 2 or all(future.done() for future, _ in self.compiling.values()):
-            return 0
-        return threads - 1
+        if (
+            threads < 2
+            or not self.compiling
+            or self.engine.runner.device.type != "cpu"
+            or all(future.done() for future, _ in self.compiling.values())
+        ):
+            yield
+            return
+        torch.set_num_threads(threads - 1)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(threads)
 
     def _close_compiler(self) -> None:
         if self._compiler is not None:
