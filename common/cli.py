@@ -11,30 +11,7 @@ an `add_parser` call in `build_parser`. Heavy imports happen inside the command 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-
-# How many times libgomp's idle threads (torch's CPU threads) spin waiting for work before they
-# sleep, unless GOMP_SPINCOUNT or OMP_WAIT_POLICY is set: libgomp's own default (300,000 spins,
-# milliseconds) let a process's idle threads hold the cores another needs. Two workers of 2
-# threads each on 2 cores (each worker's default: every core; the docker-compose file's), the
-# soak's mix, 2 minutes: 17-150 output tok/s with libgomp's default, 182 / 163 with 30,000,
-# 335 / 337 with 3,000, 395 / 365 with 1,000, 393 / 380 with OMP_WAIT_POLICY=PASSIVE (which
-# slows a lone worker's batch-1 step 1.7x), against 430 with 1 thread each. A lone worker's
-# steps (step_profile.py, batch 1 and 16, the C decode layers and the per-op path) were the
-# same at 3,000 as at the default within this host's noise, alternated twice.
-OPENMP_SPINCOUNT = "3000"
-
-
-def bound_openmp_spin(environ: dict[str, str] | None = None) -> bool:
-    """Set GOMP_SPINCOUNT to OPENMP_SPINCOUNT unless the environment says how OpenMP threads
-    wait; only before torch is imported (libgomp reads it when it loads), and children inherit
-    it. True when it was set."""
-    env = os.environ if environ is None else environ
-    if "torch" in sys.modules or "GOMP_SPINCOUNT" in env or "OMP_WAIT_POLICY" in env:
-        return False
-    env["GOMP_SPINCOUNT"] = OPENMP_SPINCOUNT
-    return True
 
 
 def cmd_models_pull(args: argparse.Namespace) -> int:
@@ -219,7 +196,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    bound_openmp_spin()
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
