@@ -169,6 +169,12 @@ def test_workers_point_at_router_control_socket(compose: dict) -> None:
         assert "router" in service(compose, name)["depends_on"], name
 
 
+def test_workers_openmp_threads_spin_briefly(compose: dict) -> None:
+    # workers sharing one host's cores: libgomp's default spin held the cores another needed
+    for name in ("prefill", "decode"):
+        assert env(service(compose, name))["GOMP_SPINCOUNT"] == "3000"
+
+
 def test_kv_transport_is_tcp_between_containers(compose: dict) -> None:
     for name in WORKERS:
         assert env(service(compose, name)).get("PDSERVE_KV_TRANSPORT") == "tcp", name
