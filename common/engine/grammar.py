@@ -17,7 +17,7 @@ decoding needs). Owns:
   no token (every JSON schema, regex and choice): building llguidance's tokenizer holds the GIL
   for 0.3-1 s, which would stall the router's event loop, and costs its memory;
 - `compiler_thread`: the thread a worker compiles new grammars on, off its loop
-  (common.runtime.worker `_compile_first`).
+  (common.runtime.worker_grammar `_compile_first`).
 
 The engine creates matchers (`Engine._new_sequence`) and advances them as tokens are appended; the
 verifier (`common.engine.spec.verify`) asks for bitmasks, also after draft tokens; the sampler

@@ -30,11 +30,11 @@ from zmq.utils.monitor import recv_monitor_message
 
 from common import protocol
 from common.protocol import Heartbeat, Register, RegisterAck
+from common.runtime.auth import ClusterKeys
+from common.sockets import keepalive
 
 if TYPE_CHECKING:
     from common.engine.engine import Engine
-from common.runtime.auth import ClusterKeys
-from common.sockets import keepalive
 
 log = logging.getLogger(__name__)
 

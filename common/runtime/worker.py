@@ -143,11 +143,9 @@ class WorkerBase(WorkerGrammar, WorkerKV):
                 **(self.cores.counters() if self.cores is not None else {}),
             },
         )  # fmt: skip
-        # dispatches waiting on their grammar's compile are not in the engine yet, but wait as
-        # its queue does (one waiting on a peer fetch counts already: its blocks are reserved)
-        waiting = [message for _, message in list(self.compiling.values())]
-        beat.num_waiting += len(waiting)
-        beat.queued_prefill_tokens += sum(len(getattr(m, "prompt_token_ids", ())) for m in waiting)
+        waiting, tokens = self._compiling_load()
+        beat.num_waiting += waiting
+        beat.queued_prefill_tokens += tokens
         beat.loop_count = self.progress
         beat.draining = self.draining
         beat.kv_events_seq = link.kv_events_seq

@@ -26,10 +26,10 @@ from typing import TYPE_CHECKING
 import msgspec
 import torch
 
+from common import protocol
 from common.engine.grammar import compiler_thread
 
 if TYPE_CHECKING:
-    from common import protocol
     from common.engine.engine import Engine
     from common.engine.grammar import GrammarCompiler
     from common.sampling_params import StructuredOutput
@@ -75,6 +75,17 @@ class WorkerGrammar:
                 del self.compiling[rid]
                 if not self._fetch_first(message):
                     self.handle(message)
+
+    def _compiling_load(self) -> tuple[int, int]:
+        """(dispatches waiting on their grammar, prompt tokens this worker will prefill for them)
+        for its heartbeat: they are not in the engine yet but wait as its queue does (a dispatch
+        waiting on a peer fetch counts there already, through its reserved blocks). A decode
+        worker's reservation is prefilled elsewhere, so its prompt is not counted."""
+        waiting = [message for _, message in list(self.compiling.values())]
+        tokens = sum(
+            len(m.prompt_token_ids) for m in waiting if not isinstance(m, protocol.Reserve)
+        )
+        return len(waiting), tokens
 
     @contextmanager
     def _core_for_compiles(self) -> Iterator[None]:

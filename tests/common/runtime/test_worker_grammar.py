@@ -150,3 +150,17 @@ def test_a_grammar_that_fails_to_compile_fails_its_request(model, served) -> Non
     failed = router.recv(RequestFailed)
     assert failed.request_id == "bad" and "nosuch" in failed.reason
     assert "grammar_0" in compiler.threads and not worker.compiling
+
+
+def test_a_reservation_waiting_on_its_grammar_counts_no_prompt_to_prefill(model, served) -> None:
+    router, worker, compiler = served
+    structured = SamplingParams(max_tokens=20, temperature=0.0, structured_output=JSON)
+    router.send(protocol.Reserve("held", prompt(model), structured))
+    deadline = time.monotonic() + 10
+    while "held" not in worker.compiling and time.monotonic() < deadline:
+        time.sleep(0.01)
+    beat = worker._heartbeat(next(iter(worker.links.values())))
+    # it waits here, but its prompt is prefilled on a prefill worker, not on this one
+    assert beat.num_waiting == 1 and beat.queued_prefill_tokens == 0
+    compiler.gate.set()
+    assert router.recv(protocol.ReserveReply).request_id == "held"
