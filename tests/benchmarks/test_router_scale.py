@@ -41,8 +41,11 @@ def test_router_scale_runs_every_phase() -> None:
     assert figures["relayed_tokens"] == STREAMS * TOKENS, out.stdout
     assert figures["routing_decisions_per_s"] > 0
     assert figures["paced_streams_complete"] == STREAMS, out.stdout
-    # every token after a stream's first is timed against its worker's send
-    assert figures["paced_latency_tokens"] >= STREAMS * (TOKENS - 1), out.stdout
+    # the tokens sent once every stream had its first are timed against their worker's send: on a
+    # busy host the last stream's first token can reach the client after others' second was sent
+    # (one token interval is 80 ms here), which leaves those out: a lateness under two intervals
+    # still times every token from each stream's third on
+    assert figures["paced_latency_tokens"] >= STREAMS * (TOKENS - 2), out.stdout
     assert figures["churn_streams"] > 0 and figures["churn_errors"] == 0, out.stdout
     assert figures["churn_latency_tokens"] > 0
     assert figures["churn_router_read_to_write_unmeasured"] == 0, out.stdout
