@@ -90,6 +90,9 @@ _LIB = CLibrary(
     ["-O3"],
     {
         "decode_layers": [ctypes.POINTER(_Layer), _i, ctypes.POINTER(_Step), _p, _p],
+        # its own copy of quant_gemm.c's prefetch level (common.kernels.prefetch)
+        "qgemm_set_prefetch": [_i],
+        "qgemm_prefetch": [],
     },
     "the CPU decode layer",
     parts=[cpu_ops._LIB, cpu_attention._LIB, cpu_quant._LIB, cpu_qgemm._LIB, cpu_dense._LIB],

@@ -40,6 +40,8 @@ _p, _i = ctypes.c_void_p, ctypes.c_int
 _SIGNATURES = {
     "qgemm_a8": [_p, ctypes.c_long, _i, _i, _i, _i, _i, _i, _p, _p, _p, _i, _p, _i],
     "qgemm_isa": [],
+    "qgemm_set_prefetch": [_i],
+    "qgemm_prefetch": [],
     "qgemm_amx_rows": [_i],
 }
 

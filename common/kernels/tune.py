@@ -353,6 +353,7 @@ def prepare(
     weights = list(weights)
     layers = representative_layers(weights)
     if kernel_choice != "auto" or not layers:
+        choose_prefetch(weights, dtype)
         return {}
     bits = layer_kernel_bits(weights)
     tables, path, measured = load_or_measure(layers, dtype, timer, force, bits)
@@ -361,7 +362,26 @@ def prepare(
     log.info("kernel choice (%s, activations %s, %s):", how, cpu_quant.activations, path)
     for line in describe(tables, dtype):
         log.info("  %s", line)
+    choose_prefetch(weights, dtype)
     return tables
+
+
+def choose_prefetch(weights: NamedWeights, dtype: torch.dtype) -> int:
+    """common.kernels.prefetch's level, measured over the weights the a8 path serves one row of
+    (none: the kernel's default); logged. Returns the level."""
+    from common.kernels import prefetch
+
+    if dtype not in (torch.float32, torch.bfloat16):
+        return prefetch.L1
+    packed = [
+        cpu_quant.a8_weights(w)
+        for _, w in weights
+        if cpu_quant.choose(w, torch.zeros(1, w.k, dtype=dtype)) == "a8"
+    ]
+    level, medians = prefetch.choose(packed, dtype)
+    if packed:
+        log.info("%s", prefetch.describe(level, medians, packed))
+    return level
 
 
 def tune_layer(w: QuantWeight, dtype: torch.dtype) -> None:

@@ -320,19 +320,22 @@ static inline __attribute__((always_inline)) void tile2(int mr, const acts *a, i
     const uint8_t *next = wp + 2 * pw;
     const char *next_s = scale_at(sp, 2 * ps, sf), *next_z = zp ? scale_at(zp, 2 * ps, sf) : 0;
     const long ps_bytes = (char *)scale_at(sp, ps, sf) - (char *)sp;
+    /* pf_next 1: into L1 (prefetcht0), 2: into L2 (prefetcht2); a constant in the loop */
+#define PF(p) (pf_next == 2 ? _mm_prefetch((const char *)(p), _MM_HINT_T2)                       \
+                            : _mm_prefetch((const char *)(p), _MM_HINT_T0))
     for (int b = 0; b < KB; b++) {
         if (pf_next) {
             for (long c = 0; c < cb; c += 64) {
-                _mm_prefetch((const char *)(next + b * cb + c), _MM_HINT_T0);
-                _mm_prefetch((const char *)(next + pw + b * cb + c), _MM_HINT_T0);
+                PF(next + b * cb + c);
+                PF(next + pw + b * cb + c);
             }
             if ((b + 1) % bpg == 0) { /* a group's 16 scales (zeros): one line or half */
                 const long g = (char *)scale_at(sp, (long)(b / bpg) * PANEL, sf) - (char *)sp;
-                _mm_prefetch(next_s + g, _MM_HINT_T0);
-                _mm_prefetch(next_s + ps_bytes + g, _MM_HINT_T0);
+                PF(next_s + g);
+                PF(next_s + ps_bytes + g);
                 if (zp) {
-                    _mm_prefetch(next_z + g, _MM_HINT_T0);
-                    _mm_prefetch(next_z + ps_bytes + g, _MM_HINT_T0);
+                    PF(next_z + g);
+                    PF(next_z + ps_bytes + g);
                 }
             }
         }
@@ -396,6 +399,7 @@ static inline __attribute__((always_inline)) void tile2(int mr, const acts *a, i
         _mm512_storeu_ps(t + PANEL, f[m][1]);
         store_row(t, 2 * PANEL, out, (long)(m0 + m) * N + n0, xdtype);
     }
+#undef PF
 }
 
 static void panel(const acts *a, int M, int bits, int bpg, const uint8_t *wp, const void *sp,
@@ -423,7 +427,7 @@ static void panel_pair(const acts *a, int M, int bits, int bpg, const uint8_t *w
                        long n0, int xdtype, int pf_next) {
     int m0 = 0;
 #define TILE2(r)                                                                                 \
-    tile2(r, a, m0, bits, bpg, wp, pw, sp, zp, sf, ps, out, N, n0, xdtype, pf_next && !m0)
+    tile2(r, a, m0, bits, bpg, wp, pw, sp, zp, sf, ps, out, N, n0, xdtype, m0 ? 0 : pf_next)
     for (; m0 + MR2 <= M; m0 += MR2) TILE2(MR2);
     switch (M - m0) { /* constant row counts for the tail */
     case 5: TILE2(5); break;
@@ -766,6 +770,23 @@ static void panel(const acts *a, int M, int bits, int bpg, const uint8_t *wp, co
 }
 #endif
 
+/* Where a thread's next pair of panels is prefetched to while it computes this one: 1 = L1
+ * (prefetcht0), 2 = L2 (prefetcht2). Which streams faster depends on the CPU (2-core AMD EPYC Zen
+ * 4, the default model's 121 projections at 1 row from DRAM: L2 3.6-3.8 ms, L1 4.4-4.5), so
+ * common.kernels.prefetch measures both at an engine's start and sets the faster. Kept, unused,
+ * in the sections without pair tiles. */
+static int pair_prefetch = 1;
+
+/* Returns 0, or 1 for a level other than 1 or 2. */
+int qgemm_set_prefetch(int level) {
+    if (level != 1 && level != 2) return 1;
+    pair_prefetch = level;
+    return 0;
+}
+
+/* The level in force. */
+int qgemm_prefetch(void) { return pair_prefetch; }
+
 /* Which section this build runs: 4 AMX (with AVX-512 VNNI for the rows past whole tiles), 3
  * AVX-512 VNNI, 2 AVX-VNNI, 1 AVX2, 0 portable. */
 int qgemm_isa(void) {
@@ -869,8 +890,8 @@ int qgemm_a8(const void *x_in, long x_stride, int xdtype, int M, int K, int N, i
                  * the prefetch the two added up (measured, default model, 2 threads, 256 tokens
                  * of context: a 5-row verify step 5.9-6.9 -> 4.9-6.1 ms, an 8-row one 8.4-9.8
                  * -> 6.1-6.3, a batch-16 decode step 13.4-14.8 -> 11.2-11.9; batch 1 and 64
-                 * within noise) */
-                const int pf_next = N - n0 >= 4 * PANEL;
+                 * within noise); into L1 or L2 as qgemm_set_prefetch said */
+                const int pf_next = N - n0 >= 4 * PANEL ? pair_prefetch : 0;
                 panel_pair(&r, Mr, bits, bpg, codes + p * panel_bytes, panel_bytes,
                            scale_at(scale, (long)p * G * PANEL, sf),
                            zero ? scale_at(zero, (long)p * G * PANEL, sf) : NULL, sf,
