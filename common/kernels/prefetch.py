@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 L1, L2 = 1, 2  # qgemm_set_prefetch's levels
 ROUNDS = 5  # sweeps per level, alternated
-MIN_GAIN = 0.05  # L2 replaces the default only when its median sweep is this much shorter
+MIN_GAIN = 0.02  # L2 replaces the default only when its median sweep is this much shorter
 MIN_BYTES = 8 << 20  # smaller models stream from cache: nothing to choose
 
 

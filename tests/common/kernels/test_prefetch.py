@@ -54,7 +54,7 @@ def big_weights() -> list[cpu_qgemm.PackedWeight]:
     return ws * (prefetch.MIN_BYTES // prefetch.packed_bytes(ws) + 1)
 
 
-@pytest.mark.parametrize("l2_share, chosen", [(0.8, prefetch.L2), (0.97, prefetch.L1),
+@pytest.mark.parametrize("l2_share, chosen", [(0.8, prefetch.L2), (0.99, prefetch.L1),
                                               (1.3, prefetch.L1)])  # fmt: skip
 def test_l2_replaces_the_default_only_when_clearly_faster(l2_share, chosen):
     ws = big_weights()
