@@ -3,8 +3,8 @@
 quant_gemm.c's pair tiles ask for a thread's next pair of weight panels while they compute this
 one: into L1 (prefetcht0, level 1, the kernel's default) or into L2 only (prefetcht2, level 2).
 Which streams faster from memory depends on the CPU: on a 2-core AMD EPYC (Zen 4), the default
-model's 121 projections at 1 row took 3.6-3.8 ms with L2 against 4.4-4.5 ms with L1 (the whole
-decode step 12% faster); the Intel hosts that chose L1 were never measured with L2. The timing
+model's 121 projections at 1 row took 3.4-3.7 ms with L2 against 4.4-4.7 ms with L1 (a batch-1
+decode step 9-17% faster); the Intel hosts that chose L1 were never measured with L2. The timing
 only shows with the weights coming from memory, which a tune's cache-warm slices never do, so
 `choose` times whole sweeps over the model's own packed weights at 1 row (the weights' bytes
 exceed most L3s: each sweep evicts the last), the two levels alternated, and keeps L1 unless L2

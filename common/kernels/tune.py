@@ -28,6 +28,8 @@ the key: CPU flags, the C kernels' libraries (their ISA level and build key), to
 version, the layers' formats and shapes, the activation mode, whether the dense path may keep its
 copies and from how many rows it may serve, and x's dtype. A later start with the same key reads
 it instead of measuring; any change makes another key, so another file.
+Then `choose_prefetch` has common.kernels.prefetch choose where the a8 kernel prefetches the
+weights it streams at one row (measured at every start: the cache-warm timings here cannot see it).
 `cpu_quant.choose` reads the orders from `cpu_quant.tuned`; a layer that meets a (bits, dtype,
 mode) no engine tuned for (a test, a benchmark) is tuned on its own shape at its first matmul.
 """

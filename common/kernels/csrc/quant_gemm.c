@@ -772,7 +772,7 @@ static void panel(const acts *a, int M, int bits, int bpg, const uint8_t *wp, co
 
 /* Where a thread's next pair of panels is prefetched to while it computes this one: 1 = L1
  * (prefetcht0), 2 = L2 (prefetcht2). Which streams faster depends on the CPU (2-core AMD EPYC Zen
- * 4, the default model's 121 projections at 1 row from DRAM: L2 3.6-3.8 ms, L1 4.4-4.5), so
+ * 4, the default model's 121 projections at 1 row from DRAM: L2 3.4-3.7 ms, L1 4.4-4.7), so
  * common.kernels.prefetch measures both at an engine's start and sets the faster. Kept, unused,
  * in the sections without pair tiles. */
 static int pair_prefetch = 1;
