@@ -369,8 +369,8 @@ def prepare(
 
 
 def choose_prefetch(weights: NamedWeights, dtype: torch.dtype) -> int:
-    """common.kernels.prefetch's level, measured over the weights the a8 path serves one row of
-    (none: the kernel's default); logged. Returns the level."""
+    """common.kernels.prefetch's level, measured over the weights the a8 path serves one row of,
+    set and logged; with none, nothing is measured or set (L1 returned). Returns the level."""
     from common.kernels import prefetch
 
     if dtype not in (torch.float32, torch.bfloat16):
@@ -380,9 +380,10 @@ def choose_prefetch(weights: NamedWeights, dtype: torch.dtype) -> int:
         for _, w in weights
         if cpu_quant.choose(w, torch.zeros(1, w.k, dtype=dtype)) == "a8"
     ]
+    if not packed:  # a8 serves no single rows here: its library need not even be built
+        return prefetch.L1
     level, medians = prefetch.choose(packed, dtype)
-    if packed:
-        log.info("%s", prefetch.describe(level, medians, packed))
+    log.info("%s", prefetch.describe(level, medians, packed))
     return level
 
 

@@ -113,3 +113,15 @@ def test_an_engine_start_chooses_over_the_weights_a8_serves_one_row_of(monkeypat
         assert tune.choose_prefetch(weights, torch.bfloat16) == prefetch.L2
     assert [(w.n, w.k, w.bits) for w in got] == [(4096, 576, 4)]
     assert "a8 weight prefetch: into L2" in caplog.text and "L1 4.00 ms, L2 3.00 ms" in caplog.text
+
+
+def test_an_engine_whose_single_rows_take_another_path_measures_nothing(monkeypatch):
+    w = quantize_rtn(torch.randn(4096, 576), 4, 32).kernel_weight()
+    weights = [("layers.0.mlp.down_proj", w)]
+
+    def fake_choose(ws, dtype, timer=None):
+        raise AssertionError("measured")
+
+    monkeypatch.setattr(prefetch, "choose", fake_choose)
+    monkeypatch.setattr(tune.cpu_quant, "choose", lambda w, x: "c")
+    assert tune.choose_prefetch(weights, torch.bfloat16) == prefetch.L1
