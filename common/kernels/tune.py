@@ -375,10 +375,12 @@ def choose_prefetch(weights: NamedWeights, dtype: torch.dtype) -> int:
 
     if dtype not in (torch.float32, torch.bfloat16):
         return prefetch.L1
+    # an engine's single rows take the 2-row order (cpu_quant.uniform_rows, which the engine
+    # sets once its runner, and so this, is done): the weights a8 then serves one row of
     packed = [
         cpu_quant.a8_weights(w)
         for _, w in weights
-        if cpu_quant.choose(w, torch.zeros(1, w.k, dtype=dtype)) == "a8"
+        if cpu_quant.choose(w, torch.zeros(2, w.k, dtype=dtype)) == "a8"
     ]
     if not packed:  # a8 serves no single rows here: its library need not even be built
         return prefetch.L1

@@ -97,7 +97,7 @@ def test_a_real_sweep_times_both_and_sets_one():
 
 def test_an_engine_start_chooses_over_the_weights_a8_serves_one_row_of(monkeypatch, caplog):
     """tune.choose_prefetch hands prefetch.choose the a8 packing of each weight that a8 serves at
-    one row, and logs the choice."""
+    one row in an engine (the 2-row order), and logs the choice."""
     names = [("layers.0.mlp.down_proj", quantize_rtn(torch.randn(4096, 576), 4, 32)),
              ("lm_head", quantize_rtn(torch.randn(2048, 576), 8, 32))]  # fmt: skip
     weights = [(name, qt.kernel_weight()) for name, qt in names]
@@ -107,8 +107,12 @@ def test_an_engine_start_chooses_over_the_weights_a8_serves_one_row_of(monkeypat
         got.extend(ws)
         return prefetch.L2, {prefetch.L1: 0.004, prefetch.L2: 0.003}
 
+    def fake_path(w, x):
+        assert x.shape == (2, w.k)  # an engine's single rows take the 2-row order
+        return "a8" if w.bits == 4 else "c"
+
     monkeypatch.setattr(prefetch, "choose", fake_choose)
-    monkeypatch.setattr(tune.cpu_quant, "choose", lambda w, x: "a8" if w.bits == 4 else "c")
+    monkeypatch.setattr(tune.cpu_quant, "choose", fake_path)
     with caplog.at_level(logging.INFO, logger="common.kernels.tune"):
         assert tune.choose_prefetch(weights, torch.bfloat16) == prefetch.L2
     assert [(w.n, w.k, w.bits) for w in got] == [(4096, 576, 4)]
