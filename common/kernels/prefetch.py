@@ -30,6 +30,7 @@ from common.kernels.cpu_qgemm import PackedWeight
 log = logging.getLogger(__name__)
 
 L1, L2 = 1, 2  # qgemm_set_prefetch's levels
+NAMES = {L1: "L1", L2: "L2"}
 ROUNDS = 5  # sweeps per level, alternated
 MIN_GAIN = 0.02  # L2 replaces the default only when its median sweep is this much shorter
 MIN_BYTES = 8 << 20  # smaller models stream from cache: nothing to choose
@@ -71,9 +72,8 @@ def choose(
 ) -> tuple[int, dict[int, float]]:  # fmt: skip
     """Time both levels over `weights` (the model's, as the a8 path packed them), set the faster
     and return it with each level's median sweep in seconds ({} when the weights are too small
-    to leave the caches: L1, the kernel's default, is set then)."""
-    if not cpu_qgemm.available():
-        return L1, {}
+    to leave the caches: L1, the kernel's default, is set then). Packed weights mean the
+    library is built."""
     if packed_bytes(weights) < MIN_BYTES:
         set_level(L1)
         return L1, {}
@@ -93,10 +93,10 @@ def choose(
 
 def describe(level: int, medians: dict[int, float], weights: Sequence[PackedWeight]) -> str:
     """One log line: the level chosen and what each took."""
-    name = {L1: "L1", L2: "L2"}[level]
+    name = NAMES[level]
     if not medians:
         return f"a8 weight prefetch: {name} (the weights fit in the caches: not measured)"
     mb = packed_bytes(weights) / 1e6
-    times = ", ".join(f"{'L1' if lv == L1 else 'L2'} {1e3 * s:.2f} ms" for lv, s in medians.items())
+    times = ", ".join(f"{NAMES[lv]} {1e3 * s:.2f} ms" for lv, s in medians.items())
     return (f"a8 weight prefetch: into {name} (1-row sweep of {len(weights)} weights, {mb:.0f} MB, "
             f"median of {ROUNDS}: {times})")  # fmt: skip

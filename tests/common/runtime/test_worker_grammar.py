@@ -117,13 +117,22 @@ def test_streams_go_on_while_a_new_grammar_compiles(model, served) -> None:
     assert (own - 1 if own > 1 else own) in during and during <= {own - 1, own}
 
 
+STRUCTURED = SamplingParams(max_tokens=20, temperature=0.0, structured_output=JSON)
+
+
+def send_structured(router, worker, message) -> float:
+    """Send a dispatch whose grammar the gated compiler holds; return once the worker has it
+    waiting in `compiling` (or at the deadline, which is returned)."""
+    router.send(message)
+    deadline = time.monotonic() + 10
+    while message.request_id not in worker.compiling and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return deadline
+
+
 def test_an_abort_while_compiling_drops_the_dispatch(model, served) -> None:
     router, worker, compiler = served
-    structured = SamplingParams(max_tokens=20, temperature=0.0, structured_output=JSON)
-    router.send(protocol.Generate("gone", prompt(model), structured))
-    deadline = time.monotonic() + 10
-    while "gone" not in worker.compiling and time.monotonic() < deadline:
-        time.sleep(0.01)
+    deadline = send_structured(router, worker, protocol.Generate("gone", prompt(model), STRUCTURED))
     router.send(Abort("gone"))
     while "gone" in worker.compiling and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -154,11 +163,7 @@ def test_a_grammar_that_fails_to_compile_fails_its_request(model, served) -> Non
 
 def test_a_reservation_waiting_on_its_grammar_counts_no_prompt_to_prefill(model, served) -> None:
     router, worker, compiler = served
-    structured = SamplingParams(max_tokens=20, temperature=0.0, structured_output=JSON)
-    router.send(protocol.Reserve("held", prompt(model), structured))
-    deadline = time.monotonic() + 10
-    while "held" not in worker.compiling and time.monotonic() < deadline:
-        time.sleep(0.01)
+    send_structured(router, worker, protocol.Reserve("held", prompt(model), STRUCTURED))
     beat = worker._heartbeat(next(iter(worker.links.values())))
     # it waits here, but its prompt is prefilled on a prefill worker, not on this one
     assert beat.num_waiting == 1 and beat.queued_prefill_tokens == 0
