@@ -14,6 +14,13 @@ import argparse
 import sys
 
 
+def _engine_process() -> None:
+    """Before torch loads: how long this engine process's OpenMP threads spin between steps."""
+    from common.runtime.omp_spin import configure
+
+    configure()
+
+
 def cmd_models_pull(args: argparse.Namespace) -> int:
     from common.model.model_files import pull_default_model
 
@@ -23,6 +30,7 @@ def cmd_models_pull(args: argparse.Namespace) -> int:
 
 
 def cmd_run_batch(args: argparse.Namespace) -> int:
+    _engine_process()
     from common.runtime.run_batch import run_batch_command
 
     return run_batch_command(args)
@@ -35,12 +43,14 @@ def cmd_router(args: argparse.Namespace) -> int:
 
 
 def cmd_prefill(args: argparse.Namespace) -> int:
+    _engine_process()
     from prefill.cli import cmd_prefill
 
     return cmd_prefill(args)
 
 
 def cmd_decode(args: argparse.Namespace) -> int:
+    _engine_process()
     from decode.cli import cmd_decode
 
     return cmd_decode(args)
@@ -67,6 +77,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
 def cmd_tune(args: argparse.Namespace) -> int:
     """Load the engine flags' model as an engine would (threads, activation mode, dtype), then
     time its quantized matmuls again (common.kernels.tune)."""
+    _engine_process()
     import torch
 
     from common.config import config_from_args

@@ -226,6 +226,7 @@ def run_batch_command(args: argparse.Namespace) -> int:
     from common.config import config_from_args
     from common.model.model_files import resolve_model
     from common.model.weights import iter_weights
+    from common.runtime import omp_spin
     from common.runtime.malloc import keep_step_buffers
     from common.runtime.worker_cli import seed_generators
 
@@ -238,6 +239,8 @@ def run_batch_command(args: argparse.Namespace) -> int:
     )
     if engine.runner.device.type == "cpu":
         keep_step_buffers()
+    if omp_spin.describe():
+        print(f"run-batch: {omp_spin.describe()}", file=sys.stderr)
     if config.warm_up:
         engine.warm_up()
     seed_generators(config.seed)  # unseeded sampled requests: same --seed, same output file

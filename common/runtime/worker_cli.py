@@ -19,6 +19,7 @@ import os
 import random
 from typing import TYPE_CHECKING
 
+from common.runtime import omp_spin
 from common.runtime.malloc import keep_step_buffers
 
 if TYPE_CHECKING:
@@ -144,6 +145,8 @@ def build_engine(args: argparse.Namespace) -> Engine:
     from common.config import config_from_args
 
     config = config_from_args(args)
+    if omp_spin.describe():
+        log.info(omp_spin.describe())
     engine = load_engine(config)
     if engine.runner.device.type == "cpu":
         keep_step_buffers()  # before the warm-up's steps
