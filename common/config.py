@@ -59,7 +59,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"  # auto | torch | triton
-    num_threads: int = 0  # CPU threads for torch; 0 = torch's default
+    num_threads: int = 0  # CPU threads for torch; 0 = the usable cores (affinity, quota)
     seed: int = 0
     speculative: str = "none"  # none | ngram | draft
     num_speculative_tokens: int = 4
@@ -230,7 +230,7 @@ _HELP = {
     "gpu_memory_utilization": "fraction of GPU memory for weights + KV cache",
     "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
     "attention_backend": "auto (triton on GPU, torch on CPU), torch or triton",
-    "num_threads": "CPU threads for torch (0 = torch default)",
+    "num_threads": "CPU threads for torch (0 = the cores it may use: affinity, CPU quota)",
     "seed": "seed of the sampler's shared random generator",
     "speculative": "speculative decoding: none, ngram (prompt lookup) or draft",
     "num_speculative_tokens": "tokens drafted per sequence and step",

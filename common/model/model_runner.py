@@ -30,6 +30,7 @@ from common.kernels import cpu_quant, kv_quant, tune, weight_copies
 from common.kernels.attention import AttentionMetadata, Row, build_batch
 from common.model.llama import PAD_ROWS, CausalLM, head_dim_of
 from common.model.quant import kernel_weights
+from common.runtime.cores import fit_threads
 
 if TYPE_CHECKING:
     from common.model.cuda_graph import DecodeGraphs
@@ -132,6 +133,8 @@ class ModelRunner:
         self.row_granule = PAD_ROWS if self.device.type == "cpu" else 1
         if config.num_threads > 0:
             torch.set_num_threads(config.num_threads)
+        elif self.device.type == "cpu":  # not past a container's CPU quota
+            fit_threads(torch.get_num_threads, torch.set_num_threads)
         cpu_quant.set_activations(config.cpu_activations)  # process-wide: one model per process
         backend = config.attention_backend
         if backend == "auto":

@@ -47,6 +47,48 @@ GIVE_BACK_WAIT_S = 0.05  # the longest a worker turning busy waits for its cores
 POLL_S = 0.0002
 
 
+CPU_MAX = Path("/sys/fs/cgroup/cpu.max")  # cgroup v2: "quota period" or "max period"
+CFS_QUOTA = Path("/sys/fs/cgroup/cpu/cpu.cfs_quota_us")  # cgroup v1: -1 without a quota
+CFS_PERIOD = Path("/sys/fs/cgroup/cpu/cpu.cfs_period_us")
+
+
+def _quota_cores() -> int | None:
+    """A cgroup CPU quota in cores, rounded up (docker --cpus 1.5: 2); None without one."""
+    try:
+        quota, period = CPU_MAX.read_text().split()[:2]
+        return None if quota == "max" else max(1, -(-int(quota) // int(period)))
+    except (OSError, ValueError):
+        pass
+    try:
+        quota_us, period_us = int(CFS_QUOTA.read_text()), int(CFS_PERIOD.read_text())
+        return None if quota_us <= 0 or period_us <= 0 else max(1, -(-quota_us // period_us))
+    except (OSError, ValueError):
+        return None
+
+
+def usable_cores() -> int:
+    """The cores this process may run on: its CPU affinity (taskset, a cpuset), capped by a
+    cgroup CPU quota (a container's --cpus, a pod's CPU limit; v2 or v1), rounded up."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    quota = _quota_cores()
+    if quota is not None:
+        cores = min(cores or 1, quota)
+    return max(1, cores or 1)
+
+
+def fit_threads(get: Callable[[], int], set_threads: Callable[[int], None]) -> int | None:
+    """Where no thread count was asked for: cap torch's (`get`, `set_threads`) at the usable
+    cores. torch starts with one thread per core of its CPU affinity, which a CPU quota does not
+    narrow: a worker in a container limited to 2 of a host's 64 cores ran 64 threads, and the
+    quota throttled them at every step's barriers. Returns the new count, None if unchanged."""
+    cores = usable_cores()
+    if get() <= cores:
+        return None
+    set_threads(cores)
+    log.info("%d torch threads: the cores this process may use (CPU affinity, quota)", cores)
+    return cores
+
+
 def create_ledger(path: Path, total_cores: int, slots: int) -> None:
     """A fresh ledger for `total_cores` shared by up to `slots` worker processes (written whole,
     then renamed into place: a worker never sees half of it)."""

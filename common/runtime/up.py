@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from common.runtime.auth import SECRET_ENV, SECRET_FILE_ENV
+from common.runtime.cores import usable_cores
 from common.runtime.launcher import LocalCluster, WorkerSpec
 from common.runtime.ports import check_port_free
 from common.runtime.supervise import RestartPolicy
@@ -89,19 +90,6 @@ def cluster_from_args(
         # only where there is something to lend: several workers, more than one core
         lend_cores=cores if args.lend_cores == "on" and cores > 1 else 0,
     )
-
-
-def usable_cores() -> int:
-    """The cores this process may run on: its CPU affinity (taskset, a cpuset), capped by a
-    cgroup v2 CPU quota (a container's --cpus), rounded up."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    try:
-        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
-        if quota != "max":
-            cores = min(cores or 1, max(1, -(-int(quota) // int(period))))
-    except (OSError, ValueError):
-        pass
-    return max(1, cores or 1)
 
 
 def worker_threads(cores: int, workers: int) -> int:

@@ -149,3 +149,67 @@ def test_from_env_is_off_without_a_ledger(tmp_path: Path, monkeypatch: pytest.Mo
     lender = cores.from_env(1, Threads())
     assert lender is not None and lender.total == 2
     lender.close()
+
+
+@pytest.fixture
+def cgroup(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """Eight cores of affinity and the cgroup files under tmp_path (none written yet)."""
+    monkeypatch.setattr(cores.os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    monkeypatch.setattr(cores, "CPU_MAX", tmp_path / "cpu.max")
+    monkeypatch.setattr(cores, "CFS_QUOTA", tmp_path / "cpu.cfs_quota_us")
+    monkeypatch.setattr(cores, "CFS_PERIOD", tmp_path / "cpu.cfs_period_us")
+    return tmp_path
+
+
+def test_usable_cores_reads_a_cgroup_quota(cgroup: Path) -> None:
+    assert cores.usable_cores() == 8  # no cgroup files: the affinity
+    (cgroup / "cpu.max").write_text("150000 100000\n")  # docker --cpus 1.5 (v2)
+    assert cores.usable_cores() == 2
+    (cgroup / "cpu.max").write_text("max 100000\n")
+    assert cores.usable_cores() == 8
+    (cgroup / "cpu.max").unlink()
+    (cgroup / "cpu.cfs_quota_us").write_text("300000\n")  # v1: 3 cores
+    (cgroup / "cpu.cfs_period_us").write_text("100000\n")
+    assert cores.usable_cores() == 3
+    (cgroup / "cpu.cfs_quota_us").write_text("-1\n")  # v1 without a quota
+    assert cores.usable_cores() == 8
+    (cgroup / "cpu.max").write_text("2000000 100000\n")  # a quota above the affinity
+    assert cores.usable_cores() == 8
+
+
+def test_fit_threads_caps_torch_at_the_quota(cgroup: Path) -> None:
+    threads = [8]
+    (cgroup / "cpu.max").write_text("200000 100000\n")
+    assert cores.fit_threads(lambda: threads[0], lambda n: threads.__setitem__(0, n)) == 2
+    assert threads == [2]
+    assert cores.fit_threads(lambda: threads[0], pytest.fail) is None  # fits: left alone
+    threads = [1]
+    assert cores.fit_threads(lambda: threads[0], pytest.fail) is None  # fewer than the cores
+
+
+def test_a_cpu_runner_without_a_thread_count_fits_the_quota(
+    cgroup: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torch
+
+    from common.config import EngineConfig
+    from common.model.model_runner import ModelRunner
+    from tests.tiny_models import random_model, tiny_config
+
+    model = random_model(tiny_config())
+    before = torch.get_num_threads()
+
+    def runner(num_threads: int) -> int:
+        cfg = EngineConfig(model="tiny", dtype="float32", device="cpu", kv_cache_memory="8MiB",
+                           max_model_len=128, num_threads=num_threads)  # fmt: skip
+        ModelRunner(cfg, model.config, model.state_dict().items())
+        return torch.get_num_threads()
+
+    try:
+        torch.set_num_threads(2)
+        (cgroup / "cpu.max").write_text("100000 100000\n")  # one core
+        assert runner(0) == 1
+        torch.set_num_threads(2)
+        assert runner(2) == 2  # a count asked for is kept as asked
+    finally:
+        torch.set_num_threads(before)

@@ -58,19 +58,3 @@ def test_workers_threads_fit_the_usable_cores(capsys: pytest.CaptureFixture[str]
     assert capsys.readouterr().err == ""  # they fit: nothing to say
     assert worker_threads(2, 4) == 1
     assert "4 workers on 2 usable cores" in capsys.readouterr().err
-
-
-def test_usable_cores_reads_a_cgroup_quota(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
-    import common.runtime.up as up
-
-    real = up.Path
-
-    def fake(path: str):
-        return real(tmp_path / "cpu.max") if path == "/sys/fs/cgroup/cpu.max" else real(path)
-
-    monkeypatch.setattr(up, "Path", fake)
-    monkeypatch.setattr(up.os, "sched_getaffinity", lambda pid: set(range(8)))
-    (tmp_path / "cpu.max").write_text("150000 100000\n")  # docker --cpus 1.5
-    assert up.usable_cores() == 2
-    (tmp_path / "cpu.max").write_text("max 100000\n")
-    assert up.usable_cores() == 8
