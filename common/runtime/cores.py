@@ -47,23 +47,58 @@ GIVE_BACK_WAIT_S = 0.05  # the longest a worker turning busy waits for its cores
 POLL_S = 0.0002
 
 
-CPU_MAX = Path("/sys/fs/cgroup/cpu.max")  # cgroup v2: "quota period" or "max period"
-CFS_QUOTA = Path("/sys/fs/cgroup/cpu/cpu.cfs_quota_us")  # cgroup v1: -1 without a quota
-CFS_PERIOD = Path("/sys/fs/cgroup/cpu/cpu.cfs_period_us")
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+PROC_CGROUP = Path("/proc/self/cgroup")  # "id:controllers:path" per hierarchy
+
+
+def _quota_at(v2: Path | None, v1: Path | None) -> int | None:
+    """The quota set on one cgroup directory, in cores rounded up (--cpus 1.5: 2); None if none.
+    v2: cpu.max is "quota period" or "max period"; v1: cpu.cfs_quota_us is -1 without one."""
+    try:
+        if v2 is not None and (v2 / "cpu.max").exists():
+            quota, period = (v2 / "cpu.max").read_text().split()[:2]
+            return None if quota == "max" else max(1, -(-int(quota) // int(period)))
+        if v1 is not None and (v1 / "cpu.cfs_quota_us").exists():
+            quota_us = int((v1 / "cpu.cfs_quota_us").read_text())
+            period_us = int((v1 / "cpu.cfs_period_us").read_text())
+            return None if quota_us <= 0 or period_us <= 0 else max(1, -(-quota_us // period_us))
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def _cgroup_dirs() -> list[tuple[Path | None, Path | None]]:
+    """(v2 dir, v1 cpu dir) of this process's cgroup and each of its ancestors, then of the
+    mount points themselves (what a container's cgroup namespace shows as its own)."""
+    v2_path = v1_path = None
+    try:
+        for line in PROC_CGROUP.read_text().splitlines():
+            hid, controllers, path = line.split(":", 2)
+            if hid == "0" and controllers == "":
+                v2_path = path
+            elif "cpu" in controllers.split(","):
+                v1_path = path
+    except (OSError, ValueError):
+        pass
+    mounts = [CGROUP_ROOT / name for name in ("cpu", "cpu,cpuacct", "cpuacct,cpu")]
+    v1_mount = next((m for m in mounts if m.is_dir()), None)
+    dirs: list[tuple[Path | None, Path | None]] = []
+    for root, path, v2 in ((CGROUP_ROOT, v2_path, True), (v1_mount, v1_path, False)):
+        if root is None:
+            continue
+        here = root / (path or "/").lstrip("/")
+        for d in (here, *here.parents):
+            if d == root.parent:
+                break
+            dirs.append((d, None) if v2 else (None, d))
+    return dirs
 
 
 def _quota_cores() -> int | None:
-    """A cgroup CPU quota in cores, rounded up (docker --cpus 1.5: 2); None without one."""
-    try:
-        quota, period = CPU_MAX.read_text().split()[:2]
-        return None if quota == "max" else max(1, -(-int(quota) // int(period)))
-    except (OSError, ValueError):
-        pass
-    try:
-        quota_us, period_us = int(CFS_QUOTA.read_text()), int(CFS_PERIOD.read_text())
-        return None if quota_us <= 0 or period_us <= 0 else max(1, -(-quota_us // period_us))
-    except (OSError, ValueError):
-        return None
+    """The tightest cgroup CPU quota over this process's cgroup and its ancestors (v2 or v1), in
+    cores rounded up; None without one."""
+    quotas = [q for v2, v1 in _cgroup_dirs() if (q := _quota_at(v2, v1)) is not None]
+    return min(quotas, default=None)
 
 
 def usable_cores() -> int:
@@ -79,8 +114,10 @@ def usable_cores() -> int:
 def fit_threads(get: Callable[[], int], set_threads: Callable[[int], None]) -> int | None:
     """Where no thread count was asked for: cap torch's (`get`, `set_threads`) at the usable
     cores. torch starts with one thread per core of its CPU affinity, which a CPU quota does not
-    narrow: a worker in a container limited to 2 of a host's 64 cores ran 64 threads, and the
-    quota throttled them at every step's barriers. Returns the new count, None if unchanged."""
+    narrow: in a container limited to 2 of a host's 64 cores a worker would run 64 threads, and
+    the quota would stop them all whenever they had used 2 cores' worth of a period (measured on
+    a small scale in benchmarks/README.md, "Threads past a CPU quota"). Returns the new count,
+    None if unchanged."""
     cores = usable_cores()
     if get() <= cores:
         return None

@@ -153,33 +153,45 @@ def test_from_env_is_off_without_a_ledger(tmp_path: Path, monkeypatch: pytest.Mo
 
 @pytest.fixture
 def cgroup(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
-    """Eight cores of affinity and the cgroup files under tmp_path (none written yet)."""
+    """Eight cores of affinity; a cgroup tree under tmp_path with this process in /pods/w (v2)
+    and /pods/w in the v1 cpu hierarchy; no quota written yet."""
     monkeypatch.setattr(cores.os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
-    monkeypatch.setattr(cores, "CPU_MAX", tmp_path / "cpu.max")
-    monkeypatch.setattr(cores, "CFS_QUOTA", tmp_path / "cpu.cfs_quota_us")
-    monkeypatch.setattr(cores, "CFS_PERIOD", tmp_path / "cpu.cfs_period_us")
-    return tmp_path
+    (tmp_path / "self").write_text("1:cpu,cpuacct:/pods/w\n0::/pods/w\n")
+    (tmp_path / "root" / "pods" / "w").mkdir(parents=True)
+    (tmp_path / "root" / "cpu,cpuacct" / "pods" / "w").mkdir(parents=True)
+    monkeypatch.setattr(cores, "PROC_CGROUP", tmp_path / "self")
+    monkeypatch.setattr(cores, "CGROUP_ROOT", tmp_path / "root")
+    return tmp_path / "root"
 
 
 def test_usable_cores_reads_a_cgroup_quota(cgroup: Path) -> None:
-    assert cores.usable_cores() == 8  # no cgroup files: the affinity
-    (cgroup / "cpu.max").write_text("150000 100000\n")  # docker --cpus 1.5 (v2)
+    assert cores.usable_cores() == 8  # no quota anywhere: the affinity
+    own, parent = cgroup / "pods" / "w", cgroup / "pods"
+    (own / "cpu.max").write_text("150000 100000\n")  # docker --cpus 1.5 (v2)
     assert cores.usable_cores() == 2
-    (cgroup / "cpu.max").write_text("max 100000\n")
+    (own / "cpu.max").write_text("max 100000\n")
     assert cores.usable_cores() == 8
-    (cgroup / "cpu.max").unlink()
-    (cgroup / "cpu.cfs_quota_us").write_text("300000\n")  # v1: 3 cores
-    (cgroup / "cpu.cfs_period_us").write_text("100000\n")
+    (parent / "cpu.max").write_text("300000 100000\n")  # an ancestor's quota binds too
     assert cores.usable_cores() == 3
-    (cgroup / "cpu.cfs_quota_us").write_text("-1\n")  # v1 without a quota
+    (own / "cpu.max").write_text("100000 100000\n")  # the tightest wins
+    assert cores.usable_cores() == 1
+    (cgroup / "cpu.max").write_text("2000000 100000\n")  # the root's, above the affinity
+    (own / "cpu.max").unlink()
+    (parent / "cpu.max").unlink()
     assert cores.usable_cores() == 8
-    (cgroup / "cpu.max").write_text("2000000 100000\n")  # a quota above the affinity
+    v1 = cgroup / "cpu,cpuacct" / "pods" / "w"
+    (v1 / "cpu.cfs_quota_us").write_text("200000\n")  # v1: 2 cores
+    (v1 / "cpu.cfs_period_us").write_text("100000\n")
+    assert cores.usable_cores() == 2
+    (v1 / "cpu.cfs_quota_us").write_text("-1\n")  # v1 without a quota
+    assert cores.usable_cores() == 8
+    (cgroup / "pods" / "w" / "cpu.max").write_text("garbage\n")  # unreadable: no quota
     assert cores.usable_cores() == 8
 
 
 def test_fit_threads_caps_torch_at_the_quota(cgroup: Path) -> None:
     threads = [8]
-    (cgroup / "cpu.max").write_text("200000 100000\n")
+    (cgroup / "pods" / "w" / "cpu.max").write_text("200000 100000\n")
     assert cores.fit_threads(lambda: threads[0], lambda n: threads.__setitem__(0, n)) == 2
     assert threads == [2]
     assert cores.fit_threads(lambda: threads[0], pytest.fail) is None  # fits: left alone
@@ -207,7 +219,7 @@ def test_a_cpu_runner_without_a_thread_count_fits_the_quota(
 
     try:
         torch.set_num_threads(2)
-        (cgroup / "cpu.max").write_text("100000 100000\n")  # one core
+        (cgroup / "pods" / "w" / "cpu.max").write_text("100000 100000\n")  # one core
         assert runner(0) == 1
         torch.set_num_threads(2)
         assert runner(2) == 2  # a count asked for is kept as asked
