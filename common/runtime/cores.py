@@ -22,6 +22,11 @@ the next step corrects it: lending never blocks a worker for long and never lose
 the cores are oversubscribed for one step. The kernel choice (common.kernels.tune) stays the one
 measured at the worker's own thread count. Owned here: the file's layout, slot claims, the
 borrowing rule. Used by common.runtime.worker (per turn) and common.runtime.launcher (the file).
+
+Also owned here: how many cores a process may use (`usable_cores`: its CPU affinity capped by
+the tightest cgroup CPU quota over its cgroup and its ancestors, v2 or v1), which `up` divides
+among its workers and `fit_threads` caps torch's threads at where no count was asked for
+(common.model.model_runner).
 """
 
 from __future__ import annotations
@@ -68,8 +73,8 @@ def _quota_at(v2: Path | None, v1: Path | None) -> int | None:
 
 
 def _cgroup_dirs() -> list[tuple[Path | None, Path | None]]:
-    """(v2 dir, v1 cpu dir) of this process's cgroup and each of its ancestors, then of the
-    mount points themselves (what a container's cgroup namespace shows as its own)."""
+    """(v2 dir, None) and (None, v1 cpu dir) of this process's cgroup and each ancestor up to
+    the hierarchy's mount point (inside a container's cgroup namespace, its own cgroup)."""
     v2_path = v1_path = None
     try:
         for line in PROC_CGROUP.read_text().splitlines():

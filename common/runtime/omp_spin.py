@@ -26,6 +26,7 @@ common.cli; logged by common.runtime.worker_cli and common.runtime.run_batch.
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 import statistics
 import sys
@@ -86,7 +87,7 @@ def configure(
         spin_us = float(environ[SPIN_ENV])
     except ValueError:
         spin_us = -1.0
-    if not spin_us >= 0:
+    if not 0 <= spin_us < math.inf:
         raise ValueError(f"{SPIN_ENV} must be microseconds >= 0, got {environ[SPIN_ENV]!r}")
     mine = [name for name in _LEFT_ALONE if name in environ]
     loaded = "torch" in sys.modules if loaded is None else loaded

@@ -47,7 +47,7 @@ def test_configure_sets_the_count_for_the_spin_time():
     env = {omp_spin.SPIN_ENV: "2.5"}
     omp_spin.configure(env, measure=lambda: 25.0, loaded=False)
     assert env["GOMP_SPINCOUNT"] == "100"
-    for bad in ("-5", "soon", "nan"):
+    for bad in ("-5", "soon", "nan", "inf"):
         with pytest.raises(ValueError, match=omp_spin.SPIN_ENV):
             omp_spin.configure({omp_spin.SPIN_ENV: bad}, measure=lambda: 20.0, loaded=False)
 
