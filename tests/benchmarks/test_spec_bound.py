@@ -2,24 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def load_spec_decode():
-    path = ROOT / "benchmarks" / "spec_decode.py"
-    spec = importlib.util.spec_from_file_location("spec_decode", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("spec_decode", module)
-    spec.loader.exec_module(module)
-    return module
+from tests.benchmarks.scripts import load_script
 
 
 def test_bound_counts_steps_of_a_replayed_copy() -> None:
-    bound = load_spec_decode().ngram_bound
+    bound = load_script("spec_decode").ngram_bound
     prompt = [10, 11, 12, 13, 14, 15, 16, 17]
     # steps: 12 (no earlier [16, 17]: nothing drafted), 13 (nor [17, 12]), then [12, 13] is found
     # in the prompt: its 4 drafts 14..17 all equal the output, which ends there: 6 tokens, 3 steps

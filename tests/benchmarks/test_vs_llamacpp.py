@@ -4,27 +4,18 @@ The servers themselves (llama-server, `pdserve up`) are the benchmark's to run, 
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
+from tests.benchmarks.scripts import load_script
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def load_vs_llamacpp():
-    path = ROOT / "benchmarks" / "vs_llamacpp.py"
-    spec = importlib.util.spec_from_file_location("vs_llamacpp", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("vs_llamacpp", module)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_the_batch_1_step_is_judged_served_and_in_process() -> None:
-    vs = load_vs_llamacpp()
+    vs = load_script("vs_llamacpp")
     row = {"phase": "s1", "metric": "ITL p50 ms", "limit": 2.0, "llama": 10.0,
            "colocated": 4.0, "colocated_vs_llama": 0.4}  # fmt: skip
     args = SimpleNamespace(systems=["llama", "colocated"])
@@ -46,7 +37,7 @@ def test_engine_step_ms_times_a_real_decode_step(tiny_llama, monkeypatch) -> Non
     from common.engine.engine import Engine
 
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # as the script runs: step_profile
-    vs = load_vs_llamacpp()
+    vs = load_script("vs_llamacpp")
     engine = Engine(
         EngineConfig(
             model=str(tiny_llama[1]), dtype="float32", kv_cache_memory="16MiB", max_model_len=256
