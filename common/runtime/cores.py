@@ -116,13 +116,18 @@ def usable_cores() -> int:
     return max(1, cores or 1)
 
 
-def fit_threads(get: Callable[[], int], set_threads: Callable[[int], None]) -> int | None:
-    """Where no thread count was asked for: cap torch's (`get`, `set_threads`) at the usable
-    cores. torch starts with one thread per core of its CPU affinity, which a CPU quota does not
-    narrow: in a container limited to 2 of a host's 64 cores a worker would run 64 threads, and
-    the quota would stop them all whenever they had used 2 cores' worth of a period (measured on
-    a small scale in benchmarks/README.md, "Threads past a CPU quota"). Returns the new count,
-    None if unchanged."""
+def fit_threads(
+    get: Callable[[], int], set_threads: Callable[[int], None], environ=os.environ
+) -> int | None:
+    """Where no thread count was asked for (no `--num-threads`, no `OMP_NUM_THREADS` in
+    `environ`: an explicit count is kept, as asked): cap torch's (`get`, `set_threads`) at the
+    usable cores. torch starts with one thread per core of its CPU affinity, which a CPU quota
+    does not narrow: in a container limited to 2 of a host's 64 cores a worker would run 64
+    threads, and the quota would stop them all whenever they had used 2 cores' worth of a period
+    (measured on a small scale in benchmarks/README.md, "Threads past a CPU quota"). Returns the
+    new count, None if unchanged."""
+    if environ.get("OMP_NUM_THREADS"):
+        return None
     cores = usable_cores()
     if get() <= cores:
         return None

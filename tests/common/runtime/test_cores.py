@@ -197,6 +197,9 @@ def test_fit_threads_caps_torch_at_the_quota(cgroup: Path) -> None:
     assert cores.fit_threads(lambda: threads[0], pytest.fail) is None  # fits: left alone
     threads = [1]
     assert cores.fit_threads(lambda: threads[0], pytest.fail) is None  # fewer than the cores
+    threads = [8]  # an OMP_NUM_THREADS of the user's own is kept, as asked
+    env = {"OMP_NUM_THREADS": "8"}
+    assert cores.fit_threads(lambda: threads[0], pytest.fail, environ=env) is None
 
 
 def test_a_cpu_runner_without_a_thread_count_fits_the_quota(
@@ -208,6 +211,7 @@ def test_a_cpu_runner_without_a_thread_count_fits_the_quota(
     from common.model.model_runner import ModelRunner
     from tests.tiny_models import random_model, tiny_config
 
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # it would be kept, as asked
     model = random_model(tiny_config())
     before = torch.get_num_threads()
 
