@@ -36,7 +36,7 @@ import logging
 import mmap
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -117,7 +117,9 @@ def usable_cores() -> int:
 
 
 def fit_threads(
-    get: Callable[[], int], set_threads: Callable[[int], None], environ=os.environ
+    get: Callable[[], int],
+    set_threads: Callable[[int], None],
+    environ: Mapping[str, str] = os.environ,
 ) -> int | None:
     """Where no thread count was asked for (no `--num-threads`, no `OMP_NUM_THREADS` in
     `environ`: an explicit count is kept, as asked): cap torch's (`get`, `set_threads`) at the
