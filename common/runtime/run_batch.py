@@ -239,8 +239,8 @@ def run_batch_command(args: argparse.Namespace) -> int:
     )
     if engine.runner.device.type == "cpu":
         keep_step_buffers()
-    if omp_spin.describe():
-        print(f"run-batch: {omp_spin.describe()}", file=sys.stderr)
+    if spin := omp_spin.describe():
+        print(f"run-batch: {spin}", file=sys.stderr)
     if config.warm_up:
         engine.warm_up()
     seed_generators(config.seed)  # unseeded sampled requests: same --seed, same output file

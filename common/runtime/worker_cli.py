@@ -145,8 +145,8 @@ def build_engine(args: argparse.Namespace) -> Engine:
     from common.config import config_from_args
 
     config = config_from_args(args)
-    if omp_spin.describe():
-        log.info(omp_spin.describe())
+    if spin := omp_spin.describe():
+        log.info("%s", spin)
     engine = load_engine(config)
     if engine.runner.device.type == "cpu":
         keep_step_buffers()  # before the warm-up's steps

@@ -190,16 +190,15 @@ def test_usable_cores_reads_a_cgroup_quota(cgroup: Path) -> None:
 
 
 def test_fit_threads_caps_torch_at_the_quota(cgroup: Path) -> None:
-    threads = [8]
+    threads, env = [8], {}  # no OMP_NUM_THREADS, whatever the test process has
     (cgroup / "pods" / "w" / "cpu.max").write_text("200000 100000\n")
-    assert cores.fit_threads(lambda: threads[0], lambda n: threads.__setitem__(0, n)) == 2
+    assert cores.fit_threads(lambda: threads[0], lambda n: threads.__setitem__(0, n), env) == 2
     assert threads == [2]
-    assert cores.fit_threads(lambda: threads[0], pytest.fail) is None  # fits: left alone
+    assert cores.fit_threads(lambda: threads[0], pytest.fail, environ=env) is None  # fits
     threads = [1]
-    assert cores.fit_threads(lambda: threads[0], pytest.fail) is None  # fewer than the cores
+    assert cores.fit_threads(lambda: threads[0], pytest.fail, environ=env) is None  # fewer
     threads = [8]  # an OMP_NUM_THREADS of the user's own is kept, as asked
-    env = {"OMP_NUM_THREADS": "8"}
-    assert cores.fit_threads(lambda: threads[0], pytest.fail, environ=env) is None
+    assert cores.fit_threads(lambda: threads[0], pytest.fail, {"OMP_NUM_THREADS": "8"}) is None
 
 
 def test_a_cpu_runner_without_a_thread_count_fits_the_quota(
