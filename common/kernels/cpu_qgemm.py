@@ -43,6 +43,8 @@ _SIGNATURES = {
     "qgemm_set_prefetch": [_i],
     "qgemm_prefetch": [],
     "qgemm_amx_rows": [_i],
+    "qgemm_set_row_block": [_i],
+    "qgemm_row_block": [_i],
 }
 
 

@@ -36,6 +36,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "vecmath.h"
 #if defined(__AVX2__)
@@ -787,6 +788,37 @@ int qgemm_set_prefetch(int level) {
 /* The level in force. */
 int qgemm_prefetch(void) { return pair_prefetch; }
 
+/* Rows of x per pass over a thread's panels (0: chosen from the L2 cache's size). Each panel's
+ * tile walks all the rows it is given, so past a few hundred rows (a prefill) their int8 codes
+ * no longer stay in L2 from one panel to the next and are read from L3 or memory again for
+ * every panel: measured on a 2-core AMD EPYC (Zen 4, 1 MiB L2), the default model's fused
+ * gate/up at 8,192 rows ran at 304 GOP/s against 562 at 192. Passes of `row_block` rows keep a
+ * pass's codes in L2 and each thread's panels (the same ones in every pass: one static
+ * schedule) in L2 beside them. The per-row sums are the same whatever the passes: the same
+ * bits. */
+static int row_block_set = 0;
+
+/* Returns 0, or 1 for a negative count. */
+int qgemm_set_row_block(int rows) {
+    if (rows < 0) return 1;
+    row_block_set = rows;
+    return 0;
+}
+
+/* The rows of one pass for x of K columns: as set, or the rows whose codes and scalars fill a
+ * quarter of L2 (sysconf's L2 size; 1 MiB where it does not say), at least 48. */
+int qgemm_row_block(int K) {
+    if (row_block_set) return row_block_set;
+    long l2 = 0;
+#ifdef _SC_LEVEL2_CACHE_SIZE
+    l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
+#endif
+    if (l2 <= 0) l2 = 1L << 20;
+    const long per_row = K + (long)sizeof(float) * (3 * (K / QB)); /* xq, xs, xo, xsg */
+    const long rows = l2 / 4 / per_row;
+    return rows < 48 ? 48 : rows > (1 << 20) ? 1 << 20 : (int)rows;
+}
+
 /* Which section this build runs: 4 AMX (with AVX-512 VNNI for the rows past whole tiles), 3
  * AVX-512 VNNI, 2 AVX-VNNI, 1 AVX2, 0 portable. */
 int qgemm_isa(void) {
@@ -827,6 +859,7 @@ int qgemm_a8(const void *x_in, long x_stride, int xdtype, int M, int K, int N, i
     /* rows [0, Mw) by whole AMX tiles (none without AMX), rows [Mw, M) by the vector tiles */
     const int Mw = qgemm_amx_rows(M);
     const int Mr = M - Mw;
+    const int rb = qgemm_row_block(K);
     acts r = a; /* the rows past the whole tiles */
     r.xq += (long)Mw * K, r.xs += (long)Mw * a.KB, r.xo += (long)Mw * a.KB;
     r.xsg += (long)Mw * G;
@@ -868,44 +901,53 @@ int qgemm_a8(const void *x_in, long x_stride, int xdtype, int M, int K, int N, i
         int8_t *wb_own = scratch ? scratch + tid * own : NULL;
         if (Mw) amx_configure();
 #endif
-#pragma omp for schedule(static)
-        for (int u = 0; u < units; u++) {
-            const int p = u * step;
+        /* rows [Mw, M) in passes of rb (the AMX rows in the first); nowait: each thread has the
+         * same units in every pass, and no two write the same outputs */
+        for (int c0 = 0; c0 == 0 || c0 < Mr; c0 += rb) {
+            const int mc = Mr - c0 < rb ? Mr - c0 : rb;
+            acts rc = r;
+            rc.xq += (long)c0 * K, rc.xs += (long)c0 * a.KB, rc.xo += (long)c0 * a.KB;
+            rc.xsg += (long)c0 * G;
+            void *out_c = (char *)out_r + (size_t)c0 * N * (xdtype == 0 ? 4 : 2);
+#pragma omp for schedule(static) nowait
+            for (int u = 0; u < units; u++) {
+                const int p = u * step;
 #ifdef AMX_ROWS
-            for (int q = p; Mw && q < p + step && q < P; q++) {
-                const long nq = (long)q * PANEL;
-                amx_unpack(codes + q * panel_bytes, a.KB, bits, wb_own);
-                amx_panel(&t, Mw, bpg, wb_own, scale_at(scale, nq * G, sf),
-                          zero ? scale_at(zero, nq * G, sf) : NULL, sf, out, N, nq,
-                          N - nq < PANEL ? (int)(N - nq) : PANEL, xdtype);
-            }
+                for (int q = p; Mw && !c0 && q < p + step && q < P; q++) {
+                    const long nq = (long)q * PANEL;
+                    amx_unpack(codes + q * panel_bytes, a.KB, bits, wb_own);
+                    amx_panel(&t, Mw, bpg, wb_own, scale_at(scale, nq * G, sf),
+                              zero ? scale_at(zero, nq * G, sf) : NULL, sf, out, N, nq,
+                              N - nq < PANEL ? (int)(N - nq) : PANEL, xdtype);
+                }
 #endif
-            if (!Mr) continue;
+                if (!mc) continue;
 #ifdef PAIR_MIN_ROWS
-            const long n0 = (long)p * PANEL;
-            if (step == 2 && N - n0 >= 2 * PANEL) {
-                /* the pair after this one (this thread's next unit: the static schedule gives
-                 * each thread consecutive ones) is asked for while this one computes: at 2-16
-                 * rows a pair's sums take about as long as streaming its weight, and without
-                 * the prefetch the two added up (measured, default model, 2 threads, 256 tokens
-                 * of context: a 5-row verify step 5.9-6.9 -> 4.9-6.1 ms, an 8-row one 8.4-9.8
-                 * -> 6.1-6.3, a batch-16 decode step 13.4-14.8 -> 11.2-11.9; batch 1 and 64
-                 * within noise); into L1 or L2 as qgemm_set_prefetch said */
-                const int pf_next = N - n0 >= 4 * PANEL ? pair_prefetch : 0;
-                panel_pair(&r, Mr, bits, bpg, codes + p * panel_bytes, panel_bytes,
-                           scale_at(scale, (long)p * G * PANEL, sf),
-                           zero ? scale_at(zero, (long)p * G * PANEL, sf) : NULL, sf,
-                           (long)G * PANEL, out_r, N, n0, xdtype, pf_next);
-                continue;
-            }
+                const long n0 = (long)p * PANEL;
+                if (step == 2 && N - n0 >= 2 * PANEL) {
+                    /* the pair after this one (this thread's next unit: the static schedule gives
+                     * each thread consecutive ones) is asked for while this one computes: at 2-16
+                     * rows a pair's sums take about as long as streaming its weight, and without
+                     * the prefetch the two added up (measured, default model, 2 threads, 256 tokens
+                     * of context: a 5-row verify step 5.9-6.9 -> 4.9-6.1 ms, an 8-row one 8.4-9.8
+                     * -> 6.1-6.3, a batch-16 decode step 13.4-14.8 -> 11.2-11.9; batch 1 and 64
+                     * within noise); into L1 or L2 as qgemm_set_prefetch said */
+                    const int pf_next = N - n0 >= 4 * PANEL ? pair_prefetch : 0;
+                    panel_pair(&rc, mc, bits, bpg, codes + p * panel_bytes, panel_bytes,
+                               scale_at(scale, (long)p * G * PANEL, sf),
+                               zero ? scale_at(zero, (long)p * G * PANEL, sf) : NULL, sf,
+                               (long)G * PANEL, out_c, N, n0, xdtype, pf_next);
+                    continue;
+                }
 #endif
-            for (int q = p; q < p + step && q < P; q++) {
-                const long nq = (long)q * PANEL;
-                const int nc = N - nq < PANEL ? (int)(N - nq) : PANEL;
-                panel(&r, Mr, bits, bpg, codes + q * panel_bytes,
-                      scale_at(scale, (long)q * G * PANEL, sf),
-                      zero ? scale_at(zero, (long)q * G * PANEL, sf) : NULL, sf, out_r, N, nq,
-                      nc, xdtype);
+                for (int q = p; q < p + step && q < P; q++) {
+                    const long nq = (long)q * PANEL;
+                    const int nc = N - nq < PANEL ? (int)(N - nq) : PANEL;
+                    panel(&rc, mc, bits, bpg, codes + q * panel_bytes,
+                          scale_at(scale, (long)q * G * PANEL, sf),
+                          zero ? scale_at(zero, (long)q * G * PANEL, sf) : NULL, sf, out_c, N, nq,
+                          nc, xdtype);
+                }
             }
         }
 #ifdef AMX_ROWS

@@ -119,6 +119,36 @@ def test_each_isa_section(level, bits, group, zero, monkeypatch):
             check(cpu_qgemm.matmul_a8(x, packed, lib), x, qt)
 
 
+@pytest.mark.parametrize("level", SECTIONS)
+def test_row_passes_give_the_same_bits(level, monkeypatch):
+    # rows in passes of a few (a prefill's many rows, so that a pass's codes stay in L2): each
+    # row's sums are the same whatever the passes, tails included (7 and 12 rows: not multiples
+    # of the 6- and 8-row tiles; 1: every row its own pass)
+    monkeypatch.setenv("PDSERVE_CPU_ISA", level)
+    lib = cpu_qgemm.new_library()
+    if not lib.available() or cpu_qgemm.isa(lib) != SECTIONS[level]:
+        pytest.skip(f"no {level} build on this host")
+    c = lib.get()
+    assert c.qgemm_set_row_block(-1) == 1
+    assert c.qgemm_row_block(576) >= 48  # from L2's size, at least 48
+    for bits, group, zero in [(4, 32, True), (8, 32, False)]:
+        qt = weight(bits, group, zero)
+        packed = pack(qt)
+        for dtype in (torch.float32, torch.bfloat16):
+            x = activations(130, dtype)
+            x[40, 3] = float("nan")  # a NaN row inside a later pass
+            whole = cpu_qgemm.matmul_a8(x, packed, lib)
+            try:
+                for rows in (1, 7, 12):
+                    assert c.qgemm_set_row_block(rows) == 0 and c.qgemm_row_block(576) == rows
+                    passes = cpu_qgemm.matmul_a8(x, packed, lib)
+                    assert torch.equal(passes.isnan(), whole.isnan()) and whole[40].isnan().all()
+                    assert torch.equal(passes.nan_to_num(), whole.nan_to_num())
+            finally:
+                c.qgemm_set_row_block(0)
+            check(whole[torch.arange(130) != 40], x[torch.arange(130) != 40], qt)
+
+
 @pytest.mark.parametrize("bits,group,zero", FORMATS)
 def test_amx_gives_the_avx512_vnni_bits(bits, group, zero, monkeypatch):
     # the tile unit makes the same exact int32 block sums and the same float steps follow, in the
