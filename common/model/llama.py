@@ -20,6 +20,7 @@ from torch import nn
 
 from common.kernels import cpu_layer, cpu_ops
 from common.kernels.attention import AttentionMetadata, paged_attention, write_kv_cache
+from common.model import row_passes
 from common.model.layers import Linear, RMSNorm, RotaryEmbedding
 from common.model.quant import (
     QUANTIZATION_MODES,
@@ -126,6 +127,9 @@ class MLP(nn.Module):
         self.down_proj = Linear(self.intermediate, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return row_passes.run(self.gate_up_proj, self.down_proj, x, self._forward)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         silu_mul = getattr(self.gate_up_proj, "silu_mul", None)  # oneDNN's epilogue, where it can
         fused = silu_mul(x) if silu_mul is not None else None
         if fused is not None:
