@@ -8,7 +8,8 @@
  * and attends keys 0 ..= that position (a chunk after a cached prefix: q_len < k_len). D 64 or
  * 128. Head h reads KV head h / (H / Hkv).
  *
- * Work: per KV head, K is converted once to float32 and transposed (Kt [D, keys]) and V converted
+ * Work: per KV head, K is converted once to float32 and transposed (Kt [D, keys]; bfloat16 in an
+ * AVX-512 BF16 build: its 32-bit pairs of dims transposed, [D / 2, keys]) and V converted
  * (Vf [keys, D]); then units of (KV head, TQ query tokens) go across the OpenMP threads. A unit's
  * query vectors (TQ tokens x the G heads of the KV head, padded to a multiple of 8) get
  *   1. scores S = q . k * scale, 8 query vectors x 32 keys at a time (16 accumulators; each K
@@ -20,7 +21,9 @@
  * Each query's result is computed by the same operations in the same order whatever the unit, the
  * thread count or q_len: a prompt split into chunks gets the bits of the whole prompt's pass.
  * Float32 throughout, FMA where the ISA level has it (a GCC vector type of 16 floats: AVX-512,
- * two AVX2 vectors, or four SSE ones); exp is vecmath.h's exp_approx (about 1 ulp; its steps
+ * two AVX2 vectors, or four SSE ones), except that an AVX-512 BF16 build multiplies bfloat16 q
+ * and K as they are stored in step 1 (K's pairs of dims transposed instead of converted:
+ * scores_bf16); exp is vecmath.h's exp_approx (about 1 ulp; its steps
  * fused in AVX-512 instructions in AVX-512 builds, exp16_512). In an amx build on a CPU that
  * grants the tile state, bfloat16 inputs take the AMX path instead (both products on the tile
  * unit, the weights rounded to bfloat16 before the V product: see unit_amx), with the same
@@ -88,6 +91,44 @@ static inline __attribute__((always_inline)) void scores(int D, const float *Qf,
         }
     }
 }
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#define PAIRED_SCORES 1
+/* scores() for bfloat16 q and K as they are stored (AVX-512 BF16): Kp [D / 2, keys] holds each
+ * key's dims 2p and 2p + 1 as one 32-bit pair, Qp [nqv, D / 2] the query vectors' pairs; one
+ * dpbf16 multiplies a query's pair by 16 keys' pairs (exact products) and adds both to each key's
+ * float32 sum, where the float32 path needs two FMAs: half the instructions, the same sums
+ * rounded in another order. Per query vector the same operations whatever the unit. */
+static inline __attribute__((always_inline)) void scores_bf16(int D, const uint32_t *Qp,
+                                                              int nqv, const uint32_t *Kp,
+                                                              long kts, int kend, float scale,
+                                                              float *S, long spad) {
+    const int P = D / 2;
+    for (int j0 = 0; j0 < kend; j0 += KB) {
+        for (int r0 = 0; r0 < nqv; r0 += QR) {
+            __m512 acc[QR][2];
+            for (int r = 0; r < QR; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+            for (int p = 0; p < P; p++) {
+                const __m512bh k0 = (__m512bh)_mm512_loadu_si512(Kp + p * kts + j0);
+                const __m512bh k1 = (__m512bh)_mm512_loadu_si512(Kp + p * kts + j0 + 16);
+                for (int r = 0; r < QR; r++) {
+                    const __m512bh qv =
+                        (__m512bh)_mm512_set1_epi32((int)Qp[(long)(r0 + r) * P + p]);
+                    acc[r][0] = _mm512_dpbf16_ps(acc[r][0], qv, k0);
+                    acc[r][1] = _mm512_dpbf16_ps(acc[r][1], qv, k1);
+                }
+            }
+            const __m512 sc = _mm512_set1_ps(scale);
+            for (int r = 0; r < QR; r++) {
+                _mm512_storeu_ps(S + (long)(r0 + r) * spad + j0, _mm512_mul_ps(acc[r][0], sc));
+                _mm512_storeu_ps(S + (long)(r0 + r) * spad + j0 + 16,
+                                 _mm512_mul_ps(acc[r][1], sc));
+            }
+        }
+    }
+}
+#endif
 
 typedef int32_t vi16 __attribute__((vector_size(64)));
 
@@ -204,20 +245,35 @@ static inline __attribute__((always_inline)) void values(int D, int RV, const fl
 static inline __attribute__((always_inline)) void unit(
     int D, const void *q, long qs, void *out, int dtype, int q_len, int k_len, int H, int G,
     int hk, int t0, int t1, const float *Kt, long kts, const float *Vf, float scale, float *Qf,
-    float *S, long spad, float *O, float *inv) {
+    float *S, long spad, float *O, float *inv, const int paired) {
     const int base = k_len - q_len; /* position of query 0 */
     const int nq = (t1 - t0) * G, nqv = (nq + QR - 1) / QR * QR;
     const int kmax = base + t1; /* keys the last token attends */
     const int kend = (kmax + KB - 1) / KB * KB;
     for (int r = 0; r < nqv; r++) {
+        const long src = (long)(t0 + r / G) * qs + (long)(hk * G + r % G) * D;
+        if (paired) { /* the pairs as stored (paired: bfloat16 q) */
+            uint16_t *dst = (uint16_t *)Qf + (long)r * D;
+            if (r < nq)
+                memcpy(dst, (const uint16_t *)q + src, sizeof(uint16_t) * D);
+            else
+                memset(dst, 0, sizeof(uint16_t) * D);
+            continue;
+        }
         float *dst = Qf + (long)r * D;
         if (r >= nq) {
             memset(dst, 0, sizeof(float) * D);
             continue;
         }
-        to_f32(q, (long)(t0 + r / G) * qs + (long)(hk * G + r % G) * D, dtype, D, dst);
+        to_f32(q, src, dtype, D, dst);
     }
-    scores(D, Qf, nqv, Kt, kts, kend, scale, S, spad);
+#ifdef PAIRED_SCORES
+    if (paired)
+        scores_bf16(D, (const uint32_t *)Qf, nqv, (const uint32_t *)Kt, kts, kend, scale, S,
+                    spad);
+    else
+#endif
+        scores(D, Qf, nqv, Kt, kts, kend, scale, S, spad);
     for (int r = 0; r < nqv; r++) {
         const int n = r < nq ? base + t0 + r / G + 1 : 1; /* padding rows: any finite row */
         inv[r] = softmax_row(S + (long)r * spad, n, kend);
@@ -515,6 +571,11 @@ int prefill_attention(const void *q, long q_stride, const void *k, long k_stride
         free(Vf);
         return 2;
     }
+#ifdef PAIRED_SCORES
+    const int paired = dtype == 1; /* scores by dpbf16: Kt holds K's pairs [D / 2, keys] */
+#else
+    const int paired = 0;
+#endif
     /* K transposed and V, in float32, per (KV head, 64 keys); Kt's pad keys 0 (finite scores) */
     const int chunks = (int)((kpad + 63) / 64);
 #pragma omp parallel for schedule(static) num_threads(nthreads)
@@ -523,6 +584,21 @@ int prefill_attention(const void *q, long q_stride, const void *k, long k_stride
         const long j0 = (long)(c % chunks) * 64, j1 = j0 + 64 < kpad ? j0 + 64 : kpad;
         float *kt = Kt + (long)hk * D * kts, *vf = Vf + (long)hk * k_len * D;
         float row[128];
+        if (paired) { /* each key's 32-bit pairs of dims, transposed: [D / 2, keys] */
+            uint32_t *kp = (uint32_t *)Kt + (long)hk * (D / 2) * kts;
+            for (long j = j0; j < j1; j++) {
+                uint32_t pairs[64];
+                if (j < k_len) {
+                    memcpy(pairs, (const uint16_t *)k + j * k_stride + (long)hk * D,
+                           sizeof(uint16_t) * D);
+                    to_f32(v, j * v_stride + (long)hk * D, dtype, D, vf + j * D);
+                } else {
+                    memset(pairs, 0, sizeof pairs);
+                }
+                for (int p = 0; p < D / 2; p++) kp[p * kts + j] = pairs[p];
+            }
+            continue;
+        }
         for (long j = j0; j < j1; j++) {
             if (j < k_len) {
                 to_f32(k, j * k_stride + (long)hk * D, dtype, D, row);
@@ -553,13 +629,23 @@ int prefill_attention(const void *q, long q_stride, const void *k, long k_stride
             if (!ok) continue;
             const int tile = tiles - 1 - u / Hkv, hk = u % Hkv;
             const int t0 = tile * TQ, t1 = t0 + TQ < q_len ? t0 + TQ : q_len;
-            const float *kt = Kt + (long)hk * D * kts, *vf = Vf + (long)hk * k_len * D;
-            if (D == 64)
-                unit(64, q, q_stride, out, dtype, q_len, k_len, H, G, hk, t0, t1, kt, kts, vf,
-                     scale, Qf, S, spad, O, inv);
-            else
-                unit(128, q, q_stride, out, dtype, q_len, k_len, H, G, hk, t0, t1, kt, kts, vf,
-                     scale, Qf, S, spad, O, inv);
+            /* a head's K: D rows of kts floats, or (paired) D / 2 rows of kts pairs */
+            const float *kt = Kt + (long)hk * (paired ? D / 2 : D) * kts;
+            const float *vf = Vf + (long)hk * k_len * D;
+#define UNIT(d, pr)                                                                              \
+    unit(d, q, q_stride, out, dtype, q_len, k_len, H, G, hk, t0, t1, kt, kts, vf, scale, Qf, S,  \
+         spad, O, inv, pr)
+            if (D == 64) {
+                if (paired)
+                    UNIT(64, 1);
+                else
+                    UNIT(64, 0);
+            } else if (paired) {
+                UNIT(128, 1);
+            } else {
+                UNIT(128, 0);
+            }
+#undef UNIT
         }
         free(Qf);
         free(S);

@@ -5,9 +5,11 @@ about 1 ulp, sums over at most k_len terms) from inputs that float32 holds exact
 bfloat16 ones); with O(1) values, as here, its error against float64 stays below ~1e-6 (measured
 up to 1e-6 at 300 keys): float32 is held to 2e-5. A bfloat16 output is that value rounded once to
 bfloat16 (a relative 2^-9 at most), so bfloat16 is held to rtol 2^-8 plus the float32 bound.
-The AMX path (bfloat16 on a CPU with AMX tiles) rounds the softmax weights to bfloat16 before the
-V product, as torch's SDPA does: each weight off by at most 2^-9 of itself, so an output by at most
-2^-9 max|v| more. Every ISA section the host builds (portable, AVX2, AVX-512, AMX) is checked.
+An AVX-512 BF16 build takes bfloat16 scores by dpbf16 (exact products, float32 sums in another
+order): the same bound. The AMX path (bfloat16 on a CPU with AMX tiles) rounds the softmax
+weights to bfloat16 before the V product, as torch's SDPA does: each weight off by at most 2^-9
+of itself, so an output by at most 2^-9 max|v| more. Every ISA section the host builds
+(portable, AVX2, AVX-512, AVX-512 BF16, AMX) is checked.
 """
 
 from __future__ import annotations
@@ -135,7 +137,7 @@ def test_attention_prefill_path_uses_it_and_sdpa_agrees(dtype, monkeypatch):
     assert (ours.double() - exact).abs().max() <= (sdpa.double() - exact).abs().max()
 
 
-@pytest.mark.parametrize("level", ["portable", "avx2", "avx512", "amx"])
+@pytest.mark.parametrize("level", ["portable", "avx2", "avx512", "avx512bf16", "amx"])
 def test_each_isa_section(level, monkeypatch):
     if not any(lv.name == level and isa.runs(lv) for lv in isa.LEVELS):
         pytest.skip(f"this host does not run {level}")
@@ -168,4 +170,29 @@ def test_the_amx_path_against_the_vector_path(monkeypatch):
         torch.testing.assert_close(ours.double(), theirs.double(), rtol=2.0**-8, atol=atol)
         cut = case[0] // 3
         part = cpu_prefill.prefill_attention(q[cut:], k, v, scale, amx)
+        assert torch.equal(part, ours[cut:])
+
+
+def test_paired_scores_against_the_float32_products(monkeypatch):
+    """bfloat16 scores by dpbf16 (an AVX-512 BF16 build) against the AVX-512 build's float32 FMA
+    chains: the same exact products summed in another order, so both within the float32 bound of
+    the reference and of each other; chunks keep their bits."""
+    monkeypatch.setenv(isa.ENV, "avx512bf16")
+    paired = cpu_prefill.new_library()
+    if not paired.available() or paired.level != "avx512bf16":
+        pytest.skip("no avx512bf16 build here")
+    monkeypatch.setenv(isa.ENV, "avx512")
+    vector = cpu_prefill.new_library()
+    assert vector.available() and vector.level == "avx512"
+    for case in [*CASES, (700, 700, 9, 3, 64), (33, 513, 8, 2, 128)]:
+        q, k, v = inputs(*case, torch.bfloat16, seed=len(case) + case[0])
+        scale = case[4] ** -0.5
+        ours = cpu_prefill.prefill_attention(q, k, v, scale, paired)
+        check(ours, q, k, v, scale, paired)
+        theirs = cpu_prefill.prefill_attention(q, k, v, scale, vector)
+        # two float32 results ~1e-6 apart, each rounded to bfloat16: one unit (2^-7 of the
+        # value at the bottom of a binade) apart at most
+        torch.testing.assert_close(ours.double(), theirs.double(), rtol=2.0**-7, atol=4e-5)
+        cut = case[0] // 3
+        part = cpu_prefill.prefill_attention(q[cut:], k, v, scale, paired)
         assert torch.equal(part, ours[cut:])
