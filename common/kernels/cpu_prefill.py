@@ -9,7 +9,11 @@ query's result is independent of how the prompt is chunked. Built on first use i
 `$PDSERVE_CACHE/kernels/` at the host's ISA level (common.kernels.cbuild) and called through
 ctypes (which releases the GIL). On a CPU with AMX, bfloat16 inputs run both products on the
 tile unit (measured, 2 threads, 9 query / 3 KV heads of 64: 1,524 tokens 13.7 -> 5.7-6.0 ms, 256
-tokens 0.47 -> 0.27 ms; torch's SDPA 5.5-7.2 and 0.25-0.28), chunk-invariant as well. Called by
+tokens 0.47 -> 0.27 ms; torch's SDPA 5.5-7.2 and 0.25-0.28), chunk-invariant as well. Without
+AMX but with AVX-512 BF16 (AMD Zen 4 and later), bfloat16 inputs take both products by dpbf16
+on the vector units, the weights rounded to bfloat16 as on the tile unit (benchmarks/
+prefill_attention.py, 2 threads, one layer: 1,024 tokens 7.57 -> 4.59 ms, 4,096 110.0 -> 67.3
+ms). `rounds_weights` says where the weights are rounded. Called by
 common.kernels.attention's prefill path; `supports` is False (and SDPA runs) off the CPU, for
 other dtypes or head sizes, without a C compiler, or with PDSERVE_CPU_KERNELS=0.
 """
@@ -31,6 +35,7 @@ _SIGNATURES = {
     "prefill_attention": [_ptr, _c_long, _ptr, _c_long, _ptr, _c_long, _ptr, _c_int, _c_int,
                           _c_int, _c_int, _c_int, ctypes.c_float, _c_int, _c_int],
     "prefill_uses_amx": [],
+    "prefill_rounds_weights": [],
 }  # fmt: skip
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 HEAD_DIMS = (64, 128)
@@ -60,6 +65,14 @@ def uses_amx(lib: CLibrary | None = None) -> bool:
     granted the tile state): the weights are then rounded to bfloat16 before the V product."""
     lib = lib or _LIB
     return lib.available() and bool(lib.get().prefill_uses_amx())
+
+
+def rounds_weights(lib: CLibrary | None = None) -> bool:
+    """Whether bfloat16 inputs have their softmax weights rounded to bfloat16 before the V
+    product (the AMX path, and an AVX-512 BF16 build's dpbf16 products), as torch's SDPA does:
+    each output then up to 2^-9 max|v| from the float32 weights' result."""
+    lib = lib or _LIB
+    return lib.available() and bool(lib.get().prefill_rounds_weights())
 
 
 def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:

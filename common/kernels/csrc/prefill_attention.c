@@ -10,7 +10,7 @@
  *
  * Work: per KV head, K is converted once to float32 and transposed (Kt [D, keys]; bfloat16 in an
  * AVX-512 BF16 build: its 32-bit pairs of dims transposed, [D / 2, keys]) and V converted
- * (Vf [keys, D]); then units of (KV head, TQ query tokens) go across the OpenMP threads. A unit's
+ * (Vf [keys, D]; bfloat16: two keys' values a 32-bit pair, [keys / 2, D]); then units of (KV head, TQ query tokens) go across the OpenMP threads. A unit's
  * query vectors (TQ tokens x the G heads of the KV head, padded to a multiple of 8) get
  *   1. scores S = q . k * scale, 8 query vectors x 32 keys at a time (16 accumulators; each K
  *      vector load feeds 8 FMAs), up to the unit's last position;
@@ -21,9 +21,12 @@
  * Each query's result is computed by the same operations in the same order whatever the unit, the
  * thread count or q_len: a prompt split into chunks gets the bits of the whole prompt's pass.
  * Float32 throughout, FMA where the ISA level has it (a GCC vector type of 16 floats: AVX-512,
- * two AVX2 vectors, or four SSE ones), except that an AVX-512 BF16 build multiplies bfloat16 q
- * and K as they are stored in step 1 (K's pairs of dims transposed instead of converted:
- * scores_bf16); exp is vecmath.h's exp_approx (about 1 ulp; its steps
+ * two AVX2 vectors, or four SSE ones), except that an AVX-512 BF16 build takes bfloat16 inputs
+ * through dpbf16 (two products a lane and instruction): step 1 on q and K as stored (K's pairs
+ * of dims transposed instead of converted: scores_bf16), step 3 on the weights rounded once to
+ * bfloat16 and V in pairs of keys (values_bf16), as the AMX path rounds them (measured, Zen 4,
+ * 2 threads, 9 / 3 heads of 64, one layer: 256 tokens 0.52 -> 0.33 ms, 1,024 7.57 -> 4.59,
+ * 4,096 110.0 -> 67.3; the scores alone gave 0.41, 5.77 and 84.4); exp is vecmath.h's exp_approx (about 1 ulp; its steps
  * fused in AVX-512 instructions in AVX-512 builds, exp16_512). In an amx build on a CPU that
  * grants the tile state, bfloat16 inputs take the AMX path instead (both products on the tile
  * unit, the weights rounded to bfloat16 before the V product: see unit_amx), with the same
@@ -241,6 +244,53 @@ static inline __attribute__((always_inline)) void values(int D, int RV, const fl
     }
 }
 
+#ifdef PAIRED_SCORES
+/* values() for weights rounded to bfloat16 (P [nqv, spad], each row's kend of them) and V in
+ * pairs of keys (Vp [keys / 2, D]: key 2i's value in the low half of each 32-bit pair, key
+ * 2i + 1's in the high one; an odd last key paired with 0): one dpbf16 adds two keys' exact
+ * products to 16 dims' float32 sums, where values() needs two FMAs. Per query vector the same
+ * operations over the same key pairs whatever the unit (pairs past its keys add exact zeros). */
+static inline __attribute__((always_inline)) void values_bf16(int D, int RV, const uint16_t *P,
+                                                              long spad, int nqv,
+                                                              const uint32_t *Vp, int kmax,
+                                                              float *O) {
+    memset(O, 0, sizeof(float) * nqv * D);
+    const int pairs = (kmax + 1) / 2;
+    for (int i0 = 0; i0 < pairs; i0 += VCH / 2) {
+        const int i1 = i0 + VCH / 2 < pairs ? i0 + VCH / 2 : pairs;
+        for (int r0 = 0; r0 < nqv; r0 += RV) {
+            __m512 acc[4][8]; /* RV x D / 16 of them used: 16 */
+            for (int r = 0; r < RV; r++)
+                for (int c = 0; c < D / 16; c++)
+                    acc[r][c] = _mm512_loadu_ps(O + (long)(r0 + r) * D + 16 * c);
+            for (int i = i0; i < i1; i++) {
+                __m512bh vv[8];
+                for (int c = 0; c < D / 16; c++)
+                    vv[c] = (__m512bh)_mm512_loadu_si512(Vp + (long)i * D + 16 * c);
+                for (int r = 0; r < RV; r++) {
+                    uint32_t w;
+                    memcpy(&w, P + (long)(r0 + r) * spad + 2 * i, sizeof w);
+                    const __m512bh pw = (__m512bh)_mm512_set1_epi32((int)w);
+                    for (int c = 0; c < D / 16; c++)
+                        acc[r][c] = _mm512_dpbf16_ps(acc[r][c], pw, vv[c]);
+                }
+            }
+            for (int r = 0; r < RV; r++)
+                for (int c = 0; c < D / 16; c++)
+                    _mm512_storeu_ps(O + (long)(r0 + r) * D + 16 * c, acc[r][c]);
+        }
+    }
+}
+
+/* a row of n weights (a multiple of 16) rounded to bfloat16, to nearest even (vcvtneps2bf16:
+ * the weights are 0 or normal floats in (2^-126, 1], where it rounds as f32_to_bf16) */
+static inline void round_weights(const float *s, int n, uint16_t *P) {
+    for (int j = 0; j < n; j += 16)
+        _mm256_storeu_si256((__m256i *)(P + j),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(s + j)));
+}
+#endif
+
 /* one unit: KV head hk's query vectors of tokens t0 .. t1 - 1 */
 static inline __attribute__((always_inline)) void unit(
     int D, const void *q, long qs, void *out, int dtype, int q_len, int k_len, int H, int G,
@@ -278,10 +328,19 @@ static inline __attribute__((always_inline)) void unit(
         const int n = r < nq ? base + t0 + r / G + 1 : 1; /* padding rows: any finite row */
         inv[r] = softmax_row(S + (long)r * spad, n, kend);
     }
-    if (D == 64)
-        values(64, 4, S, spad, nqv, Vf, kmax, O);
-    else
-        values(128, 2, S, spad, nqv, Vf, kmax, O);
+#ifdef PAIRED_SCORES
+    if (paired) { /* the weights rounded to bfloat16 (as the AMX path and torch's SDPA do) */
+        uint16_t *P = (uint16_t *)(S + (long)nqv * spad);
+        for (int r = 0; r < nqv; r++) round_weights(S + (long)r * spad, kend, P + (long)r * spad);
+        values_bf16(D, D == 64 ? 4 : 2, P, spad, nqv, (const uint32_t *)Vf, kmax, O);
+    } else
+#endif
+    {
+        if (D == 64)
+            values(64, 4, S, spad, nqv, Vf, kmax, O);
+        else
+            values(128, 2, S, spad, nqv, Vf, kmax, O);
+    }
     for (int r = 0; r < nq; r++) {
         const long dst = ((long)(t0 + r / G) * H + hk * G + r % G) * D;
         const float *o = O + (long)r * D;
@@ -544,6 +603,16 @@ int prefill_uses_amx(void) {
 #endif
 }
 
+/* Whether bfloat16 inputs have their softmax weights rounded to bfloat16 before the V product
+ * (the AMX path, and the AVX-512 BF16 vector path). */
+int prefill_rounds_weights(void) {
+#ifdef PAIRED_SCORES
+    return 1;
+#else
+    return prefill_uses_amx();
+#endif
+}
+
 /* 0: done; 1: shapes not supported (D not 64 or 128, H not a multiple of Hkv, q_len > k_len,
  * an unknown dtype); 2: no memory. */
 int prefill_attention(const void *q, long q_stride, const void *k, long k_stride, const void *v,
@@ -564,38 +633,45 @@ int prefill_attention(const void *q, long q_stride, const void *k, long k_stride
     /* Kt's row stride: off powers of two, whose rows would share a few L1 sets (measured, 256
      * keys: the transpose and the scores ~1.3x slower) */
     const long kts = kpad + 16;
+#ifdef PAIRED_SCORES
+    /* bfloat16: both products by dpbf16 (Kt holds K's pairs of dims [D / 2, keys], Vf V's pairs
+     * of keys [keys / 2, D]) */
+    const int paired = dtype == 1;
+#else
+    const int paired = 0;
+#endif
     float *Kt = malloc(sizeof(float) * (size_t)Hkv * D * kts);
-    float *Vf = malloc(sizeof(float) * (size_t)Hkv * k_len * D);
+    /* a head's V: k_len rows of D floats, or (paired) (k_len + 1) / 2 rows of D key pairs */
+    const long vhead = (paired ? (k_len + 1) / 2 : k_len) * (long)D;
+    float *Vf = malloc(sizeof(float) * (size_t)Hkv * vhead);
     if (!Kt || !Vf) {
         free(Kt);
         free(Vf);
         return 2;
     }
-#ifdef PAIRED_SCORES
-    const int paired = dtype == 1; /* scores by dpbf16: Kt holds K's pairs [D / 2, keys] */
-#else
-    const int paired = 0;
-#endif
     /* K transposed and V, in float32, per (KV head, 64 keys); Kt's pad keys 0 (finite scores) */
     const int chunks = (int)((kpad + 63) / 64);
 #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int c = 0; c < Hkv * chunks; c++) {
         const int hk = c / chunks;
         const long j0 = (long)(c % chunks) * 64, j1 = j0 + 64 < kpad ? j0 + 64 : kpad;
-        float *kt = Kt + (long)hk * D * kts, *vf = Vf + (long)hk * k_len * D;
+        float *kt = Kt + (long)hk * D * kts, *vf = Vf + (long)hk * vhead;
         float row[128];
         if (paired) { /* each key's 32-bit pairs of dims, transposed: [D / 2, keys] */
-            uint32_t *kp = (uint32_t *)Kt + (long)hk * (D / 2) * kts;
+            uint32_t *kp = (uint32_t *)Kt + (long)hk * (D / 2) * kts, *vp = (uint32_t *)vf;
+            const uint16_t *kb = k, *vb = v;
             for (long j = j0; j < j1; j++) {
                 uint32_t pairs[64];
-                if (j < k_len) {
-                    memcpy(pairs, (const uint16_t *)k + j * k_stride + (long)hk * D,
-                           sizeof(uint16_t) * D);
-                    to_f32(v, j * v_stride + (long)hk * D, dtype, D, vf + j * D);
-                } else {
+                if (j < k_len)
+                    memcpy(pairs, kb + j * k_stride + (long)hk * D, sizeof(uint16_t) * D);
+                else
                     memset(pairs, 0, sizeof pairs);
-                }
                 for (int p = 0; p < D / 2; p++) kp[p * kts + j] = pairs[p];
+                if (j % 2 == 0 && j < k_len) /* keys j and j + 1's values, dim by dim */
+                    for (int d = 0; d < D; d++) {
+                        const uint32_t hi = j + 1 < k_len ? vb[(j + 1) * v_stride + hk * D + d] : 0;
+                        vp[j / 2 * D + d] = vb[j * v_stride + (long)hk * D + d] | hi << 16;
+                    }
             }
             continue;
         }
@@ -615,7 +691,9 @@ int prefill_attention(const void *q, long q_stride, const void *k, long k_stride
 #pragma omp parallel num_threads(nthreads)
     {
         float *Qf = malloc(sizeof(float) * (size_t)nqv_max * D);
-        float *S = malloc(sizeof(float) * (size_t)nqv_max * spad);
+        /* S, and after it (paired) the weights rounded to bfloat16 */
+        const size_t per_score = sizeof(float) + (paired ? sizeof(uint16_t) : 0);
+        float *S = malloc(per_score * (size_t)nqv_max * spad);
         float *O = malloc(sizeof(float) * (size_t)nqv_max * D);
         float *inv = malloc(sizeof(float) * (size_t)nqv_max);
         const int ok = Qf && S && O && inv;
@@ -631,7 +709,7 @@ int prefill_attention(const void *q, long q_stride, const void *k, long k_stride
             const int t0 = tile * TQ, t1 = t0 + TQ < q_len ? t0 + TQ : q_len;
             /* a head's K: D rows of kts floats, or (paired) D / 2 rows of kts pairs */
             const float *kt = Kt + (long)hk * (paired ? D / 2 : D) * kts;
-            const float *vf = Vf + (long)hk * k_len * D;
+            const float *vf = Vf + (long)hk * vhead;
 #define UNIT(d, pr)                                                                              \
     unit(d, q, q_stride, out, dtype, q_len, k_len, H, G, hk, t0, t1, kt, kts, vf, scale, Qf, S,  \
          spad, O, inv, pr)
