@@ -153,49 +153,41 @@ def test_each_isa_section(level, monkeypatch):
             check(cpu_prefill.prefill_attention(q, k, v, scale, lib), q, k, v, scale, lib)
 
 
-def test_the_amx_path_against_the_vector_path(monkeypatch):
-    """bfloat16 through the tile unit against the AVX-512 build's float32 products: the weights'
-    rounding (2^-9 max|v|) and both outputs' own (2^-8 relative) apart; chunks keep their bits."""
-    amx = cpu_prefill.new_library()
-    if not amx.available() or amx.level != "amx" or not cpu_prefill.uses_amx(amx):
-        pytest.skip("no AMX build here (no AMX, or the kernel refused the tile state)")
+def against_the_float32_build(lib, monkeypatch, rtol: float) -> None:
+    """`lib`'s bfloat16 results against the AVX-512 build's float32 products on long and odd
+    cases: the weights' rounding (2^-9 max|v|) and the outputs' own (rtol) apart; each within the
+    reference's bound; chunks keep their bits."""
     monkeypatch.setenv(isa.ENV, "avx512")
     vector = cpu_prefill.new_library()
-    assert vector.available() and not cpu_prefill.uses_amx(vector)
+    assert vector.available() and vector.level == "avx512" and not cpu_prefill.uses_amx(vector)
     for case in [*CASES, (700, 700, 9, 3, 64), (33, 513, 8, 2, 128)]:
         q, k, v = inputs(*case, torch.bfloat16, seed=len(case) + case[0])
         scale = case[4] ** -0.5
-        ours = cpu_prefill.prefill_attention(q, k, v, scale, amx)
+        ours = cpu_prefill.prefill_attention(q, k, v, scale, lib)
+        check(ours, q, k, v, scale, lib)
         theirs = cpu_prefill.prefill_attention(q, k, v, scale, vector)
         atol = 2.0**-9 * v.abs().max().item()
-        torch.testing.assert_close(ours.double(), theirs.double(), rtol=2.0**-8, atol=atol)
+        torch.testing.assert_close(ours.double(), theirs.double(), rtol=rtol, atol=atol)
         cut = case[0] // 3
-        part = cpu_prefill.prefill_attention(q[cut:], k, v, scale, amx)
+        part = cpu_prefill.prefill_attention(q[cut:], k, v, scale, lib)
         assert torch.equal(part, ours[cut:])
+
+
+def test_the_amx_path_against_the_vector_path(monkeypatch):
+    """bfloat16 through the tile unit: both outputs' own rounding 2^-8 relative apart."""
+    amx = cpu_prefill.new_library()
+    if not amx.available() or amx.level != "amx" or not cpu_prefill.uses_amx(amx):
+        pytest.skip("no AMX build here (no AMX, or the kernel refused the tile state)")
+    against_the_float32_build(amx, monkeypatch, rtol=2.0**-8)
 
 
 def test_paired_products_against_the_float32_ones(monkeypatch):
     """bfloat16 through dpbf16 (an AVX-512 BF16 build: the scores' exact products summed in
-    float32, the weights rounded to bfloat16 before the V product) against the AVX-512 build's
-    float32 FMA chains; chunks keep their bits."""
+    float32, the weights rounded to bfloat16 before the V product). Each output rounded to
+    bfloat16: one unit (2^-7 of the value at the bottom of a binade) apart at most."""
     monkeypatch.setenv(isa.ENV, "avx512bf16")
     paired = cpu_prefill.new_library()
     if not paired.available() or paired.level != "avx512bf16":
         pytest.skip("no avx512bf16 build here")
     assert cpu_prefill.rounds_weights(paired) and not cpu_prefill.uses_amx(paired)
-    monkeypatch.setenv(isa.ENV, "avx512")
-    vector = cpu_prefill.new_library()
-    assert vector.available() and vector.level == "avx512"
-    for case in [*CASES, (700, 700, 9, 3, 64), (33, 513, 8, 2, 128)]:
-        q, k, v = inputs(*case, torch.bfloat16, seed=len(case) + case[0])
-        scale = case[4] ** -0.5
-        ours = cpu_prefill.prefill_attention(q, k, v, scale, paired)
-        check(ours, q, k, v, scale, paired)
-        theirs = cpu_prefill.prefill_attention(q, k, v, scale, vector)
-        # the weights' rounding (2^-9 max|v|), and each output rounded to bfloat16: one unit
-        # (2^-7 of the value at the bottom of a binade) apart
-        atol = 2.0**-9 * v.abs().max().item()
-        torch.testing.assert_close(ours.double(), theirs.double(), rtol=2.0**-7, atol=atol)
-        cut = case[0] // 3
-        part = cpu_prefill.prefill_attention(q[cut:], k, v, scale, paired)
-        assert torch.equal(part, ours[cut:])
+    against_the_float32_build(paired, monkeypatch, rtol=2.0**-7)
