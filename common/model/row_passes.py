@@ -9,7 +9,7 @@ GOP/s in one call, 582-605 in calls of 512 to 2,048 rows; in the engine (bfloat1
 activations), prefills of 32 x 256 tokens, one pass and passes alternated twice, three prefills a
 run: the gate/up projections' 30 calls 1.59-1.79 s in one pass, 1.47-1.51 s in passes of 512
 rows; each whole prefill 4.11-4.37 s in one pass, 3.89-4.00 s in this module's 14 passes of 585
-or 586 rows.
+or 586 rows (a whole offline run, half of it prefill: within its noise; benchmarks/README.md).
 
 Only where both projections go through the int8-activation kernel (common.kernels.cpu_qgemm) at
 every pass's row count as at the whole's: its rows do not depend on how many rows a call has, so

@@ -10,8 +10,9 @@
  *
  * Work: per KV head, K is converted once to float32 and transposed (Kt [D, keys]; bfloat16 in an
  * AVX-512 BF16 build: its 32-bit pairs of dims transposed, [D / 2, keys]) and V converted
- * (Vf [keys, D]; bfloat16: two keys' values a 32-bit pair, [keys / 2, D]); then units of (KV head, TQ query tokens) go across the OpenMP threads. A unit's
- * query vectors (TQ tokens x the G heads of the KV head, padded to a multiple of 8) get
+ * (Vf [keys, D]; bfloat16 there: two keys' values a 32-bit pair, [keys / 2, D]); then units of
+ * (KV head, TQ query tokens) go across the OpenMP threads. A unit's query vectors (TQ tokens x
+ * the G heads of the KV head, padded to a multiple of 8) get
  *   1. scores S = q . k * scale, 8 query vectors x 32 keys at a time (16 accumulators; each K
  *      vector load feeds 8 FMAs), up to the unit's last position;
  *   2. per query vector, the softmax's numerators in place: exp(s - max) over its keys, zero past
@@ -26,11 +27,12 @@
  * of dims transposed instead of converted: scores_bf16), step 3 on the weights rounded once to
  * bfloat16 and V in pairs of keys (values_bf16), as the AMX path rounds them (measured, Zen 4,
  * 2 threads, 9 / 3 heads of 64, one layer: 256 tokens 0.52 -> 0.33 ms, 1,024 7.57 -> 4.59,
- * 4,096 110.0 -> 67.3; the scores alone gave 0.41, 5.77 and 84.4); exp is vecmath.h's exp_approx (about 1 ulp; its steps
- * fused in AVX-512 instructions in AVX-512 builds, exp16_512). In an amx build on a CPU that
- * grants the tile state, bfloat16 inputs take the AMX path instead (both products on the tile
- * unit, the weights rounded to bfloat16 before the V product: see unit_amx), with the same
- * chunking guarantee; `prefill_uses_amx` says which.
+ * 4,096 110.0 -> 67.3; the scores alone gave 0.41, 5.77 and 84.4). exp is vecmath.h's
+ * exp_approx (about 1 ulp; its steps fused in AVX-512 instructions in AVX-512 builds,
+ * exp16_512). In an amx build on a CPU that grants the tile state, bfloat16 inputs take the AMX
+ * path instead (both products on the tile unit, the weights rounded to bfloat16 before the V
+ * product: see unit_amx), with the same chunking guarantee; `prefill_uses_amx` says which,
+ * `prefill_rounds_weights` whether the weights are rounded.
  */
 #include <math.h>
 #include <stdint.h>
@@ -97,7 +99,7 @@ static inline __attribute__((always_inline)) void scores(int D, const float *Qf,
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
-#define PAIRED_SCORES 1
+#define PAIRED_BF16 1
 /* scores() for bfloat16 q and K as they are stored (AVX-512 BF16): Kp [D / 2, keys] holds each
  * key's dims 2p and 2p + 1 as one 32-bit pair, Qp [nqv, D / 2] the query vectors' pairs; one
  * dpbf16 multiplies a query's pair by 16 keys' pairs (exact products) and adds both to each key's
@@ -244,7 +246,7 @@ static inline __attribute__((always_inline)) void values(int D, int RV, const fl
     }
 }
 
-#ifdef PAIRED_SCORES
+#ifdef PAIRED_BF16
 /* values() for weights rounded to bfloat16 (P [nqv, spad], each row's kend of them) and V in
  * pairs of keys (Vp [keys / 2, D]: key 2i's value in the low half of each 32-bit pair, key
  * 2i + 1's in the high one; an odd last key paired with 0): one dpbf16 adds two keys' exact
@@ -317,7 +319,7 @@ static inline __attribute__((always_inline)) void unit(
         }
         to_f32(q, src, dtype, D, dst);
     }
-#ifdef PAIRED_SCORES
+#ifdef PAIRED_BF16
     if (paired)
         scores_bf16(D, (const uint32_t *)Qf, nqv, (const uint32_t *)Kt, kts, kend, scale, S,
                     spad);
@@ -328,7 +330,7 @@ static inline __attribute__((always_inline)) void unit(
         const int n = r < nq ? base + t0 + r / G + 1 : 1; /* padding rows: any finite row */
         inv[r] = softmax_row(S + (long)r * spad, n, kend);
     }
-#ifdef PAIRED_SCORES
+#ifdef PAIRED_BF16
     if (paired) { /* the weights rounded to bfloat16 (as the AMX path and torch's SDPA do) */
         uint16_t *P = (uint16_t *)(S + (long)nqv * spad);
         for (int r = 0; r < nqv; r++) round_weights(S + (long)r * spad, kend, P + (long)r * spad);
@@ -606,7 +608,7 @@ int prefill_uses_amx(void) {
 /* Whether bfloat16 inputs have their softmax weights rounded to bfloat16 before the V product
  * (the AMX path, and the AVX-512 BF16 vector path). */
 int prefill_rounds_weights(void) {
-#ifdef PAIRED_SCORES
+#ifdef PAIRED_BF16
     return 1;
 #else
     return prefill_uses_amx();
@@ -633,7 +635,7 @@ int prefill_attention(const void *q, long q_stride, const void *k, long k_stride
     /* Kt's row stride: off powers of two, whose rows would share a few L1 sets (measured, 256
      * keys: the transpose and the scores ~1.3x slower) */
     const long kts = kpad + 16;
-#ifdef PAIRED_SCORES
+#ifdef PAIRED_BF16
     /* bfloat16: both products by dpbf16 (Kt holds K's pairs of dims [D / 2, keys], Vf V's pairs
      * of keys [keys / 2, D]) */
     const int paired = dtype == 1;
@@ -669,8 +671,9 @@ int prefill_attention(const void *q, long q_stride, const void *k, long k_stride
                 for (int p = 0; p < D / 2; p++) kp[p * kts + j] = pairs[p];
                 if (j % 2 == 0 && j < k_len) /* keys j and j + 1's values, dim by dim */
                     for (int d = 0; d < D; d++) {
-                        const uint32_t hi = j + 1 < k_len ? vb[(j + 1) * v_stride + hk * D + d] : 0;
-                        vp[j / 2 * D + d] = vb[j * v_stride + (long)hk * D + d] | hi << 16;
+                        const long at = j * v_stride + (long)hk * D + d;
+                        const uint32_t hi = j + 1 < k_len ? vb[at + v_stride] : 0;
+                        vp[j / 2 * D + d] = vb[at] | hi << 16;
                     }
             }
             continue;
