@@ -82,9 +82,10 @@ def test_chunks_and_threads_give_the_whole_prompts_bits():
         torch.set_num_threads(threads)
 
 
-def test_strided_tokens_read_in_place():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_strided_tokens_read_in_place(dtype):
     # q, k, v as views of one fused projection output [tokens, (H + 2 Hkv) D], as llama splits it
-    fused = torch.randn(50, (9 + 2 * 3) * 64)
+    fused = torch.randn(50, (9 + 2 * 3) * 64).to(dtype)
     q, k, v = fused.split([9 * 64, 3 * 64, 3 * 64], dim=1)
     q, k, v = q.view(50, 9, 64), k.view(50, 3, 64), v.view(50, 3, 64)
     assert q.stride(0) == fused.shape[1] and cpu_prefill.supports(q, k, v)
