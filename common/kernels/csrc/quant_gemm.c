@@ -805,15 +805,25 @@ int qgemm_set_row_block(int rows) {
     return 0;
 }
 
+/* L2's size in bytes (sysconf's; 1 MiB where it does not say), asked once: qgemm_a8 runs ~120
+ * times a decode step, and a sysconf may execute cpuid, which a VM traps */
+static long l2_bytes(void) {
+    static long l2 = 0; /* a race writes the same value */
+    if (l2 == 0) {
+        long size = 0;
+#ifdef _SC_LEVEL2_CACHE_SIZE
+        size = sysconf(_SC_LEVEL2_CACHE_SIZE);
+#endif
+        l2 = size > 0 ? size : 1L << 20;
+    }
+    return l2;
+}
+
 /* The rows of one pass for x of K columns: as set, or the rows whose codes and scalars fill a
- * quarter of L2 (sysconf's L2 size; 1 MiB where it does not say), at least 48. */
+ * quarter of L2, at least 48. */
 int qgemm_row_block(int K) {
     if (row_block_set) return row_block_set;
-    long l2 = 0;
-#ifdef _SC_LEVEL2_CACHE_SIZE
-    l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
-#endif
-    if (l2 <= 0) l2 = 1L << 20;
+    const long l2 = l2_bytes();
     const long per_row = K + (long)sizeof(float) * (3 * (K / QB)); /* xq, xs, xo, xsg */
     const long rows = l2 / 4 / per_row;
     return rows < 48 ? 48 : rows > (1 << 20) ? 1 << 20 : (int)rows;

@@ -157,21 +157,25 @@ def test_each_isa_section(level, monkeypatch):
 def against_the_float32_build(lib, monkeypatch, rtol: float) -> None:
     """`lib`'s bfloat16 results against the AVX-512 build's float32 products on long and odd
     cases: the weights' rounding (2^-9 max|v|) and the outputs' own (rtol) apart; each within the
-    reference's bound; chunks keep their bits."""
+    reference's bound; chunks keep their bits. Not the same bits: the weights' rounding shows
+    (so `lib` did not fall back to the float32 products)."""
     monkeypatch.setenv(isa.ENV, "avx512")
     vector = cpu_prefill.new_library()
     assert vector.available() and vector.level == "avx512" and not cpu_prefill.uses_amx(vector)
+    differ = 0
     for case in [*CASES, (700, 700, 9, 3, 64), (33, 513, 8, 2, 128)]:
         q, k, v = inputs(*case, torch.bfloat16, seed=len(case) + case[0])
         scale = case[4] ** -0.5
         ours = cpu_prefill.prefill_attention(q, k, v, scale, lib)
         check(ours, q, k, v, scale, lib)
         theirs = cpu_prefill.prefill_attention(q, k, v, scale, vector)
+        differ += int((ours != theirs).sum())
         atol = 2.0**-9 * v.abs().max().item()
         torch.testing.assert_close(ours.double(), theirs.double(), rtol=rtol, atol=atol)
         cut = case[0] // 3
         part = cpu_prefill.prefill_attention(q[cut:], k, v, scale, lib)
         assert torch.equal(part, ours[cut:])
+    assert differ > 0
 
 
 def test_the_amx_path_against_the_vector_path(monkeypatch):

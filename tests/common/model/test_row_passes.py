@@ -46,7 +46,11 @@ def test_passes_give_the_bits_of_one_pass(dtype, monkeypatch):
         monkeypatch.setattr(row_passes, "last_level_cache_bytes", lambda: 100 * per_row * 4)
         counts = row_passes.mlp_passes(mlp.gate_up_proj, mlp.down_proj, x)
         assert counts == [76, 75, 75, 75]
+        seen: list[int] = []  # the rows of each call of the MLP's body: the forward takes passes
+        body = mlp._forward
+        monkeypatch.setattr(mlp, "_forward", lambda part: seen.append(len(part)) or body(part))
         passes = mlp(x)
+    assert seen == counts
     assert torch.equal(passes, whole)
     # and each row is the row alone's: the passes cannot have mixed rows
     with torch.inference_mode():
