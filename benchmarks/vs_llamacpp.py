@@ -1,6 +1,9 @@
 """pdserve vs llama.cpp's llama-server: same GGUF, same client, same cores, one run, ratios.
 
-Systems, one after the other, each a real server on loopback ports:
+Systems, all started first, each a real server on loopback ports, then measured one after the
+other (the others idle meanwhile), `--rounds` times in turns with the order rotated a place each
+round (benchmarks/vs_llamacpp_report.py: medians, and ratios as the median of the rounds' own, so
+a host whose speed drifts within minutes moves both sides of a round's ratio together):
   llama-server  llama.cpp's server (`--llama-server PATH`) on the default model's GGUF,
                 `--parallel N` (N = `--concurrency`), `-t T` (T = `--threads`, default the cores)
   colocated     what `pdserve up --prefill 0 --decode 1 --num-threads T` starts (router + one
@@ -30,7 +33,8 @@ token's relay to the client on the same cores).
 
     python benchmarks/vs_llamacpp.py --llama-server PATH [--systems llama,colocated,disagg]
         [--threads T] [--prompt-len 256] [--output-len 128] [--concurrency 16]
-        [--requests-1 8] [--requests-n 64] [--warmup 2] [--seed 0] [--quick] [--json PATH]
+        [--requests-1 8] [--requests-n 64] [--warmup 2] [--seed 0] [--rounds 1] [--quick]
+        [--json PATH]
         [--log-dir DIR] [-- ENGINE FLAGS]
 
 Result on stdout: the machine line, the limits' table, one Markdown table (per phase and metric:
@@ -52,12 +56,22 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 import httpx
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a plain checkout too
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # its report (and step_profile)
+
+from vs_llamacpp_report import (  # noqa: E402
+    SYSTEMS,
+    combine_rounds,
+    print_report,
+    report_rows,
+    targets,
+)
 
 from common.bench import limits as machine_limits  # noqa: E402
 from common.bench.datasets import random_dataset  # noqa: E402
@@ -66,7 +80,6 @@ from common.bench.report import summarize  # noqa: E402
 from common.bench.step_cost import decode_floor, generate_floor_s  # noqa: E402
 from common.model.model_files import resolve_model  # noqa: E402
 
-SYSTEMS = {"llama": "llama-server", "colocated": "colocated", "disagg": "1P1D"}
 MODEL_NAME = "default"
 
 
@@ -224,20 +237,25 @@ async def run_phase(url: str, run: Run, dataset, timeout_s: float) -> Run:
         return await execute(run, client, MODEL_NAME, dataset, len(dataset), None)
 
 
-def phases(args) -> list[tuple[str, Run, int, int]]:
-    """(key, run, requests, dataset seed) of each timed phase, warm-up first."""
-    n = args.concurrency
-    return [
-        ("warmup", Run("warm-up", "concurrent", concurrency=n), args.warmup, args.seed + 1000),
-        ("s1", Run("synchronous", "synchronous"), args.requests_1, args.seed + 1),
-        (f"s{n}", Run(f"concurrent@{n}", "concurrent", concurrency=n), args.requests_n, args.seed),
+def phases(args, rnd: int = 0) -> list[tuple[str, Run, int, int]]:
+    """(key, run, requests, dataset seed) of each phase of round `rnd` (from 0): the warm-up in
+    round 0 only, then the timed phases, on prompts of their own in every round (seeds offset by
+    the round: no round finds another's prompts in a prefix cache)."""
+    n, seed = args.concurrency, args.seed + 7919 * rnd
+    out = [
+        ("s1", Run("synchronous", "synchronous"), args.requests_1, seed + 1),
+        (f"s{n}", Run(f"concurrent@{n}", "concurrent", concurrency=n), args.requests_n, seed),
     ]
+    if rnd == 0:
+        out.insert(0, ("warmup", Run("warm-up", "concurrent", concurrency=n), args.warmup,
+                       args.seed + 1000))  # fmt: skip
+    return out
 
 
-def measure_system(name: str, url: str, args) -> dict:
+def measure_system(name: str, url: str, args, rnd: int = 0) -> dict:
     label = SYSTEMS[name]
     out: dict = {}
-    for key, run, count, seed in phases(args):
+    for key, run, count, seed in phases(args, rnd):
         if count < 1:
             continue
         output_len = min(8, args.output_len) if key == "warmup" else args.output_len
@@ -262,177 +280,58 @@ def measure_system(name: str, url: str, args) -> dict:
     return out
 
 
-def run_system(name: str, args, engine_args: list[str], log_dir: Path, gguf: Path) -> dict:
+def start_system(name: str, args, engine_args: list[str], log_dir: Path, gguf: Path,
+                 stack: ExitStack):  # fmt: skip
+    """Start one system, stopped when `stack` closes: its URL, and its cluster for pdserve."""
     t0 = time.monotonic()
+    cluster = None
     if name == "llama":
-        with LlamaServer(args.llama_server, gguf, args, log_dir) as server:
-            log(f"llama-server: ready after {time.monotonic() - t0:.1f} s")
-            return measure_system(name, server.url, args)
-    cluster = pdserve_cluster(name, args, engine_args, log_dir)
-    with cluster:
-        log(f"{SYSTEMS[name]}: ready after {time.monotonic() - t0:.1f} s at {cluster.url}")
-        result = measure_system(name, cluster.url, args)
-        if name == "disagg":  # counters travel with heartbeats: poll a while
+        url = stack.enter_context(LlamaServer(args.llama_server, gguf, args, log_dir)).url
+    else:
+        cluster = pdserve_cluster(name, args, engine_args, log_dir)
+        stack.enter_context(cluster)
+        url = cluster.url
+    log(f"{SYSTEMS[name]}: ready after {time.monotonic() - t0:.1f} s at {url}")
+    return url, cluster
+
+
+def rotated(names: list[str], rnd: int) -> list[str]:
+    """Round `rnd`'s order: `names` rotated `rnd` places (each system leads in turn)."""
+    k = rnd % len(names) if names else 0
+    return names[k:] + names[:k]
+
+
+def run_systems(args, engine_args: list[str], log_dir: Path, gguf: Path) -> dict:
+    """Every system started, then measured in `args.rounds` rounds, one system after the other
+    in each, the order rotated every round; each system's rounds combined (combine_rounds). A
+    system that fails to start is reported failed; an interrupt (SIGTERM, Ctrl-C) ends the
+    rounds and reports what was measured. The servers that wait meanwhile are idle."""
+    results: dict[str, dict] = {}
+    per_round: dict[str, list[dict]] = {}
+    with ExitStack() as stack:
+        up = {}
+        try:
+            for name in args.systems:
+                try:
+                    up[name] = start_system(name, args, engine_args, log_dir, gguf, stack)
+                except (RuntimeError, TimeoutError) as e:
+                    log(f"{SYSTEMS[name]} failed: {e}")
+                    results[name] = {"failed": str(e)[:2000]}
+            for rnd in range(args.rounds):
+                for name in rotated(list(up), rnd):
+                    log(f"round {rnd + 1} of {args.rounds}: {SYSTEMS[name]}")
+                    per_round.setdefault(name, []).append(
+                        measure_system(name, up[name][0], args, rnd)
+                    )
+        except KeyboardInterrupt:  # SIGTERM / Ctrl-C / timeout: report what was measured
+            log("interrupted; reporting the rounds measured before it")
+        for name, rounds in per_round.items():
+            results[name] = combine_rounds(rounds)
+        cluster = up.get("disagg", (None, None))[1]
+        if cluster is not None and "disagg" in per_round:  # counters travel with heartbeats
             kv = cluster.wait_counter("kv_transfer_bytes_total", 1, timeout_s=5)
-            result["kv_sent_mb"] = kv / 1e6
-    return result
-
-
-# ---------------------------------------------------------------------------------------------
-# Report
-
-
-def cell(value: float | None, spec: str, pct: float | None = None) -> str:
-    if value is None:
-        return "-"
-    return spec.format(value) + (f" ({pct:.0f}%)" if pct is not None else "")
-
-
-def report_rows(results: dict, floors: dict, args) -> list[dict]:
-    """One row per (phase, metric): each system's value, the limit, % of limit, ratios."""
-    n = args.concurrency
-    step_n, step_1 = floors["step_n"], floors["step_1"]
-    specs = [
-        ("s1", "output tok/s", "output_token_throughput", floors["ceiling_1_tok_s"], "rate",
-         "ceiling"),
-        ("s1", "ITL p50 ms", "itl_p50_ms", step_1["limit_ms"], "time",
-         f"batch-1 step limit ({'/'.join(step_1['dtypes'])})"),
-        ("s1", "TTFT p50 ms", "ttft_p50_ms", floors["prefill_1_ms"], "time", "prefill floor"),
-        (f"s{n}", "output tok/s", "output_token_throughput", floors["ceiling_n_tok_s"], "rate",
-         "ceiling"),
-        (f"s{n}", "ITL p50 ms", "itl_p50_ms", step_n["limit_ms"], "time",
-         f"batch-{n} step limit ({'/'.join(step_n['dtypes'])})"),
-        (f"s{n}", "TTFT p50 ms", "ttft_p50_ms", floors["prefill_1_ms"], "time",
-         "one prompt's prefill floor"),
-    ]  # fmt: skip
-    rows = []
-    for phase, metric, key, limit, kind, limit_name in specs:
-        row = {"phase": phase, "metric": metric, "limit": limit, "limit_name": limit_name}
-        for name, res in results.items():
-            v = res.get(phase, {}).get(key)
-            row[name] = v
-            if v:
-                row[f"{name}_pct_of_limit"] = 100 * (v / limit if kind == "rate" else limit / v)
-        ref = row.get("llama")
-        for name in results:
-            if name != "llama" and ref and row.get(name) is not None:
-                row[f"{name}_vs_llama"] = row[name] / ref
-        rows.append(row)
-    return rows
-
-
-TARGETS = {  # (phase, metric) -> (text, the most or least pdserve / llama-server may be)
-    ("sN", "output tok/s"): (">= 3x llama-server", 3.0),
-    ("sN", "TTFT p50 ms"): ("<= llama-server", 1.0),
-    ("s1", "ITL p50 ms"): ("<= 0.5x llama-server; <= 1.5x its limit", 0.5),
-}
-STEP_LIMIT_TARGET = 1.5  # the batch-1 step over its limit: served (1-stream ITL p50), in-process
-
-
-def target_key(row: dict) -> tuple[str, str]:
-    return ("s1" if row["phase"] == "s1" else "sN", row["metric"])
-
-
-def _needs(row: dict, goal: float) -> str:
-    """What a target asks for, against the limit: a rate as % of its ceiling, a time as % of
-    its limit (over 100%: beyond the machine's limit, out of reach)."""
-    pct = 100 * (goal / row["limit"] if row["metric"] == "output tok/s" else row["limit"] / goal)
-    spec = "{:.1f}" if row["metric"] == "output tok/s" else "{:.2f}"
-    return f"needs {spec.format(goal)} = {pct:.0f}% of the limit"
-
-
-def targets(rows: list[dict], args, floors: dict | None = None) -> list[dict]:
-    """Each target for each pdserve system: the figure it is judged on, met or not, and what
-    meeting it would take as a fraction of the machine's limit. The batch-1 step is judged twice:
-    as served (the 1-stream ITL p50) and as the engine's own step in-process (`floors`' step_1
-    engine_ms, when measured)."""
-    out = []
-    engine_ms = (floors or {}).get("step_1", {}).get("engine_ms")
-    if engine_ms is not None:
-        limit = floors["step_1"]["limit_ms"]
-        out.append({
-            "system": "engine (in-process)", "target": "batch-1 step <= 1.5x its limit",
-            "value": engine_ms / limit, "met": engine_ms / limit <= STEP_LIMIT_TARGET,
-            "shown": f"{engine_ms / limit:.2f}x ({engine_ms:.2f} / {limit:.2f} ms)",
-        })  # fmt: skip
-    pdserve = [s for s in args.systems if s != "llama"]
-    for row in rows:
-        if target_key(row) not in TARGETS:
-            continue
-        text, bound = TARGETS[target_key(row)]
-        higher = row["metric"] == "output tok/s"
-        what = f"{row['phase'][1:]} stream(s) {row['metric']} {text.split(';')[0]}"
-        for name in pdserve:
-            ratio = row.get(f"{name}_vs_llama")
-            met = None if ratio is None else (ratio >= bound if higher else ratio <= bound)
-            shown = "-" if ratio is None else f"{ratio:.2f}x llama-server"
-            if ratio is not None and row.get("llama"):
-                shown += f" ({_needs(row, bound * row['llama'])})"
-            out.append({"system": SYSTEMS[name], "target": what, "value": ratio, "met": met,
-                        "shown": shown})  # fmt: skip
-        if target_key(row) != ("s1", "ITL p50 ms"):
-            continue
-        for name in pdserve:
-            v = row.get(name)
-            x = None if v is None else v / row["limit"]
-            out.append({
-                "system": SYSTEMS[name], "target": "batch-1 step <= 1.5x its limit", "value": x,
-                "met": None if x is None else x <= STEP_LIMIT_TARGET,
-                "shown": "-" if x is None else f"{x:.2f}x ({v:.2f} / {row['limit']:.2f} ms)",
-            })  # fmt: skip
-    return out
-
-
-def print_report(machine: str, load: dict, limits, floors: dict, rows, goals, results, args):
-    n = args.concurrency
-    print(f"machine: {machine}; load average {load['start']} at start, {load['end']} at end\n")
-    print(limits.describe() + "\n")
-    s1, sn = floors["step_1"], floors["step_n"]
-    print(
-        f"work: {args.prompt_len}-token prompts (random ids) -> {args.output_len} tokens "
-        f"(ignore_eos, greedy), `pdserve bench`'s client; {args.threads} threads per system in "
-        f"all; pdserve computes in activations of {floors['act_dtype']}\n"
-        f"floors: batch-1 decode step read {s1['read_ms']:.2f} ms / compute {s1['compute_ms']:.2f}"
-        f" ms ({'/'.join(s1['dtypes'])}); batch-{n} step read {sn['read_ms']:.2f} / compute "
-        f"{sn['compute_ms']:.2f} ms ({'/'.join(sn['dtypes'])}); one prompt's prefill "
-        f"{floors['prefill_1_ms']:.1f} ms; the engine's own batch-1 step, in this process: "
-        f"{s1['engine_ms']:.2f} ms\n"
-        f"cores' floors (common.bench.limits: reading and computing on the same cores): batch-1 "
-        f"step {s1['cores_ms']:.2f} ms, batch-{n} step {sn['cores_ms']:.2f} ms, {n} streams' "
-        f"ceiling {floors['cores_ceiling_n_tok_s']:.1f} tok/s\n"
-    )
-    names = list(results)
-    others = [s for s in names if s != "llama"]
-    head = ["streams", "metric", *(SYSTEMS[s] for s in names), "limit"]
-    head += [f"{SYSTEMS[s]} / llama-server" for s in others if "llama" in names] + ["target"]
-    print("| " + " | ".join(head) + " |")
-    print("|---|---|" + "---:|" * (len(head) - 3) + "---|")
-    for row in rows:
-        streams = row["phase"][1:]
-        spec = "{:.1f}" if row["metric"] == "output tok/s" else "{:.2f}"
-        cells = [streams, row["metric"]]
-        cells += [cell(row.get(s), spec, row.get(f"{s}_pct_of_limit")) for s in names]
-        cells.append(f"{spec.format(row['limit'])} ({row['limit_name']})")
-        if "llama" in names:
-            cells += [cell(row.get(f"{s}_vs_llama"), "{:.2f}x") for s in others]
-        cells.append(TARGETS.get(target_key(row), ("",))[0])
-        print("| " + " | ".join(cells) + " |")
-    print(
-        "\n(%): a time's limit / the time, a rate / its ceiling; 100% = the machine's limit. "
-        "Ratios: pdserve / llama-server in this run."
-    )
-    if goals:
-        print()
-        for g in goals:
-            met = {True: "met", False: "MISSED", None: "not measured"}[g["met"]]
-            print(f"- {g['system']}: {g['target']}: {g['shown']}: {met}")
-    for name, res in results.items():
-        if "kv_sent_mb" in res:
-            note = "" if res["kv_sent_mb"] else " (none: prompts were NOT prefilled remotely)"
-            print(f"\n{SYSTEMS[name]}: KV sent prefill -> decode {res['kv_sent_mb']:.1f} MB{note}")
-        for phase, s in res.items():
-            if isinstance(s, dict) and (s["errors"] or s["first_errors"]):
-                print(f"\n{SYSTEMS[name]} {phase}: {s['errors']} errors: {s['first_errors']}")
+            results["disagg"]["kv_sent_mb"] = kv / 1e6
+    return {name: results[name] for name in args.systems if name in results}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -459,6 +358,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--startup-timeout-s", type=float, default=900.0)
     p.add_argument("--request-timeout-s", type=float, default=900.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="measure each system this many times, in turns (medians)")  # fmt: skip
     p.add_argument("--quick", action="store_true", help="tiny sizes: checks that it runs")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--log-dir", type=Path, default=None, help="keep the servers' logs here")
@@ -466,6 +367,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     if args.quick:
         args.prompt_len, args.output_len, args.concurrency = 32, 8, 4
         args.requests_1, args.requests_n, args.warmup = 2, 4, 1
+    if args.rounds < 1:
+        p.error("--rounds must be at least 1")
     args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     if not args.systems or any(s not in SYSTEMS for s in args.systems):
         p.error(f"--systems: choose from {', '.join(SYSTEMS)}")
@@ -484,19 +387,10 @@ def main(argv: list[str] | None = None) -> int:
     load = {"start": Path("/proc/loadavg").read_text().split()[:3]}
     limits, floors = measure_floors(args, engine_args)
     gguf = resolve_model(MODEL_NAME).path
-    results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="pdserve-vs-llamacpp-") as tmp:
         log_dir = args.log_dir or Path(tmp)
         log_dir.mkdir(parents=True, exist_ok=True)
-        for name in args.systems:
-            try:
-                results[name] = run_system(name, args, engine_args, log_dir, gguf)
-            except KeyboardInterrupt:  # SIGTERM / Ctrl-C / timeout: report what was measured
-                log(f"{SYSTEMS[name]}: interrupted; reporting the systems measured before it")
-                break
-            except (RuntimeError, TimeoutError) as e:
-                log(f"{SYSTEMS[name]} failed: {e}")
-                results[name] = {"failed": str(e)[:2000]}
+        results = run_systems(args, engine_args, log_dir, gguf)
     load["end"] = Path("/proc/loadavg").read_text().split()[:3]
     machine = (
         f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch "

@@ -45,3 +45,75 @@ def test_engine_step_ms_times_a_real_decode_step(tiny_llama, monkeypatch) -> Non
     )
     ms = vs.engine_step_ms(engine, 40, iters=2, repeats=2)
     assert 0 < ms < 10_000
+
+
+FLOORS = {  # what report_rows reads of measure_floors' result
+    "step_1": {"limit_ms": 2.0, "dtypes": ["int8"]},
+    "step_n": {"limit_ms": 4.0, "dtypes": ["int8"]},
+    "prefill_1_ms": 10.0,
+    "ceiling_1_tok_s": 1000.0,
+    "ceiling_n_tok_s": 2000.0,
+}
+
+
+def _summary(tok_s: float, itl: float, ttft: float, errors: int = 0) -> dict:
+    return {"output_token_throughput": tok_s, "itl_p50_ms": itl, "ttft_p50_ms": ttft,
+            "errors": errors, "first_errors": ["boom"] * errors, "raw": []}  # fmt: skip
+
+
+def test_rounds_give_medians_and_the_median_of_each_rounds_own_ratio() -> None:
+    vs = load_script("vs_llamacpp")
+    # the host drifts: round 2 is slow for both systems, round 3 fast for both
+    llama = [{"s1": _summary(100, 10.0, 50)}, {"s1": _summary(60, 20.0, 90)},
+             {"s1": _summary(120, 8.0, 40)}]  # fmt: skip
+    ours = [{"s1": _summary(400, 5.0, 20)}, {"s1": _summary(200, 9.0, 45, errors=1)},
+            {"s1": _summary(500, 6.0, 16)}]  # fmt: skip
+    results = {"llama": vs.combine_rounds(llama), "colocated": vs.combine_rounds(ours)}
+    s1 = results["colocated"]["s1"]
+    assert s1["itl_p50_ms"] == 6.0 and s1["output_token_throughput"] == 400
+    assert s1["per_round"]["itl_p50_ms"] == [5.0, 9.0, 6.0]
+    assert s1["errors"] == 1 and s1["first_errors"] == ["boom"]
+    args = SimpleNamespace(concurrency=16, systems=["llama", "colocated"], rounds=3)
+    rows = vs.report_rows(results, FLOORS, args)
+    itl = next(r for r in rows if (r["phase"], r["metric"]) == ("s1", "ITL p50 ms"))
+    # the rounds' own ratios 0.5, 0.45, 0.75: their median 0.5, not the medians' 6.0 / 10.0
+    assert itl["colocated_vs_llama"] == pytest.approx(0.5)
+    assert itl["colocated_vs_llama_rounds"] == pytest.approx([0.5, 0.45, 0.75])
+    ttft = next(r for r in rows if (r["phase"], r["metric"]) == ("s1", "TTFT p50 ms"))
+    assert ttft["colocated_vs_llama"] == pytest.approx(0.4)  # 0.4, 0.5, 0.4 (medians: 0.4)
+    goals = vs.targets(rows, args)
+    shown = next(g["shown"] for g in goals if g["target"].startswith("1 stream(s) ITL"))
+    assert "median of rounds 0.50x, 0.45x, 0.75x" in shown
+
+
+def test_an_unfinished_round_falls_back_to_the_ratio_of_medians() -> None:
+    vs = load_script("vs_llamacpp")
+    results = {
+        "llama": vs.combine_rounds([{"s1": _summary(100, 10.0, 50)}]),
+        "colocated": vs.combine_rounds(
+            [{"s1": _summary(400, 4.0, 20)}, {"s1": _summary(300, 6.0, 30)}]
+        ),  # fmt: skip
+    }
+    report = load_script("vs_llamacpp_report")
+    assert report.round_ratios(results, "colocated", "llama", "s1", "itl_p50_ms") == []
+    rows = vs.report_rows(results, FLOORS, SimpleNamespace(concurrency=16))
+    itl = next(r for r in rows if (r["phase"], r["metric"]) == ("s1", "ITL p50 ms"))
+    assert itl["colocated_vs_llama"] == pytest.approx(0.5)  # median 5.0 / 10.0
+    assert "colocated_vs_llama_rounds" not in itl
+
+
+def test_each_round_starts_with_the_next_system_on_fresh_prompts() -> None:
+    vs = load_script("vs_llamacpp")
+    names = ["llama", "colocated", "disagg"]
+    assert [vs.rotated(names, r) for r in range(4)] == [
+        names,
+        ["colocated", "disagg", "llama"],
+        ["disagg", "llama", "colocated"],
+        names,
+    ]
+    args = SimpleNamespace(concurrency=16, seed=0, warmup=2, requests_1=8, requests_n=64)
+    first, second = vs.phases(args, 0), vs.phases(args, 1)
+    assert [p[0] for p in first] == ["warmup", "s1", "s16"]
+    assert [p[0] for p in second] == ["s1", "s16"]  # warmed up once
+    seeds = [p[3] for p in first] + [p[3] for p in second]
+    assert len(set(seeds)) == len(seeds)
