@@ -29,7 +29,11 @@ above the table also gives the cores' floors of the two decode steps and the N s
 at them (common.bench.limits: where reading takes the cores, read and compute floors add up),
 and the engine's own batch-1 decode step timed in this process at the mean context (the issue's
 "batch-1 step", judged against its limit beside the served 1-stream ITL, which also waits for the
-token's relay to the client on the same cores).
+token's relay to the client on the same cores). Both judgements take the limit where the step
+ran: the read bandwidth drifts on a shared host (33-57 GB/s within an hour on one 2-core VM), so
+the in-process step is timed five times, each right after the read bandwidth is measured again,
+and every round measures it again before its first system; the judgement is the median of the
+step / limit ratios so paired.
 
     python benchmarks/vs_llamacpp.py --llama-server PATH [--systems llama,colocated,disagg]
         [--threads T] [--prompt-len 256] [--output-len 128] [--concurrency 16]
@@ -56,6 +60,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -91,9 +96,11 @@ def log(msg: str) -> None:
 # Limits
 
 
-def measure_floors(args, engine_args: list[str]) -> tuple[machine_limits.Limits, dict]:
+def measure_floors(args, engine_args: list[str]):
     """The machine's limits on `args.threads` threads and the floors of this benchmark's work on
-    the model the workers serve (loaded here with their engine flags, then freed)."""
+    the model the workers serve (loaded here with their engine flags, then freed), the engine's
+    own batch-1 step timed in turns with its limit (`engine_pairs`), and a function that measures
+    that limit again (the read bandwidth now: before each round)."""
     from common.config import add_engine_args, config_from_args
     from common.engine.engine import Engine
 
@@ -127,20 +134,37 @@ def measure_floors(args, engine_args: list[str]) -> tuple[machine_limits.Limits,
         ),
         "act_dtype": str(act).removeprefix("torch."),
     }  # fmt: skip
-    floors["step_1"]["engine_ms"] = engine_step_ms(engine, ctx)
+    read_bytes, compute_ms = step1.read_s * limits.read_bytes_per_s, step1.compute_s * 1e3
+    buf = machine_limits.read_buffer()
+
+    def limit_now() -> float:
+        """The batch-1 step's limit (ms) with the read bandwidth measured now."""
+        return max(read_bytes / machine_limits.read_bandwidth_now(buf) * 1e3, compute_ms)
+
+    pairs = engine_step_pairs(engine, ctx, limit_now)
+    floors["step_1"]["engine_pairs"] = pairs
+    floors["step_1"]["engine_ms"] = min(ms for ms, _ in pairs)
     del engine, model
     gc.collect()
-    return limits, floors
+    return limits, floors, limit_now
 
 
-def engine_step_ms(engine, context: int, iters: int = 20, repeats: int = 5) -> float:
-    """The engine's own batch-1 decode step at `context` tokens, in this process (the fastest of
-    `repeats` means of `iters` steps): the step itself, without the relay to the client that a
-    served token also waits for on the same cores."""
+def engine_step_pairs(
+    engine, context: int, limit_ms: Callable[[], float], iters: int = 20, pairs: int = 5
+) -> list[tuple[float, float]]:
+    """The engine's own batch-1 decode step at `context` tokens, in this process (the mean of
+    `iters` steps: the step itself, without the relay to the client that a served token also
+    waits for on the same cores), `pairs` times, each with its limit measured just before it
+    (`limit_ms`): [(step ms, limit ms)]."""
     from step_profile import decode_inputs, step_ms  # this script's folder
 
     inputs = decode_inputs(engine.runner, 1, context)
-    return min(step_ms(engine.runner, inputs, iters) for _ in range(repeats))
+    step_ms(engine.runner, inputs, iters)  # warm
+    out = []
+    for _ in range(pairs):
+        limit = limit_ms()
+        out.append((step_ms(engine.runner, inputs, iters), limit))
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -301,11 +325,16 @@ def rotated(names: list[str], rnd: int) -> list[str]:
     return names[k:] + names[:k]
 
 
-def run_systems(args, engine_args: list[str], log_dir: Path, gguf: Path) -> dict:
+def run_systems(
+    args, engine_args: list[str], log_dir: Path, gguf: Path, limit_now: Callable[[], float],
+    round_limits: list[float],
+) -> dict:  # fmt: skip
     """Every system started, then measured in `args.rounds` rounds, one system after the other
     in each, the order rotated every round; each system's rounds combined (combine_rounds). A
     system that fails to start is reported failed; an interrupt (SIGTERM, Ctrl-C) ends the
-    rounds and reports what was measured. The servers that wait meanwhile are idle."""
+    rounds and reports what was measured. The servers that wait meanwhile are idle. Before each
+    round the batch-1 step's limit is measured again (`limit_now`, into `round_limits`): the
+    served 1-stream ITL of a round is judged against its own round's."""
     results: dict[str, dict] = {}
     per_round: dict[str, list[dict]] = {}
     with ExitStack() as stack:
@@ -318,6 +347,7 @@ def run_systems(args, engine_args: list[str], log_dir: Path, gguf: Path) -> dict
                     log(f"{SYSTEMS[name]} failed: {e}")
                     results[name] = {"failed": str(e)[:2000]}
             for rnd in range(args.rounds):
+                round_limits.append(limit_now())
                 for name in rotated(list(up), rnd):
                     log(f"round {rnd + 1} of {args.rounds}: {SYSTEMS[name]}")
                     per_round.setdefault(name, []).append(
@@ -385,12 +415,13 @@ def main(argv: list[str] | None = None) -> int:
     args, engine_args = parse_args(sys.argv[1:] if argv is None else argv)
     signal.signal(signal.SIGTERM, _interrupt)  # unwind, so servers are stopped
     load = {"start": Path("/proc/loadavg").read_text().split()[:3]}
-    limits, floors = measure_floors(args, engine_args)
+    limits, floors, limit_now = measure_floors(args, engine_args)
     gguf = resolve_model(MODEL_NAME).path
     with tempfile.TemporaryDirectory(prefix="pdserve-vs-llamacpp-") as tmp:
         log_dir = args.log_dir or Path(tmp)
         log_dir.mkdir(parents=True, exist_ok=True)
-        results = run_systems(args, engine_args, log_dir, gguf)
+        round_limits = floors["step_1"]["limit_ms_rounds"] = []
+        results = run_systems(args, engine_args, log_dir, gguf, limit_now, round_limits)
     load["end"] = Path("/proc/loadavg").read_text().split()[:3]
     machine = (
         f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch "

@@ -98,9 +98,22 @@ def read_bandwidth(
     key = ("read", nbytes, device, torch.get_num_threads())
     if key not in _CACHE:
         buf = _buffer(nbytes, device) if buf is None else buf
-        sync = torch.cuda.synchronize if device != "cpu" else (lambda: None)
-        _CACHE[key] = buf.nbytes / _best_s(buf.sum, repeats, sync)
+        _CACHE[key] = read_bandwidth_now(buf, repeats)
     return _CACHE[key]  # type: ignore[return-value]
+
+
+def read_buffer(nbytes: int | None = None) -> torch.Tensor:
+    """The buffer `read_bandwidth` sums (default >= 8x the LLC, 1 GiB), every page touched: to
+    keep for `read_bandwidth_now`."""
+    return _buffer(nbytes)
+
+
+def read_bandwidth_now(buf: torch.Tensor, repeats: int = 3) -> float:
+    """Read-only bytes per second over `buf` (a `read_buffer`), measured now, never cached: for
+    a limit taken beside what is judged against it, where the bandwidth drifts within minutes
+    (a shared host's: 33-57 GB/s in one hour on one 2-core VM)."""
+    sync = torch.cuda.synchronize if buf.device.type == "cuda" else (lambda: None)
+    return buf.nbytes / _best_s(buf.sum, repeats, sync)
 
 
 def copy_bandwidth(

@@ -32,7 +32,9 @@ def test_the_batch_1_step_is_judged_served_and_in_process() -> None:
     assert not [g for g in vs.targets([row], args) if g["system"] == "engine (in-process)"]
 
 
-def test_engine_step_ms_times_a_real_decode_step(tiny_llama, monkeypatch) -> None:
+def test_engine_step_pairs_time_a_real_decode_step_each_after_its_limit(
+    tiny_llama, monkeypatch
+) -> None:
     from common.config import EngineConfig
     from common.engine.engine import Engine
 
@@ -43,8 +45,31 @@ def test_engine_step_ms_times_a_real_decode_step(tiny_llama, monkeypatch) -> Non
             model=str(tiny_llama[1]), dtype="float32", kv_cache_memory="16MiB", max_model_len=256
         )  # fmt: skip
     )
-    ms = vs.engine_step_ms(engine, 40, iters=2, repeats=2)
-    assert 0 < ms < 10_000
+    limits = iter([1.0, 2.0, 3.0])
+    pairs = vs.engine_step_pairs(engine, 40, lambda: next(limits), iters=2, pairs=3)
+    assert [lim for _, lim in pairs] == [1.0, 2.0, 3.0]  # one limit measured per timing
+    assert all(0 < ms < 10_000 for ms, _ in pairs)
+
+
+def test_the_batch_1_step_is_judged_against_the_limit_measured_beside_it() -> None:
+    vs = load_script("vs_llamacpp")
+    row = {"phase": "s1", "metric": "ITL p50 ms", "limit": 2.0, "llama": 10.0,
+           "colocated": 4.0, "colocated_rounds": [4.0, 5.0, 3.0],
+           "colocated_vs_llama": 0.4}  # fmt: skip
+    floors = {"step_1": {"limit_ms": 2.0, "engine_ms": 2.6,
+                         "engine_pairs": [(2.6, 2.0), (3.5, 2.5), (4.0, 2.0)],
+                         "limit_ms_rounds": [2.0, 4.0, 2.5]}}  # fmt: skip
+    args = SimpleNamespace(systems=["llama", "colocated"])
+    by_target = {(g["system"], g["target"]): g for g in vs.targets([row], args, floors)}
+    engine = by_target[("engine (in-process)", "batch-1 step <= 1.5x its limit")]
+    assert engine["value"] == pytest.approx(1.4) and engine["met"] is True  # 1.3, 1.4, 2.0
+    served = by_target[("colocated", "batch-1 step <= 1.5x its limit")]
+    assert served["value"] == pytest.approx(1.25) and served["met"] is True  # 2.0, 1.25, 1.2
+    assert "4.00 / 2.00 ms, 5.00 / 4.00 ms, 3.00 / 2.50 ms" in served["shown"]
+    # a round short (an interrupted run): the median against the first limit, as without rounds
+    floors["step_1"]["limit_ms_rounds"] = [2.0, 4.0]
+    by_target = {(g["system"], g["target"]): g for g in vs.targets([row], args, floors)}
+    assert by_target[("colocated", "batch-1 step <= 1.5x its limit")]["value"] == 2.0
 
 
 FLOORS = {  # what report_rows reads of measure_floors' result

@@ -45,6 +45,16 @@ def test_read_bandwidth_and_read_floor(fresh_cache):
     assert lim.read_floor_s(3e9) == pytest.approx(3e9 / bandwidth)
 
 
+def test_read_bandwidth_now_measures_every_call(fresh_cache, monkeypatch):
+    buf = limits.read_buffer(16 << 20)
+    assert buf.nbytes == 16 << 20
+    assert 1e8 < limits.read_bandwidth_now(buf, repeats=2) < 1e13
+    times = iter([0.5, 0.25])  # two timings of the sum: a host that got faster between them
+    monkeypatch.setattr(limits, "_best_s", lambda fn, repeats, sync: next(times))
+    assert limits.read_bandwidth_now(buf) == buf.nbytes / 0.5
+    assert limits.read_bandwidth_now(buf) == buf.nbytes / 0.25  # not the first figure again
+
+
 def test_compute_floor_uses_the_dtype_given():
     rates = {("float32", 1): 1e9, ("float32", 8): 2e9, ("float32", 64): 3e9}
     rates |= {("bfloat16", 1): 1e9, ("bfloat16", 8): 8e9, ("bfloat16", 64): 4e9}
