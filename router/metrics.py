@@ -117,6 +117,10 @@ WORKER_FAMILIES: dict[str, tuple[str, str, tuple[str, ...]]] = {
                                         ("prefill", "decode")),
     "cpu_core_give_back_wait_seconds_total": ("counter", "Time the worker waited for cores it "
                                               "had lent to come back.", ("prefill", "decode")),
+    "cpu_cores_given_back_inside_a_step_total": ("counter", "Times the worker handed borrowed "
+                                                 "cores back between the layers of a step, to a "
+                                                 "worker that turned busy.",
+                                                 ("prefill", "decode")),
     **{name: (kind, help_, ("prefill", "decode"))
        for name, (kind, help_) in KV_TIER_FAMILIES.items()},
 }  # fmt: skip

@@ -12,7 +12,7 @@ which owns the KV cache tensors and the attention metadata.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -194,6 +194,7 @@ class CausalLM(nn.Module):
     def __init__(self, config, max_positions: int) -> None:
         super().__init__()
         self.layers_run = 0  # decoder layers run so far, all steps together
+        self.between_layers: Callable[[], None] | None = None  # after each layer run in Python
         if config.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
                 f"model type {config.model_type!r} is not supported "
@@ -255,6 +256,8 @@ class CausalLM(nn.Module):
         for layer in layers:
             x, residual = layer(x, residual, meta)
             self.layers_run += 1  # progress inside a long step (the workers' liveness reads it)
+            if self.between_layers is not None:  # e.g. borrowed cores handed back (runtime.cores)
+                self.between_layers()
         x = self.norm(x) if residual is None else self.norm(x, residual)[0]
         return x[:rows] if pad else x
 
@@ -295,12 +298,8 @@ class CausalLM(nn.Module):
                 module.pack_for_cpu()
 
     @torch.no_grad()
-    def load_weights(
-        self,
-        weights: Iterable[tuple[str, torch.Tensor | QuantizedTensor]],
-        quantization: str = "none",
-        group_size: int = 0,
-    ) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedTensor]],
+                     quantization: str = "none", group_size: int = 0) -> None:  # fmt: skip
         """Copy HF-named weights in, fusing q/k/v and gate/up; every parameter must be filled.
 
         `quantization` (see common.model.quant.QUANTIZATION_MODES): 'auto' keeps quantized
@@ -317,8 +316,7 @@ class CausalLM(nn.Module):
         filled: set[str] = set()
         for hf_name, tensor in weights:
             name, offset = _fused_target(hf_name, self.config)
-            if name.startswith("model."):
-                name = name[len("model.") :]
+            name = name.removeprefix("model.")
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 continue
             if name not in params:

@@ -120,6 +120,7 @@ class WorkerBase(WorkerGrammar, WorkerKV):
         self.cores: cores.CoreLender | None = None
         if os.environ.get(cores.LEDGER_ENV) and engine.runner.device.type == "cpu":
             self.cores = cores.from_env(torch.get_num_threads(), torch.set_num_threads)
+            engine.runner.model.between_layers = self.cores.give_back  # inside long steps too
 
     def _add_link(self, address: str) -> RouterLink:
         link = RouterLink(address, self.worker_id, self.context, self._heartbeat, self.keys)
@@ -412,6 +413,7 @@ class WorkerBase(WorkerGrammar, WorkerKV):
         for link in self.links.values():
             link.close()
         if self.cores is not None:
+            self.engine.runner.model.between_layers = None
             self.cores.close()
             self.cores = None
         server = getattr(self, "fetch_server", None)  # set by attach_kv

@@ -104,8 +104,9 @@ class WorkerGrammar:
         torch.set_num_threads(threads - 1)
         try:
             yield
-        finally:
-            torch.set_num_threads(threads)
+        finally:  # the lent cores' count, where the step handed some back (runtime.cores)
+            cores = getattr(self, "cores", None)
+            torch.set_num_threads(threads if cores is None else cores.threads)
 
     def _close_compiler(self) -> None:
         if self._compiler is not None:

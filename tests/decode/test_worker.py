@@ -525,3 +525,28 @@ def test_an_ack_to_the_workers_own_sender_ends_the_loops_wait(tiny_llama) -> Non
         peer.close()
         router.sock.close(0)
         ctx.term()
+
+
+def test_a_worker_that_lends_cores_hands_them_back_between_layers(
+    tiny_llama, tmp_path, monkeypatch
+) -> None:
+    """With a core ledger the model's `between_layers` is the lender's `give_back` (a long
+    prefill step hands a lender's cores back at the next layer: common.runtime.cores); closing
+    the worker unhooks it before the ledger goes."""
+    from common.runtime import cores
+
+    ledger = tmp_path / "cores"
+    cores.create_ledger(ledger, total_cores=2, slots=2)
+    monkeypatch.setenv(cores.LEDGER_ENV, str(ledger))
+    ctx = zmq.Context()
+    router = FakeRouter(ctx)
+    engine = make_engine(tiny_llama[0])
+    worker = DecodeWorker(engine, router.address, "decode-l", "tcp://127.0.0.1:*", context=ctx)
+    try:
+        assert worker.cores is not None
+        assert engine.runner.model.between_layers == worker.cores.give_back
+    finally:
+        worker.close()
+        router.sock.close(0)
+        ctx.term()
+    assert engine.runner.model.between_layers is None and worker.cores is None

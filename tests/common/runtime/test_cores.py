@@ -93,6 +93,35 @@ def test_a_borrower_that_does_not_give_back_delays_a_step_by_at_most_the_wait(
     stuck.close()
 
 
+def test_a_borrower_gives_back_inside_its_step_what_a_lender_turned_busy_needs(
+    tmp_path: Path, other_pid: int
+) -> None:
+    ledger = tmp_path / "cores"
+    create_ledger(ledger, total_cores=2, slots=2)
+    prefill_threads = Threads()
+    prefill = CoreLender(ledger, 1, prefill_threads, pid=other_pid)
+    decode = CoreLender(ledger, 1, Threads())
+    assert decode.before_step(busy=False) == 1
+    assert prefill.before_step(busy=True) == 2  # a long prefill step on both cores begins
+    prefill.give_back()  # between two layers, nobody wants the core: it keeps it
+    assert prefill_threads.calls == [2] and prefill.extra == 1
+    got: list[int] = []
+    waiter = threading.Thread(target=lambda: got.append(decode.before_step(busy=True)))
+    start = time.monotonic()
+    waiter.start()  # a stream's KV arrives: the decode worker turns busy and waits
+    time.sleep(0.005)
+    prefill.give_back()  # the next layer boundary: the core goes back at once
+    waiter.join(timeout=5)
+    assert got == [1] and time.monotonic() - start < cores.GIVE_BACK_WAIT_S
+    assert prefill_threads.calls == [2, 1] and prefill.threads == 1
+    assert prefill.counters()["cpu_cores_given_back_inside_a_step_total"] == 1
+    prefill.give_back()  # nothing borrowed any more: nothing to do
+    assert prefill_threads.calls == [2, 1]
+    assert prefill.before_step(busy=True) == 1  # its next step: both busy, nobody borrows
+    decode.close()
+    prefill.close()
+
+
 def test_a_dead_workers_slot_lends_and_is_claimed_again(tmp_path: Path, other_pid: int) -> None:
     ledger = tmp_path / "cores"
     create_ledger(ledger, total_cores=4, slots=3)
@@ -228,3 +257,34 @@ def test_a_cpu_runner_without_a_thread_count_fits_the_quota(
         assert runner(2) == 2  # a count asked for is kept as asked
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_step_run_layer_by_layer_calls_between_layers_after_each(tiny_llama) -> None:
+    """The hook `give_back` rides on (the worker sets it when it lends cores): a prefill runs its
+    layers in Python and calls it after each; a thread count set there holds for the rest."""
+    import torch
+
+    from common.config import EngineConfig
+    from common.engine.engine import Engine
+    from common.sampling_params import SamplingParams
+
+    engine = Engine(
+        EngineConfig(
+            model=str(tiny_llama[1]), dtype="float32", kv_cache_memory="16MiB", max_model_len=256
+        )  # fmt: skip
+    )
+    threads = torch.get_num_threads()
+    seen: list[int] = []
+
+    def hook() -> None:
+        seen.append(torch.get_num_threads())
+        torch.set_num_threads(1)  # what give_back does, mid-step
+
+    engine.runner.model.between_layers = hook
+    try:
+        engine.add_request("r", list(range(1, 40)), SamplingParams(max_tokens=1))
+        assert engine.step()
+    finally:
+        torch.set_num_threads(threads)
+    layers = len(engine.runner.model.layers)
+    assert len(seen) == layers and seen[1:] == [1] * (layers - 1)
