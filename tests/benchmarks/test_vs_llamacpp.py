@@ -142,3 +142,37 @@ def test_each_round_starts_with_the_next_system_on_fresh_prompts() -> None:
     assert [p[0] for p in second] == ["s1", "s16"]  # warmed up once
     seeds = [p[3] for p in first] + [p[3] for p in second]
     assert len(set(seeds)) == len(seeds)
+
+
+def test_systems_start_once_and_are_measured_in_rotated_turns(monkeypatch, tmp_path) -> None:
+    vs = load_script("vs_llamacpp")
+    started: list[str] = []
+    measured: list[tuple[str, int]] = []
+
+    def start(name, args, engine_args, log_dir, gguf, stack):
+        if name == "disagg":
+            raise RuntimeError("no prefill worker")
+        started.append(name)
+        return f"http://{name}", None
+
+    def measure(name, url, args, rnd):
+        assert url == f"http://{name}"
+        measured.append((name, rnd))
+        if (name, rnd) == ("colocated", 2):
+            raise KeyboardInterrupt  # SIGTERM mid-run: what was measured is reported
+        return {"s1": _summary(100.0 + rnd, 5.0, 20.0)}
+
+    monkeypatch.setattr(vs, "start_system", start)
+    monkeypatch.setattr(vs, "measure_system", measure)
+    limits = iter([3.0, 2.0, 4.0])
+    round_limits: list[float] = []
+    args = SimpleNamespace(systems=["llama", "colocated", "disagg"], rounds=3)
+    results = vs.run_systems(args, [], tmp_path, tmp_path, lambda: next(limits), round_limits)
+    assert started == ["llama", "colocated"]  # each started once, before any measuring
+    assert measured == [("llama", 0), ("colocated", 0), ("colocated", 1), ("llama", 1),
+                        ("llama", 2), ("colocated", 2)]  # fmt: skip
+    assert round_limits == [3.0, 2.0, 4.0]  # the limit measured as each round began
+    assert results["disagg"] == {"failed": "no prefill worker"}
+    assert results["llama"]["s1"]["per_round"]["output_token_throughput"] == [100, 101, 102]
+    assert results["colocated"]["s1"]["per_round"]["output_token_throughput"] == [100, 101]
+    assert list(results) == ["llama", "colocated", "disagg"]
