@@ -257,9 +257,10 @@ class CoreLender:
     def give_back(self) -> None:
         """Between the layers of a step: hand back at once the borrowed threads that a worker
         turned busy since the step began needs, instead of at this worker's next step. A
-        borrower's prefill step can run for seconds, and the lender, a decode worker with a
-        stream to serve, waited for it (GIVE_BACK_WAIT_S, then ran on oversubscribed cores):
-        its streams stalled 0.2-1 s at a burst of requests (1P1D on 2 cores)."""
+        borrower's prefill step runs for up to its budget (250 ms, longer on oversubscribed
+        cores), and the lender, a decode worker with a stream to serve, waited for it
+        (GIVE_BACK_WAIT_S, then ran beside the borrower's threads on oversubscribed cores): its
+        streams stalled 0.2-1 s at a burst of requests (1P1D on 2 cores)."""
         if not self.extra:
             return
         claimed, _ = self._others()
