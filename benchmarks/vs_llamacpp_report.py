@@ -40,10 +40,9 @@ def combine_rounds(per_round: list[dict]) -> dict:
     return out
 
 
-def round_ratios(results: dict, name: str, ref: str, phase: str, key: str) -> list[float]:
-    """`name` / `ref` in each round both measured `key` in `phase` (empty without rounds)."""
-    a = results.get(name, {}).get(phase, {}).get("per_round", {}).get(key)
-    b = results.get(ref, {}).get(phase, {}).get("per_round", {}).get(key)
+def round_ratios(a: list | None, b: list | None) -> list[float]:
+    """a / b in each round that measured both (two systems' `per_round` figures); empty where
+    the systems did not run the same rounds."""
     if not a or not b or len(a) != len(b):
         return []
     return [x / y for x, y in zip(a, b) if x is not None and y]
@@ -85,7 +84,7 @@ def report_rows(results: dict, floors: dict, args) -> list[dict]:
         ref = row.get("llama")
         for name in results:
             if name != "llama" and ref and row.get(name) is not None:
-                ratios = round_ratios(results, name, "llama", phase, key)
+                ratios = round_ratios(row[f"{name}_rounds"], row["llama_rounds"])
                 row[f"{name}_vs_llama"] = statistics.median(ratios) if ratios else row[name] / ref
                 if len(ratios) > 1:
                     row[f"{name}_vs_llama_rounds"] = ratios
@@ -128,22 +127,17 @@ def targets(rows: list[dict], args, floors: dict | None = None) -> list[dict]:
     out = []
     step_1 = (floors or {}).get("step_1", {})
     engine_ms, pairs = step_1.get("engine_ms"), step_1.get("engine_pairs")
+    x = None
     if pairs:  # each timing against the limit measured just before it
-        ratios = [ms / limit for ms, limit in pairs]
-        x = statistics.median(ratios)
-        out.append({
-            "system": "engine (in-process)", "target": "batch-1 step <= 1.5x its limit",
-            "value": x, "met": x <= STEP_LIMIT_TARGET,
-            "shown": f"{x:.2f}x (median of {len(pairs)} timings, each against its limit "
-                     f"measured just before it: {_over(pairs)})",
-        })  # fmt: skip
+        x = statistics.median([ms / limit for ms, limit in pairs])
+        shown = (f"{x:.2f}x (median of {len(pairs)} timings, each against its limit measured "
+                 f"just before it: {_over(pairs)})")  # fmt: skip
     elif engine_ms is not None:
-        limit = step_1["limit_ms"]
-        out.append({
-            "system": "engine (in-process)", "target": "batch-1 step <= 1.5x its limit",
-            "value": engine_ms / limit, "met": engine_ms / limit <= STEP_LIMIT_TARGET,
-            "shown": f"{engine_ms / limit:.2f}x ({engine_ms:.2f} / {limit:.2f} ms)",
-        })  # fmt: skip
+        x = engine_ms / step_1["limit_ms"]
+        shown = f"{x:.2f}x ({engine_ms:.2f} / {step_1['limit_ms']:.2f} ms)"
+    if x is not None:
+        out.append({"system": "engine (in-process)", "target": "batch-1 step <= 1.5x its limit",
+                    "value": x, "met": x <= STEP_LIMIT_TARGET, "shown": shown})  # fmt: skip
     round_limits = step_1.get("limit_ms_rounds") or []
     pdserve = [s for s in args.systems if s != "llama"]
     for row in rows:

@@ -244,15 +244,19 @@ class CoreLender:
             # a worker that turned busy meanwhile may not have seen it: look once more
             claimed, _ = self._others()
             extra = max(0, min(extra, self.total - self.own - claimed))
-        if extra != self.extra:
-            mine[EXTRA] = extra
-            self.extra = extra
+        self._use(extra)
         if extra:
             self.borrowed_steps += 1
+        return self.threads
+
+    def _use(self, extra: int) -> None:
+        """Hold `extra` borrowed threads from now on: the ledger, and torch's thread count."""
+        if extra != self.extra:
+            self._slots[self.slot][EXTRA] = extra
+            self.extra = extra
         if self.own + extra != self.threads:
             self.threads = self.own + extra
             self.set_threads(self.threads)
-        return self.threads
 
     def give_back(self) -> None:
         """Between the layers of a step: hand back at once the borrowed threads that a worker
@@ -265,13 +269,9 @@ class CoreLender:
             return
         claimed, _ = self._others()
         extra = max(0, min(self.extra, self.total - self.own - claimed))
-        if extra == self.extra:
-            return
-        self._slots[self.slot][EXTRA] = extra
-        self.extra = extra
-        self.threads = self.own + extra
-        self.set_threads(self.threads)
-        self.given_back += 1
+        if extra < self.extra:
+            self._use(extra)
+            self.given_back += 1
 
     def counters(self) -> dict[str, float]:
         """For the worker's heartbeat."""

@@ -120,7 +120,8 @@ def test_an_unfinished_round_falls_back_to_the_ratio_of_medians() -> None:
         ),  # fmt: skip
     }
     report = load_script("vs_llamacpp_report")
-    assert report.round_ratios(results, "colocated", "llama", "s1", "itl_p50_ms") == []
+    per_round = {n: r["s1"]["per_round"]["itl_p50_ms"] for n, r in results.items()}
+    assert report.round_ratios(per_round["colocated"], per_round["llama"]) == []
     rows = vs.report_rows(results, FLOORS, SimpleNamespace(concurrency=16))
     itl = next(r for r in rows if (r["phase"], r["metric"]) == ("s1", "ITL p50 ms"))
     assert itl["colocated_vs_llama"] == pytest.approx(0.5)  # median 5.0 / 10.0
