@@ -42,10 +42,11 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from common.model import row_passes
 
 DTYPES = ("float32", "bfloat16", "int8")
 BATCH_ROWS = (1, 8, 64, 512)  # the M each rate is measured at
@@ -54,18 +55,9 @@ MIN_TIME_S = 0.02  # per (dtype, M, shape): small calls repeat for this long, be
 _CACHE: dict[tuple, object] = {}  # in-process only, by design
 
 
-def last_level_cache_bytes() -> int:
-    """The largest CPU cache's size (sysfs), or 32 MiB where it cannot be read."""
-    sizes = []
-    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
-        text = f.read_text().strip()
-        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
-        sizes.append(int(text.rstrip("KMG")) * scale)
-    return max(sizes, default=32 << 20)
-
-
 def default_buffer_bytes() -> int:
-    return max(1 << 30, 8 * last_level_cache_bytes())
+    """At least 8x the last-level cache (row_passes reads its size from sysfs), 1 GiB at least."""
+    return max(1 << 30, 8 * row_passes.last_level_cache_bytes())
 
 
 def _best_s(fn, repeats: int, sync=lambda: None, min_time_s: float = 0.0) -> float:
