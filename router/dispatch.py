@@ -116,13 +116,15 @@ class Dispatcher:
         First come, first served: only the oldest flight still looking may pick a decode worker,
         so a flight that found no room is not overtaken by later ones. One that is waiting for
         a worker's reply steps out of the line meanwhile (others pick), and back in at its
-        place if refused.
+        place if refused. Past the queue timeout only the first in line gives up, and only
+        once waiting cannot help (`_hopeless`): the flights behind it wait their turn.
         """
         self.flights[flight.request_id] = flight
         deadline = self.clock() + self.queue_timeout_s
         longest = self.clock() + max(self.max_queue_wait_s, self.queue_timeout_s)
         place = self.line.join()
         self.num_waiting += 1
+        refused_idle = False  # its last try was refused with no room coming
         try:
             while True:
                 decode = None
@@ -137,8 +139,11 @@ class Dispatcher:
                                 self.prefix_index.add_pending(decode.worker_id, keys)
                             return
                         self.line.rejoin(place)
+                        refused_idle = not self._room_coming()
                 now = self.clock()
-                if now >= deadline and (now >= longest or not self._room_coming()):
+                if now >= longest or (
+                    now >= deadline and self._hopeless(place, decode is None, refused_idle)
+                ):
                     raise RequestError(
                         "no decode worker could take the request; try again later",
                         code=503,
@@ -151,8 +156,24 @@ class Dispatcher:
             self.num_waiting -= 1
 
     def _room_coming(self) -> bool:
-        """Some live decode worker serves requests of ours: when they finish, room frees up."""
-        return any(w.num_in_flight > 0 for w in self.registry.live_index("decode"))
+        """Some live decode worker serves requests (ours, or as its heartbeat says): when they
+        finish, room frees up."""
+        return any(w.has_work() for w in self.registry.live_index("decode"))
+
+    def _hopeless(self, place: int, found_none: bool, refused_idle: bool) -> bool:
+        """Whether waiting longer cannot get the flight at `place` a decode worker: it is first
+        in line (the ones behind it get their turn when it leaves), no room is coming, and its
+        last try was refused then, or it found no worker and none will take requests again
+        after a refusal's back-off. Not merely because no room is coming: the moment a busy
+        worker's last request ends, the flights queued for it (the first perhaps in its
+        back-off) must get their turn, not a 503 each."""
+        if not self.line.first(place) or self._room_coming():
+            return False
+        if refused_idle:
+            return True
+        now = self.clock()
+        backing_off = any(w.refused_until_s > now for w in self.registry.live_index("decode"))
+        return found_none and not backing_off
 
     def _pick_decode(self, flight: Flight) -> tuple[Worker | None, list[bytes]]:
         """The decode worker to try, and the prompt's block keys if chosen by prefix."""

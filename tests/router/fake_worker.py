@@ -93,7 +93,7 @@ class FakeWorker:
         host: str = "testhost",
         transports: tuple[str, ...] = ("tcp", "shm"),
         version: int = protocol.PROTOCOL_VERSION,
-        reserve: str = "ok",  # ok | refuse | silent
+        reserve: str = "ok",  # ok | refuse | idle (refuse while streaming) | silent
         generate: str = "echo",  # echo | fail | silent
         prefill: str = "ok",  # ok | fail | silent
         output_token_ids: list[int] | None = None,  # emitted (cycled) instead of the prompt
@@ -230,8 +230,11 @@ class FakeWorker:
             if self.reserve_mode == "ok":
                 self._reserved[msg.request_id] = msg
                 self._send(ReserveReply(msg.request_id, True, self.num_cached_tokens))
-            elif self.reserve_mode == "refuse":
+            elif self.reserve_mode == "refuse" or (self.reserve_mode == "idle" and self._streams):
                 self._send(ReserveReply(msg.request_id, False, reason="no free KV blocks"))
+            elif self.reserve_mode == "idle":  # room only once its streams have ended
+                self._reserved[msg.request_id] = msg
+                self._send(ReserveReply(msg.request_id, True, self.num_cached_tokens))
         elif isinstance(msg, Generate):
             if self.generate_mode == "echo":  # a migrated request goes on where it was
                 n = msg.num_output_tokens

@@ -209,6 +209,38 @@ def test_long_prompt_waits_for_room_while_decode_is_busy() -> None:
         long_running.join(30)
 
 
+def test_prompts_queued_behind_a_busy_worker_get_it_when_its_last_request_ends() -> None:
+    """Found by a chaos run (1P1D, a 2,176-token KV cache, 48 mixed requests): the moment the
+    decode worker's last running request ended, the seven long prompts queued for its room got
+    a 503 each, at once. Those behind the first in line saw no room coming and gave up without
+    a try; the first, in its back-off after a refusal, found no worker and gave up too. Now
+    they wait their turn and each is served once the worker has room."""
+    long_prompts = [list(range(1000 + 100 * i, 1040 + 100 * i)) for i in range(3)]
+    with RouterThread(
+        local_prefill_max_tokens=8, queue_timeout_s=0.5, max_queue_wait_s=30
+    ) as router:
+        d0 = router.worker("decode", "d0", token_delay_s=0.05, reserve="idle")
+        router.worker("prefill", "p0")
+        busy: list = []
+        body = {"prompt": [5, 6, 7], "max_tokens": 30, "ignore_eos": True}
+        running = threading.Thread(
+            target=lambda: busy.append(
+                httpx.post(router.url + "/v1/completions", json=body, timeout=60)
+            )
+        )
+        running.start()  # d0 streams for ~1.5 s and refuses reservations meanwhile
+        _wait(lambda: d0.messages(Generate))
+        waiting: list = []
+        waiters = [_send_in_background(router, p, waiting) for p in long_prompts]
+        _wait(lambda: router.server.dispatcher.num_waiting == 3)
+        running.join(30)
+        assert busy[0].status_code == 200 and not waiting  # all queued past their timeout
+        for waiter in waiters:
+            waiter.join(30)
+        assert [r.status_code for _, r in waiting] == [200, 200, 200], waiting[0][1].text
+        assert sorted(p for p, _ in waiting) == long_prompts
+
+
 def test_with_nothing_running_the_queue_timeout_still_applies() -> None:
     with RouterThread(local_prefill_max_tokens=8, queue_timeout_s=1.0, max_queue_wait_s=30) as r:
         r.worker("decode", "d0", reserve="refuse")
