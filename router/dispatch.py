@@ -343,6 +343,10 @@ class Dispatcher:
         self.flights[flight.request_id] = flight
 
     def refused(self, flight: Flight, decode: Worker, reason: str) -> None:
-        log.info("%s: decode worker %s refused: %s", flight.base_id, decode.worker_id, reason)
+        # A flight waiting for room is refused about twice a second: its first refusal at info
+        # level, the rest at debug (a minute of KV pressure was hundreds of lines a flight)
+        flight.refusals += 1
+        level = logging.INFO if flight.refusals == 1 else logging.DEBUG
+        log.log(level, "%s: decode worker %s refused: %s", flight.base_id, decode.worker_id, reason)
         flight.release_decode()
         decode.refused_until_s = self.clock() + REFUSAL_BACKOFF_S

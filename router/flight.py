@@ -55,6 +55,7 @@ class Flight:
     finished: bool = False
     output_token_ids: list[int] = field(default_factory=list)  # relayed so far
     migrations: int = 0  # times it moved to another decode worker (its own died or stalled)
+    refusals: int = 0  # times a decode worker refused it (its log lines after the first: debug)
     keys: PromptKeys = field(init=False, repr=False)  # the prompt's block keys, per salt
 
     def __post_init__(self) -> None:

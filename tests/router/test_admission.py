@@ -6,11 +6,14 @@ dispatcher's line, through a real router and fake workers.
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import threading
 import time
+from collections import Counter
 
 import httpx
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from common.protocol import Generate
@@ -209,12 +212,16 @@ def test_long_prompt_waits_for_room_while_decode_is_busy() -> None:
         long_running.join(30)
 
 
-def test_prompts_queued_behind_a_busy_worker_get_it_when_its_last_request_ends() -> None:
+def test_prompts_queued_behind_a_busy_worker_get_it_when_its_last_request_ends(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     """Found by a chaos run (1P1D, a 2,176-token KV cache, 48 mixed requests): the moment the
     decode worker's last running request ended, the seven long prompts queued for its room got
     a 503 each, at once. Those behind the first in line saw no room coming and gave up without
     a try; the first, in its back-off after a refusal, found no worker and gave up too. Now
-    they wait their turn and each is served once the worker has room."""
+    they wait their turn and each is served once the worker has room. The same run logged 459
+    refusals in 16 s: now a flight's first refusal is logged at info level, the rest at debug."""
+    caplog.set_level(logging.DEBUG, logger="router.dispatch")
     long_prompts = [list(range(1000 + 100 * i, 1040 + 100 * i)) for i in range(3)]
     with RouterThread(
         local_prefill_max_tokens=8, queue_timeout_s=0.5, max_queue_wait_s=30
@@ -239,6 +246,9 @@ def test_prompts_queued_behind_a_busy_worker_get_it_when_its_last_request_ends()
             waiter.join(30)
         assert [r.status_code for _, r in waiting] == [200, 200, 200], waiting[0][1].text
         assert sorted(p for p, _ in waiting) == long_prompts
+    refusals = [r for r in caplog.records if "refused: no free KV blocks" in r.getMessage()]
+    info = Counter(r.getMessage().split(":")[0] for r in refusals if r.levelno == logging.INFO)
+    assert len(refusals) > len(info) and set(info.values()) == {1}, caplog.text
 
 
 def test_with_nothing_running_the_queue_timeout_still_applies() -> None:
