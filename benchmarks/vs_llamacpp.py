@@ -32,8 +32,8 @@ and the engine's own batch-1 decode step timed in this process at the mean conte
 token's relay to the client on the same cores). Both judgements take the limit where the step
 ran: the read bandwidth drifts on a shared host (33-57 GB/s within an hour on one 2-core VM), so
 the in-process step is timed five times, each right after the read bandwidth is measured again,
-and every round measures it again before its first system; the judgement is the median of the
-step / limit ratios so paired.
+and every round measures it again just before each pdserve system's turn; the judgement is the
+median of the step / limit ratios so paired.
 
     python benchmarks/vs_llamacpp.py --llama-server PATH [--systems llama,colocated,disagg]
         [--threads T] [--prompt-len 256] [--output-len 128] [--concurrency 16]
@@ -327,14 +327,17 @@ def rotated(names: list[str], rnd: int) -> list[str]:
 
 def run_systems(
     args, engine_args: list[str], log_dir: Path, gguf: Path, limit_now: Callable[[], float],
-    round_limits: list[float],
+    round_limits: dict[str, list[float]],
 ) -> dict:  # fmt: skip
     """Every system started, then measured in `args.rounds` rounds, one system after the other
     in each, the order rotated every round; each system's rounds combined (combine_rounds). A
     system that fails to start is reported failed; an interrupt (SIGTERM, Ctrl-C) ends the
-    rounds and reports what was measured. The servers that wait meanwhile are idle. Before each
-    round the batch-1 step's limit is measured again (`limit_now`, into `round_limits`): the
-    served 1-stream ITL of a round is judged against its own round's."""
+    rounds and reports what was measured. The servers that wait meanwhile are idle. Just before
+    each pdserve system's turn the batch-1 step's limit is measured again (`limit_now`, into
+    `round_limits[name]`, kept for the turns that finished): its served 1-stream ITL in that
+    round is judged against it. Measured once a round, before the first system's turn, it was
+    minutes old by the last one's, and the read bandwidth moves that fast on a shared host (a
+    round began at 35 GB/s, the next two at 57)."""
     results: dict[str, dict] = {}
     per_round: dict[str, list[dict]] = {}
     with ExitStack() as stack:
@@ -347,12 +350,14 @@ def run_systems(
                     log(f"{SYSTEMS[name]} failed: {e}")
                     results[name] = {"failed": str(e)[:2000]}
             for rnd in range(args.rounds):
-                round_limits.append(limit_now())
                 for name in rotated(list(up), rnd):
                     log(f"round {rnd + 1} of {args.rounds}: {SYSTEMS[name]}")
+                    limit = limit_now() if name != "llama" else None
                     per_round.setdefault(name, []).append(
                         measure_system(name, up[name][0], args, rnd)
                     )
+                    if limit is not None:
+                        round_limits.setdefault(name, []).append(limit)
         except KeyboardInterrupt:  # SIGTERM / Ctrl-C / timeout: report what was measured
             log("interrupted; reporting the rounds measured before it")
         for name, rounds in per_round.items():
@@ -420,7 +425,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="pdserve-vs-llamacpp-") as tmp:
         log_dir = args.log_dir or Path(tmp)
         log_dir.mkdir(parents=True, exist_ok=True)
-        round_limits = floors["step_1"]["limit_ms_rounds"] = []
+        round_limits = floors["step_1"]["limit_ms_rounds"] = {}
         results = run_systems(args, engine_args, log_dir, gguf, limit_now, round_limits)
     load["end"] = Path("/proc/loadavg").read_text().split()[:3]
     machine = (

@@ -120,10 +120,10 @@ def _over(pairs: list[tuple[float, float]]) -> str:
 def targets(rows: list[dict], args, floors: dict | None = None) -> list[dict]:
     """Each target for each pdserve system: the figure it is judged on, met or not, and what
     meeting it would take as a fraction of the machine's limit. The batch-1 step is judged twice:
-    as served (the 1-stream ITL p50; with rounds, each round's against the limit measured as it
-    began, `floors`' step_1 limit_ms_rounds) and as the engine's own step in-process (its
-    engine_pairs: each timing against the limit measured just before it; else engine_ms against
-    limit_ms), each the median of its ratios."""
+    as served (the 1-stream ITL p50; with rounds, each round's against the limit measured just
+    before that system's turn, `floors`' step_1 limit_ms_rounds[system]) and as the engine's own
+    step in-process (its engine_pairs: each timing against the limit measured just before it;
+    else engine_ms against limit_ms), each the median of its ratios."""
     out = []
     step_1 = (floors or {}).get("step_1", {})
     engine_ms, pairs = step_1.get("engine_ms"), step_1.get("engine_pairs")
@@ -138,7 +138,7 @@ def targets(rows: list[dict], args, floors: dict | None = None) -> list[dict]:
     if x is not None:
         out.append({"system": "engine (in-process)", "target": "batch-1 step <= 1.5x its limit",
                     "value": x, "met": x <= STEP_LIMIT_TARGET, "shown": shown})  # fmt: skip
-    round_limits = step_1.get("limit_ms_rounds") or []
+    round_limits = step_1.get("limit_ms_rounds") or {}
     pdserve = [s for s in args.systems if s != "llama"]
     for row in rows:
         if target_key(row) not in TARGETS:
@@ -161,9 +161,10 @@ def targets(rows: list[dict], args, floors: dict | None = None) -> list[dict]:
             continue
         for name in pdserve:
             v, per_round = row.get(name), row.get(f"{name}_rounds") or []
-            if len(per_round) == len(round_limits) > 0 and None not in per_round:
-                # each round's ITL against the limit measured as that round began
-                pairs = list(zip(per_round, round_limits))
+            limits = round_limits.get(name) or []
+            if len(per_round) == len(limits) > 0 and None not in per_round:
+                # each round's ITL against the limit measured just before its turn
+                pairs = list(zip(per_round, limits))
                 x = statistics.median([v / lim for v, lim in pairs])
                 shown = f"{x:.2f}x (median of rounds: {_over(pairs)})"
             else:
@@ -221,10 +222,10 @@ def print_report(machine: str, load: dict, limits, floors: dict, rows, goals, re
             "rotated a place each round): each figure is the median of its rounds, each ratio "
             "the median of the rounds' own ratios. Per round:"
         )
-        round_limits = floors["step_1"].get("limit_ms_rounds") or []
-        if round_limits:
-            shown = " / ".join(f"{v:.2f}" for v in round_limits)
-            print(f"- batch-1 step limit, the read bandwidth measured as the round began: {shown}")
+        for name, limits in (floors["step_1"].get("limit_ms_rounds") or {}).items():
+            shown = " / ".join(f"{v:.2f}" for v in limits)
+            print(f"- batch-1 step limit, the read bandwidth measured just before "
+                  f"{SYSTEMS[name]}'s turn: {shown}")  # fmt: skip
         for row in rows:
             for name in names:
                 values = row.get(f"{name}_rounds")

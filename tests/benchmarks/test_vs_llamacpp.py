@@ -58,7 +58,7 @@ def test_the_batch_1_step_is_judged_against_the_limit_measured_beside_it() -> No
            "colocated_vs_llama": 0.4}  # fmt: skip
     floors = {"step_1": {"limit_ms": 2.0, "engine_ms": 2.6,
                          "engine_pairs": [(2.6, 2.0), (3.5, 2.5), (4.0, 2.0)],
-                         "limit_ms_rounds": [2.0, 4.0, 2.5]}}  # fmt: skip
+                         "limit_ms_rounds": {"colocated": [2.0, 4.0, 2.5]}}}  # fmt: skip
     args = SimpleNamespace(systems=["llama", "colocated"])
     by_target = {(g["system"], g["target"]): g for g in vs.targets([row], args, floors)}
     engine = by_target[("engine (in-process)", "batch-1 step <= 1.5x its limit")]
@@ -67,7 +67,7 @@ def test_the_batch_1_step_is_judged_against_the_limit_measured_beside_it() -> No
     assert served["value"] == pytest.approx(1.25) and served["met"] is True  # 2.0, 1.25, 1.2
     assert "4.00 / 2.00 ms, 5.00 / 4.00 ms, 3.00 / 2.50 ms" in served["shown"]
     # a round short (an interrupted run): the median against the first limit, as without rounds
-    floors["step_1"]["limit_ms_rounds"] = [2.0, 4.0]
+    floors["step_1"]["limit_ms_rounds"] = {"colocated": [2.0, 4.0]}
     by_target = {(g["system"], g["target"]): g for g in vs.targets([row], args, floors)}
     assert by_target[("colocated", "batch-1 step <= 1.5x its limit")]["value"] == 2.0
 
@@ -166,13 +166,14 @@ def test_systems_start_once_and_are_measured_in_rotated_turns(monkeypatch, tmp_p
     monkeypatch.setattr(vs, "start_system", start)
     monkeypatch.setattr(vs, "measure_system", measure)
     limits = iter([3.0, 2.0, 4.0])
-    round_limits: list[float] = []
+    round_limits: dict[str, list[float]] = {}
     args = SimpleNamespace(systems=["llama", "colocated", "disagg"], rounds=3)
     results = vs.run_systems(args, [], tmp_path, tmp_path, lambda: next(limits), round_limits)
     assert started == ["llama", "colocated"]  # each started once, before any measuring
     assert measured == [("llama", 0), ("colocated", 0), ("colocated", 1), ("llama", 1),
                         ("llama", 2), ("colocated", 2)]  # fmt: skip
-    assert round_limits == [3.0, 2.0, 4.0]  # the limit measured as each round began
+    # measured just before each pdserve turn (not llama-server's), kept for finished turns
+    assert round_limits == {"colocated": [3.0, 2.0]}
     assert results["disagg"] == {"failed": "no prefill worker"}
     assert results["llama"]["s1"]["per_round"]["output_token_throughput"] == [100, 101, 102]
     assert results["colocated"]["s1"]["per_round"]["output_token_throughput"] == [100, 101]
