@@ -227,14 +227,14 @@ class FakeWorker:
         if isinstance(msg, RegisterAck):
             self.acks.append(msg)
         elif isinstance(msg, Reserve):
-            if self.reserve_mode == "ok":
+            mode = self.reserve_mode
+            if mode == "idle":  # room only once its streams have ended
+                mode = "refuse" if self._streams else "ok"
+            if mode == "ok":
                 self._reserved[msg.request_id] = msg
                 self._send(ReserveReply(msg.request_id, True, self.num_cached_tokens))
-            elif self.reserve_mode == "refuse" or (self.reserve_mode == "idle" and self._streams):
+            elif mode == "refuse":
                 self._send(ReserveReply(msg.request_id, False, reason="no free KV blocks"))
-            elif self.reserve_mode == "idle":  # room only once its streams have ended
-                self._reserved[msg.request_id] = msg
-                self._send(ReserveReply(msg.request_id, True, self.num_cached_tokens))
         elif isinstance(msg, Generate):
             if self.generate_mode == "echo":  # a migrated request goes on where it was
                 n = msg.num_output_tokens
