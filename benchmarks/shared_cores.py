@@ -12,11 +12,12 @@ the same for every setting): a process that burns `--burst-us` of CPU, then slee
 `--period-us`, over and over (by default about the relay's share: 250 us of CPU every ~2.7 ms).
 For each OpenMP spin setting (`--spins`: `default` = libgomp's own, or microseconds, applied as
 `PDSERVE_OMP_SPIN_US` is in the workers), a fresh process loads the model (`--model`, the
-engine's defaults), then times its batch-1 decode step (the C decode layers and the LM head, at
-`--context` tokens of context) alone and with the co-runner, in turns, `--rounds` times.
+engine's defaults and `--quantization`), then times its batch-1 decode step as the engine runs it
+(the default model's: the C decode layers and the LM head) at `--context` tokens of context,
+alone and with the co-runner, in turns, `--rounds` times.
 
-    python benchmarks/shared_cores.py [--model default] [--context 256] [--spins default,30,200]
-        [--burst-us 250] [--period-us 2500] [--steps 300] [--rounds 3]
+    python benchmarks/shared_cores.py [--model default] [--quantization auto] [--context 256]
+        [--spins default,30,200] [--burst-us 250] [--period-us 2500] [--steps 300] [--rounds 3]
 
 Result: a Markdown table on stdout, one row per spin setting (the medians of the rounds): step
 alone, step with the co-runner, the co-runner's CPU per step (from /proc), the step's extra time,
@@ -67,7 +68,6 @@ def child(args: argparse.Namespace) -> dict:
     import torch
 
     from common.config import EngineConfig
-    from common.kernels import cpu_layer
     from common.model.model_files import resolve_model
     from common.model.model_runner import ModelRunner
     from common.model.weights import iter_weights
@@ -75,13 +75,12 @@ def child(args: argparse.Namespace) -> dict:
     source = resolve_model(args.model)
     config = EngineConfig(
         model=args.model,
+        quantization=args.quantization,
         block_size=16,
         max_model_len=args.context + 32,
         kv_cache_memory="64MiB",
     )
     runner = ModelRunner(config, source.hf_config, iter_weights(source))
-    if not (cpu_layer.enabled and cpu_layer.available()):
-        raise SystemExit("the C decode layers are off or cannot be built here: nothing to measure")
     blocks = list(range(args.context // 16 + 1))
     ids, pos, meta = runner.prepare_rows([([7], args.context, blocks)])
     model = runner.model
@@ -122,6 +121,7 @@ def main() -> int:
         return 0
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="default")
+    p.add_argument("--quantization", default="auto", help="the engine's flag")
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--spins", default="default,30,200", help="comma list: default or microseconds")
     p.add_argument("--burst-us", type=float, default=250.0)
