@@ -44,8 +44,10 @@ def log(message: str) -> None:
 
 
 def burn(burst_s: float, period_s: float) -> None:
-    """The co-runner: `burst_s` of CPU, then `period_s` asleep, until killed."""
-    while True:
+    """The co-runner: `burst_s` of CPU, then `period_s` asleep, until killed or until the process
+    that started it is gone (killed itself, it leaves no burner behind)."""
+    parent = os.getppid()
+    while os.getppid() == parent:
         end = time.perf_counter() + burst_s
         while time.perf_counter() < end:
             pass
