@@ -43,6 +43,14 @@ def counter(cluster: Cluster, name: str, worker: str) -> float:
     return cluster.sample(name, worker=worker) or 0.0
 
 
+def computed_by(cluster: Cluster, worker: str) -> float:
+    """The prompt tokens `worker` computed, once the router has heard of all of PROMPT's (up to
+    10 s): counters travel with heartbeats, so the one that counted the failed fetch may have left
+    before the recompute was counted."""
+    return cluster.wait_counter("prefill_kv_computed_tokens_total", len(PROMPT), timeout_s=10,
+                                worker=worker)  # fmt: skip
+
+
 def computed_first(cluster: Cluster, model: str) -> tuple[str, str, str]:
     """Complete PROMPT once; (its text, the prefill worker that computed it, the other one),
     once the router's index has that worker's blocks of it (its KV events arrived)."""
@@ -112,7 +120,7 @@ def test_a_peer_killed_during_the_fetch_means_recompute_with_the_same_output(
         assert cluster.wait_counter("kv_peer_fetch_failures_total", 1, timeout_s=10,
                                     worker=asker) == 1  # fmt: skip
         assert counter(cluster, "kv_peer_fetched_tokens_total", asker) == 0
-        assert counter(cluster, "prefill_kv_computed_tokens_total", asker) == len(PROMPT)
+        assert computed_by(cluster, asker) == len(PROMPT)
         assert_books_balance(cluster, [asker, "decode-0"])
 
 
@@ -132,7 +140,7 @@ def test_a_peer_that_never_answers_means_recompute_and_its_late_answer_is_refuse
             peer.send_signal(signal.SIGCONT)  # it now answers the fetch: too late, refused
         assert cluster.wait_counter("kv_peer_fetch_failures_total", 1, timeout_s=10,
                                     worker=asker) == 1  # fmt: skip
-        assert counter(cluster, "prefill_kv_computed_tokens_total", asker) == len(PROMPT)
+        assert computed_by(cluster, asker) == len(PROMPT)
         assert_books_balance(cluster, ["prefill-0", "prefill-1", "decode-0"])
 
 
