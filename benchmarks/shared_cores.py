@@ -36,6 +36,8 @@ import sys
 import time
 from pathlib import Path
 
+from router_scale_clients import proc_cpu_s  # benchmarks/: /proc's CPU seconds of a process
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -54,19 +56,12 @@ def burn(burst_s: float, period_s: float) -> None:
         time.sleep(period_s)
 
 
-def cpu_s(pid: int) -> float:
-    """User + system CPU seconds of process `pid` so far (/proc, clock ticks)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def child(args: argparse.Namespace) -> dict:
     """One spin setting, in its own process: the spin is set before torch loads libgomp."""
     sys.path.insert(0, str(ROOT))  # run from a plain checkout too
     from common.runtime import omp_spin
 
-    spin = omp_spin.configure()
+    omp_spin.configure()  # sets GOMP_SPINCOUNT where PDSERVE_OMP_SPIN_US asks
     import torch
 
     from common.config import EngineConfig
@@ -102,14 +97,14 @@ def child(args: argparse.Namespace) -> dict:
         co = subprocess.Popen(argv)
         try:
             time.sleep(0.05)  # started and burning
-            before = cpu_s(co.pid)
+            before = proc_cpu_s(co.pid)
             loaded.append(steps(args.steps))
-            cpu.append((cpu_s(co.pid) - before) / args.steps)
+            cpu.append((proc_cpu_s(co.pid) - before) / args.steps)
         finally:
             co.kill()
             co.wait()
     return {
-        "spin": os.environ.get("GOMP_SPINCOUNT", "libgomp's default") if spin else "-",
+        "spin": os.environ.get("GOMP_SPINCOUNT", "-"),  # "-": libgomp's own
         "threads": torch.get_num_threads(),
         "alone_ms": statistics.median(alone) * 1e3,
         "loaded_ms": statistics.median(loaded) * 1e3,

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -28,6 +30,9 @@ def test_shared_cores_runs(tiny_llama) -> None:
     assert default[1].strip() == "-"  # libgomp's own spin: no count set
     assert int(short[1]) > 0  # 50 us turned into this CPU's GOMP_SPINCOUNT
     for row in (default, short):
-        alone, loaded, co_cpu = (float(row[i]) for i in (3, 4, 5))
+        alone, loaded, co_cpu, extra, loss = (float(row[i]) for i in (3, 4, 5, 6, 7))
         assert alone > 0 and loaded > 0
         assert co_cpu > 0  # the co-runner burned 80% of a core beside the steps
+        assert extra == pytest.approx(loaded - alone, abs=0.011)  # the printed columns' rounding
+        # extra's rounding (0.005 ms) over the co-runner's CPU, and loss's own
+        assert loss == pytest.approx(extra / co_cpu, rel=0.01, abs=0.005 / co_cpu + 0.006)
