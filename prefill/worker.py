@@ -40,11 +40,6 @@ class PrefillWorker(WorkerBase):
     """One engine, one control connection, one KV sender; `run` loops until stopped."""
 
     role = "prefill"
-    # Everything it waits for with nothing to compute (a command, a transfer, a peer's fetch or
-    # its answer, an ack) ends `WorkerBase._wait`, so it waits longer than 2 ms between looks
-    # for acks; not an idle worker's whole wait: its transfers' deadlines (0.1 s at least) are
-    # seen 10 ms late at most.
-    busy_wait_ms = 10
 
     def __init__(
         self,
