@@ -2,10 +2,11 @@
 
 A served token wakes four sleeping threads in turn: the worker's zmq I/O thread (its send), the
 router's zmq I/O thread (the bytes on loopback TCP), the router's event loop (its zmq socket's
-descriptor) and the client (the HTTP chunk). On most hosts a wake costs a few microseconds. On a
-virtual machine whose idle vCPUs halt and are kicked by the hypervisor, each one can cost the
-thread that wakes the other tens of microseconds of its own time, inside its write or send call,
-and delay the woken one more: a cost the worker pays per token, on the step's cores.
+descriptor) and the client (the HTTP chunk). On bare metal a wake costs a few microseconds. On
+some virtual machines (the 2-vCPU one with nested virtualisation these benchmarks ran on) each
+one costs the thread that wakes the other tens of microseconds of its own time, inside its write
+or send call, and delays the woken one more: a cost the worker pays per token, on the step's
+cores.
 
 This times one hop of each kind, a message every `--gaps` microseconds (0: back to back, where
 the receiver never sleeps; 5,000: a token stream's pace, where it sleeps between messages), with
