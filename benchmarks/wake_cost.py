@@ -36,6 +36,7 @@ import struct
 import sys
 import time
 
+from router_scale import pct  # benchmarks/: a nearest-rank percentile, nan when empty
 from shared_cores import burn  # benchmarks/: a process that burns CPU until its parent is gone
 
 STAMP = struct.Struct("<q")  # the sender's clock just before the call, in ns
@@ -49,11 +50,6 @@ def log(message: str) -> None:
 
 def now_ns() -> int:
     return time.clock_gettime_ns(time.CLOCK_MONOTONIC)
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def pipe_reader(conn, count: int, out) -> None:
@@ -139,12 +135,12 @@ def run_hop(path: str, gap_s: float, messages: int) -> dict:
     proc.join(timeout=10)
     us = 1e-3
     if not gap_s:  # back to back the receiver is behind: the delay is its queue, not a wake
-        delays = [float("nan")]
+        delays = []
     return {
         "wall_us": statistics.median(walls) * us,
         "cpu_us": statistics.fmean(cpus) * us,
-        "delay_p50_us": percentile(delays, 0.5) * us,
-        "delay_p99_us": percentile(delays, 0.99) * us,
+        "delay_p50_us": pct(delays, 0.5) * us,
+        "delay_p99_us": pct(delays, 0.99) * us,
     }
 
 
