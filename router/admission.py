@@ -11,10 +11,11 @@ The counts are shown by `router.metrics`. `Admission` is called by `router.app` 
 generation request.
 
 And `LoopLag`, the router's own CPU shortage as the event loop sees it: a timer due every
-`interval_s` notes how late it runs. Every stream's tokens, every heartbeat and every new request
-wait that long too (a loop short of CPU queues its work in the sockets, where no buffer of ours
-counts it), so while the smoothed lag is over `--max-loop-lag-s` the same 429 answers new work:
-a router that cannot keep up sheds load instead of taking more. Started by `router.server`.
+`interval_s` (up to four intervals apart while it runs on time) notes how late it runs. Every
+stream's tokens, every heartbeat and every new request wait that long too (a loop short of CPU
+queues its work in the sockets, where no buffer of ours counts it), so while the smoothed lag is
+over `--max-loop-lag-s` the same 429 answers new work: a router that cannot keep up sheds load
+instead of taking more. Started by `router.server`.
 """
 
 from __future__ import annotations
@@ -88,15 +89,23 @@ class Admission:
 class LoopLag:
     """How late the event loop runs its timers, smoothed; `overloaded` from `max_lag_s` (0:
     never) until the lag falls to half of it. `run` is the timer's task; `note` takes one
-    measurement (tests call it directly)."""
+    measurement (tests call it directly).
+
+    The timer is due every `interval_s` while the loop runs late or is overloaded; each punctual
+    tick (less than a tenth of `interval_s` late) doubles the wait before the next, up to
+    `QUIET_TICKS` intervals. A stall long enough to matter (the lag is smoothed over a second)
+    still makes the next tick late, which brings the interval back; an idle router no longer
+    wakes 20 times a second for this."""
 
     TAU_S = 1.0  # smoothing time constant: one stall of the loop counts for about this long
+    QUIET_TICKS = 4  # the longest wait between punctual ticks, in intervals
 
     def __init__(self, max_lag_s: float = 0.5, interval_s: float = 0.05) -> None:
         if max_lag_s < 0 or interval_s <= 0:
             raise ValueError("--max-loop-lag-s must be >= 0 (0 = never refuse)")
         self.max_lag_s = max_lag_s
         self.interval_s = interval_s
+        self.wait_s = interval_s  # before the next tick
         self.lag_s = 0.0  # smoothed over about TAU_S
         self.max_seen_s = 0.0  # the largest single lag, since start
         self.overloaded = False
@@ -105,10 +114,17 @@ class LoopLag:
         """Measure until cancelled."""
         loop = asyncio.get_running_loop()
         while True:
-            due = loop.time() + self.interval_s
-            await asyncio.sleep(self.interval_s)
+            wait = self.wait_s
+            due = loop.time() + wait
+            await asyncio.sleep(wait)
             now = loop.time()
-            self.note(now - due, now - due + self.interval_s)
+            self.note(now - due, now - due + wait)
+
+    def _pace(self, late_s: float) -> None:
+        if late_s < self.interval_s / 10 and not self.overloaded:
+            self.wait_s = min(2 * self.wait_s, self.QUIET_TICKS * self.interval_s)
+        else:
+            self.wait_s = self.interval_s
 
     def note(self, late_s: float, elapsed_s: float) -> None:
         """One timer `late_s` late, `elapsed_s` after the previous one was set: averaged in by
@@ -117,12 +133,12 @@ class LoopLag:
         self.max_seen_s = max(self.max_seen_s, late_s)
         weight = 1.0 - math.exp(-max(elapsed_s, 0.0) / self.TAU_S)
         self.lag_s += weight * (late_s - self.lag_s)
-        if not self.max_lag_s:
-            return
-        if self.lag_s > self.max_lag_s:
-            self.overloaded = True
-        elif self.lag_s <= self.max_lag_s / 2:
-            self.overloaded = False
+        if self.max_lag_s:
+            if self.lag_s > self.max_lag_s:
+                self.overloaded = True
+            elif self.lag_s <= self.max_lag_s / 2:
+                self.overloaded = False
+        self._pace(late_s)
 
 
 class WaitingLine:

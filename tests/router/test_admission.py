@@ -286,6 +286,20 @@ def test_loop_lag_smooths_by_time_and_clears_at_half() -> None:
     assert not never.overloaded and never.lag_s > 9
 
 
+def test_loop_lag_waits_longer_while_punctual_and_not_while_late_or_overloaded() -> None:
+    lag = LoopLag(max_lag_s=0.5, interval_s=0.05)
+    waits = []
+    for _ in range(4):
+        lag.note(0.001, lag.wait_s)  # on time: an idle or lightly loaded loop
+        waits.append(lag.wait_s)
+    assert waits == [0.1, 0.2, 0.2, 0.2]  # up to QUIET_TICKS intervals
+    lag.note(0.01, 0.21)  # a tick late by a fifth of an interval: due every interval again
+    assert lag.wait_s == 0.05
+    lag.note(2.0, 2.05)  # overloaded: every interval, on time or not, until it clears
+    lag.note(0.0, 0.05)
+    assert lag.overloaded and lag.wait_s == 0.05
+
+
 def test_a_router_short_of_cpu_answers_new_work_with_429_until_it_catches_up() -> None:
     body = {"prompt": [1000, 7], "max_tokens": 2}
     with RouterThread(colocated=True, max_loop_lag_s=0.1) as router:

@@ -18,6 +18,8 @@ import pytest
 from common.runtime.malloc import libc_function
 from router.memory import (
     LARGE_BYTES,
+    MIDDLE_EVERY_S,
+    QUIET_YOUNG,
     CollectionPacer,
     Trimmer,
     pin_malloc_thresholds,
@@ -241,6 +243,32 @@ def test_the_pacer_collects_all_once_the_process_grew() -> None:
     assert pacer.tick() == 2  # 64 MiB since the last full one: collect everything now
     clock.now += 1.0
     assert pacer.tick() == 1  # measured from the RSS after that collection
+
+
+def test_a_quiet_pacer_waits_longer_until_a_busy_tick() -> None:
+    """Ticks that find next to nothing young double the wait up to the middle generation's
+    period; one that finds QUIET_YOUNG or more brings back the interval."""
+    import gc
+
+    clock, rss, collected = _Clock(), [100 << 20], []
+    pacer = _pacer(clock, rss, collected)  # interval 0.02 s; its collect collects nothing
+    assert pacer.wait_s == 0.02
+    waits = []
+    gc.disable()
+    try:
+        for _ in range(6):
+            gc.collect(0)  # nothing young: an idle router's tick
+            clock.now += pacer.wait_s
+            pacer.tick()
+            waits.append(pacer.wait_s)
+        kept = [[i] for i in range(2 * QUIET_YOUNG)]  # a busy loop's tick
+        clock.now += pacer.wait_s
+        pacer.tick()
+    finally:
+        gc.enable()
+    assert waits == [0.04, 0.08, 0.16, MIDDLE_EVERY_S, MIDDLE_EVERY_S, MIDDLE_EVERY_S]
+    assert pacer.wait_s == 0.02
+    del kept
 
 
 def test_the_pacer_owns_collection_while_it_runs() -> None:
