@@ -165,13 +165,13 @@ class CollectionPacer:
     of them every `full_s` or once the RSS grew `full_rss_growth` bytes; on cancel it turns the
     automatic collections back on. `tick` is one turn (tests call it with their own clock).
 
-    A quiet router makes almost nothing for the collector: idle, or relaying one stream, a tick
-    finds 0-5 young objects. There each tick that found fewer than `quiet_young` doubles the
-    wait before the next, up to `quiet_max_s` (the middle generation's period), and the first
-    busier one brings it back to `interval_s`. An idle router woke 50 times a second for this
-    alone (half of its wakes, 8 of its 16 ms of CPU a second), each wake taken from whatever
-    computes on its cores; the most a back-off lets pile up is what `quiet_max_s` of new load
-    makes before the next tick."""
+    A quiet router makes almost nothing for the collector: idle, a tick finds no young objects,
+    relaying one stream 0-5 (68-103 as a request arrives). There each tick that found fewer
+    than `quiet_young` doubles the wait before the next, up to `quiet_max_s` (the middle
+    generation's period), and the first busier one brings it back to `interval_s`. An idle
+    router woke 50 times a second for this alone (half of its wakes, 8 of its 16 ms of CPU a
+    second), each wake taken from whatever computes on its cores. The most a back-off lets pile
+    up is what `quiet_max_s` of new load makes before the next tick."""
 
     def __init__(
         self,
