@@ -300,6 +300,23 @@ def test_loop_lag_waits_longer_while_punctual_and_not_while_late_or_overloaded()
     assert lag.overloaded and lag.wait_s == 0.05
 
 
+def test_loop_lag_ticks_less_often_on_a_quiet_loop() -> None:
+    """`run` sleeps the wait `note` sets: 0.05 s doubling towards 0.2 s makes a few ticks in
+    0.6 s on a quiet loop, where a wait that stayed at the interval would make 12."""
+
+    async def run() -> int:
+        lag, ticks = LoopLag(max_lag_s=0.5, interval_s=0.05), []
+        note = lag.note
+        lag.note = lambda late_s, elapsed_s: ticks.append(late_s) or note(late_s, elapsed_s)
+        task = asyncio.ensure_future(lag.run())
+        await asyncio.sleep(0.6)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return len(ticks)
+
+    assert 2 <= asyncio.run(run()) <= 7
+
+
 def test_a_router_short_of_cpu_answers_new_work_with_429_until_it_catches_up() -> None:
     body = {"prompt": [1000, 7], "max_tokens": 2}
     with RouterThread(colocated=True, max_loop_lag_s=0.1) as router:

@@ -271,6 +271,23 @@ def test_a_quiet_pacer_waits_longer_until_a_busy_tick() -> None:
     del kept
 
 
+def test_a_quiet_pacer_ticks_less_often_while_it_runs() -> None:
+    """`run` sleeps the wait its ticks set: on a quiet loop, 0.01 s doubling towards 0.2 s makes
+    a handful of ticks in 0.3 s, where a wait that stayed at the interval would make 30."""
+
+    async def run() -> int:
+        pacer = CollectionPacer(0.01)
+        ticks, tick = [], pacer.tick
+        pacer.tick = lambda: ticks.append(tick()) or ticks[-1]
+        task = asyncio.ensure_future(pacer.run())
+        await asyncio.sleep(0.3)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return len(ticks)
+
+    assert 2 <= asyncio.run(run()) <= 10
+
+
 def test_the_pacer_owns_collection_while_it_runs() -> None:
     import gc
 
