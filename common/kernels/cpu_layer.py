@@ -21,7 +21,10 @@ keeps them in a `DecodeLayers`, which holds the C structs made from them per (la
 size, dtype, cpu_quant's switches): the structs' raw pointers live exactly as long as the tensors
 they point into. The step's positions,
 slots and block tables are read once per step. `PDSERVE_CPU_LAYER=0` (or `enabled = False`) turns
-it off. Called by `common.model.llama.CausalLM.forward`.
+it off. Steps of up to `TEAM_ROWS` rows whose projections are all a8 run every layer in one
+OpenMP region, its threads meeting at the C code's own barrier instead of opening ~5 regions a
+layer (`csrc/decode_layer.c`, "The team"; `PDSERVE_CPU_TEAM=0` or `team_rows = 0` turns it off).
+Called by `common.model.llama.CausalLM.forward`.
 """
 
 from __future__ import annotations
@@ -61,6 +64,15 @@ VERIFY_QUERY_LEN, MAX_VERIFY_ROWS = 8, 512
 # run) serves only larger batches (common.model.model_runner; cpu_quant.set_dense_weights). A
 # verify step of more rows runs here where the tune put c, a8, amxbf16 or amx4 first at its size.
 DENSE_FLOOR_ROWS = 64
+# Steps of up to this many rows whose projections all take the a8 GEMM run their layers in one
+# OpenMP region, the threads meeting at the C code's own barrier (csrc/decode_layer.c, "The
+# team"); 0 (or PDSERVE_CPU_TEAM=0) runs each projection and attention in a region of its own.
+# Read per call. The same bits either way. Measured (default model, 2 threads, 256 tokens of
+# context, forwards alternated in one process, medians), team time against the regions': 1 row
+# 0.944-0.969x, 2 rows 0.930, 5 rows 0.932, 8 rows 0.955-0.975, 4 sequences 0.929, 8 sequences
+# 0.973-0.981; 16 sequences 0.987-1.028 and 32 0.993, no gain, hence 8.
+TEAM_ROWS = 8
+team_rows = TEAM_ROWS if os.environ.get("PDSERVE_CPU_TEAM", "1") != "0" else 0
 _FUSED_PATHS = ("c", "a8", "amxbf16", "amx4")  # the cpu_quant paths the C layers run projections by
 _p, _i, _f, _l = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_long
 
@@ -82,17 +94,19 @@ class _Layer(ctypes.Structure):
 class _Step(ctypes.Structure):
     _fields_ = [("positions", _p), ("slot_mapping", _p), ("cos", _p), ("sin", _p),
                 ("block_tables", _p), ("seq_lens", _p), ("max_pos", _l), ("tokens", _i),
-                ("max_blocks", _i), ("dtype", _i), ("threads", _i)]  # fmt: skip
+                ("max_blocks", _i), ("dtype", _i), ("threads", _i),
+                ("team_rows", _i)]  # fmt: skip
 
 
 _LIB = CLibrary(
     _SOURCE,
-    ["-O3"],
+    ["-O3", "-fopenmp"],
     {
         "decode_layers": [ctypes.POINTER(_Layer), _i, ctypes.POINTER(_Step), _p, _p],
         # its own copy of quant_gemm.c's prefetch level (common.kernels.prefetch)
         "qgemm_set_prefetch": [_i],
         "qgemm_prefetch": [],
+        "decode_layers_team_steps": [],
     },
     "the CPU decode layer",
     parts=[cpu_ops._LIB, cpu_attention._LIB, cpu_quant._LIB, cpu_qgemm._LIB, cpu_dense._LIB],
@@ -150,6 +164,7 @@ class DecodeLayers:
         if stack is None:
             return None
         step = _step(meta, positions, cos, sin, x)
+        step.team_rows = team_rows
         out = torch.empty_like(x)
         rc = _LIB.get().decode_layers(stack, num_layers, step, x.data_ptr(), out.data_ptr())
         if rc != 0:
@@ -290,7 +305,7 @@ def _step(
     step = _Step(
         positions.data_ptr(), slots.data_ptr(), cos.data_ptr(), sin.data_ptr(), tables.data_ptr(),
         lens.data_ptr(), cos.shape[0], x.shape[0], tables.shape[1], _DTYPES[x.dtype],
-        torch.get_num_threads(),
+        torch.get_num_threads(), team_rows,
     )  # fmt: skip
     key = (positions, cos, sin, x.dtype, x.shape[0])
     meta.__dict__["_cpu_layer_step"] = (key, step, (tables, lens, slots))

@@ -889,14 +889,6 @@ static void seq_dispatch(const Job *j, int b, int t0, int t1, float *scores, flo
 }
 #endif
 
-static inline int thread_num(void) {
-#ifdef _OPENMP
-    return omp_get_thread_num();
-#else
-    return 0;
-#endif
-}
-
 #define SPLIT_TOKENS 512 /* a part's tokens: cut at fixed positions, whatever the batch */
 
 /* Part (row b, kv head h, token range s): into its slot of partial (splits > 1), or written out
@@ -1045,16 +1037,28 @@ int paged_decode_whole(int B, int H, int Hkv, int D, int max_len, int num_thread
  * batch 16 at 256, batch 32 at 1,024, within noise of the batch-dependent cut; 64-token parts
  * cost 5-15% at batch 16-32). A step whose rows all fit one part skips the merge, which gives
  * the same bits (exp(0) is 1). */
-int paged_decode_kv(const void *q, long q_stride, const void *k_cache, const void *v_cache,
-                    const float *k_scales, const float *v_scales, const int32_t *block_tables,
-                    const int32_t *seq_lens, void *out, int B, int H, int Hkv, int D, int bs,
-                    int max_blocks, float scale, int dtype, int kv_dtype, int num_threads) {
-    if (H % Hkv != 0 || H / Hkv > 64 || bs < 1 || B < 1) return -1;
-    if (kv_dtype != dtype && kv_dtype != 4 &&
-        (kv_dtype < 2 || kv_dtype > 3 || !k_scales || !v_scales))
-        return -1;
-    Job job = {q, k_cache, v_cache, block_tables, seq_lens, out, B, H, Hkv, D, bs, max_blocks,
-               dtype, q_stride, scale, kv_dtype, k_scales, v_scales};
+/* What paged_decode_kv works out from a step's rows before its threads start: the cut of the
+ * work into units, the threads it goes to, and the memory they share (the parts' statistics, each
+ * thread's scratch). It depends on the rows, the heads and the head size alone, so a step's
+ * layers can share one (decode_layer.c's team does). */
+typedef struct {
+    int threads, splits, units, pairs, interleave, whole;
+    size_t stride, share, rows_f;
+    int *first;      /* group i's first row (first[groups] = B), or NULL */
+    float *partial;  /* the parts' acc, m, l (splits > 1), or NULL */
+    float *scratch;  /* `share` floats per thread */
+} Plan;
+
+static void plan_free(Plan *p) {
+    free(p->scratch), free(p->partial), free(p->first);
+    p->scratch = p->partial = NULL, p->first = NULL;
+}
+
+/* Returns 0, -1 for a shape this kernel does not take, -2 when out of memory. */
+static int plan_make(Plan *p, const int32_t *block_tables, const int32_t *seq_lens, int B, int H,
+                     int Hkv, int D, int max_blocks, int num_threads) {
+    memset(p, 0, sizeof *p);
+    if (Hkv < 1 || H % Hkv != 0 || H / Hkv > 64 || B < 1) return -1;
     const int G = H / Hkv, pairs = B * Hkv;
     int max_len = 1;
     long work = 0;
@@ -1103,6 +1107,8 @@ int paged_decode_kv(const void *q, long q_stride, const void *k_cache, const voi
         }
     }
     whole = first == NULL && paged_decode_whole(B, H, Hkv, D, max_len, num_threads);
+#else
+    (void)block_tables, (void)max_blocks;
 #endif
     /* Every thread's scratch (a part's cache rows, scores, q, acc, one K/V row; a group's for
      * rows_g rows) in one allocation made before the threads start, so a failure returns here
@@ -1122,39 +1128,56 @@ int paged_decode_kv(const void *q, long q_stride, const void *k_cache, const voi
         free(first);
         return -2;
     }
-#pragma omp parallel num_threads(num_threads)
-    {
-        long *srow = (long *)(scratch + share * thread_num());
-        float *scores = (float *)srow + rows_f, *qf = scores + (size_t)rows_g * G * most;
+    *p = (Plan){num_threads, splits, units, pairs, interleave, whole, stride, share, rows_f,
+                first, partial, scratch};
+    return 0;
+}
+
+/* Thread tid of nth's share of the attention the plan cut: its units, then (splits > 1) after
+ * barrier(arg) its pairs' merge; threads past the plan's count only take the barrier. The
+ * caller's barrier follows. */
+static void plan_share(const Plan *p, const Job *j, int tid, int nth, void (*barrier)(void *),
+                       void *arg) {
+    const int G = j->H / j->Hkv, D = j->D, splits = p->splits, units = p->units;
+    const int active = nth < p->threads ? nth : p->threads;
+    if (tid < active) {
+        long *srow = (long *)(p->scratch + p->share * tid);
+        float *scores = (float *)srow + p->rows_f;
+        const int rows_g = p->first ? GROUP_ROWS : p->whole ? j->Hkv : 1;
+        const int most = (int)(p->rows_f / (sizeof(long) / sizeof(float)));
+        float *qf = scores + (size_t)rows_g * G * most;
         float *acc = qf + (size_t)rows_g * G * D;
         float *row = acc + (size_t)rows_g * G * (D + 2);
         float ml[128];
-#define UNIT                                                                                     \
-    one_unit(&job, unit, splits, first, whole, partial, stride, scores, qf, acc, ml, row, srow)
-        if (interleave) {
-#pragma omp for schedule(static, 1)
-            for (int unit = 0; unit < units; unit++) UNIT;
-        } else {
-#pragma omp for schedule(static)
-            for (int unit = 0; unit < units; unit++) UNIT;
+        /* dealt in turn (interleave), or in contiguous shares: OpenMP's static schedules */
+        int u0 = tid, u1 = units, du = active;
+        if (!p->interleave) {
+            int q = units / active, t = units % active;
+            if (tid < t) q++, t = 0;
+            u0 = q * tid + t, u1 = u0 + q, du = 1;
         }
-#undef UNIT
-        /* the merge, in part order (the loops above end with a barrier); in this thread's acc */
+        for (int unit = u0; unit < u1; unit += du)
+            one_unit(j, unit, splits, p->first, p->whole, p->partial, p->stride, scores, qf, acc,
+                     ml, row, srow);
+        if (splits > 1) barrier(arg);
         if (splits > 1) {
-#pragma omp for schedule(static)
-            for (int pair = 0; pair < pairs; pair++) {
-                const float *first = partial + stride * (size_t)pair * splits;
-                const int real = (seq_lens[pair / Hkv] + chunk - 1) / chunk; /* its parts */
+            /* the merge, in part order, each thread's contiguous share of the pairs; in its acc */
+            int q = p->pairs / active, t = p->pairs % active;
+            if (tid < t) q++, t = 0;
+            const int p0 = q * tid + t, p1 = p0 + q;
+            for (int pair = p0; pair < p1; pair++) {
+                const float *first = p->partial + p->stride * (size_t)pair * splits;
+                const int real = (j->seq_lens[pair / j->Hkv] + SPLIT_TOKENS - 1) / SPLIT_TOKENS;
                 for (int g = 0; g < G; g++) {
                     float mx = -INFINITY;
                     for (int s = 0; s < real; s++) {
-                        const float ms = first[stride * s + (size_t)G * D + g];
+                        const float ms = first[p->stride * s + (size_t)G * D + g];
                         mx = ms > mx ? ms : mx;
                     }
                     float sum = 0.f, *ag = acc + g * D;
                     memset(ag, 0, sizeof(float) * D);
                     for (int s = 0; s < real; s++) {
-                        const float *ps = first + stride * s;
+                        const float *ps = first + p->stride * s;
                         const float ms = ps[(size_t)G * D + g];
                         if (ms == -INFINITY) continue;
                         const float w = exp_approx(ms - mx);
@@ -1163,14 +1186,102 @@ int paged_decode_kv(const void *q, long q_stride, const void *k_cache, const voi
                     }
                     ml[g] = sum;
                 }
-                write_out(&job, pair / Hkv, pair % Hkv, acc, ml);
+                write_out(j, pair / j->Hkv, pair % j->Hkv, acc, ml);
             }
         }
+    } else if (splits > 1) {
+        barrier(arg);
     }
-    free(scratch);
-    free(partial);
-    free(first);
+}
+
+static void omp_barrier(void *arg) {
+    (void)arg;
+#pragma omp barrier
+}
+
+/* -1 for a cache paged_decode_kv does not take with these activations, else 0. */
+static int kv_unsupported(int dtype, int kv_dtype, const float *k_scales, const float *v_scales,
+                          int bs) {
+    if (bs < 1) return -1;
+    if (kv_dtype != dtype && kv_dtype != 4 &&
+        (kv_dtype < 2 || kv_dtype > 3 || !k_scales || !v_scales))
+        return -1;
     return 0;
+}
+
+/* Returns 0 on success, -1 for a shape this kernel does not take, -2 when out of memory.
+ *
+ * Work is split into parts of (sequence, kv head, token range): each sequence's tokens are cut
+ * at multiples of SPLIT_TOKENS, flash-decoding style, and the parts' softmax statistics merged
+ * in order, in parallel over the pairs. The cut depends on the sequence alone, never on the
+ * batch, so a row's result, to the last bit, does not depend on the rows beside it: where the
+ * cut followed the batch, a verify step's rows differed from the decode steps they stand for in
+ * the last bits, int8 activations turned such a bit into another code, and speculative decoding
+ * changed greedy output. 512 tokens (measured, 2 threads: batch 1 at 256 and 2,000 tokens,
+ * batch 16 at 256, batch 32 at 1,024, within noise of the batch-dependent cut; 64-token parts
+ * cost 5-15% at batch 16-32). A step whose rows all fit one part skips the merge, which gives
+ * the same bits (exp(0) is 1). */
+int paged_decode_kv(const void *q, long q_stride, const void *k_cache, const void *v_cache,
+                    const float *k_scales, const float *v_scales, const int32_t *block_tables,
+                    const int32_t *seq_lens, void *out, int B, int H, int Hkv, int D, int bs,
+                    int max_blocks, float scale, int dtype, int kv_dtype, int num_threads) {
+    if (kv_unsupported(dtype, kv_dtype, k_scales, v_scales, bs)) return -1;
+    Plan plan;
+    const int rc = plan_make(&plan, block_tables, seq_lens, B, H, Hkv, D, max_blocks,
+                             num_threads);
+    if (rc) return rc;
+    Job job = {q, k_cache, v_cache, block_tables, seq_lens, out, B, H, Hkv, D, bs, max_blocks,
+               dtype, q_stride, scale, kv_dtype, k_scales, v_scales};
+#pragma omp parallel num_threads(plan.threads)
+    {
+#ifdef _OPENMP
+        plan_share(&plan, &job, omp_get_thread_num(), omp_get_num_threads(), omp_barrier, NULL);
+#else
+        plan_share(&plan, &job, 0, 1, omp_barrier, NULL);
+#endif
+    }
+    plan_free(&plan);
+    return 0;
+}
+
+/* For decode_layer.c's team (a step's layers in one parallel region): a plan made once for a
+ * step's rows, and each layer's attention run by the team's threads in parts, with the team's
+ * barrier between the units and their merge. The same units and merge: the same bits. */
+
+/* A plan for the step (NULL: a shape not taken, or no memory), freed by paged_decode_plan_free. */
+void *paged_decode_plan(const int32_t *block_tables, const int32_t *seq_lens, int B, int H,
+                        int Hkv, int D, int max_blocks, int num_threads) {
+    Plan *p = malloc(sizeof *p);
+    if (p == NULL) return NULL;
+    if (plan_make(p, block_tables, seq_lens, B, H, Hkv, D, max_blocks, num_threads)) {
+        free(p);
+        return NULL;
+    }
+    return p;
+}
+
+void paged_decode_plan_free(void *plan) {
+    if (plan == NULL) return;
+    plan_free(plan);
+    free(plan);
+}
+
+/* 0 where paged_decode_part takes this cache with these activations, else -1. */
+int paged_decode_part_ok(int dtype, int kv_dtype, const float *k_scales, const float *v_scales,
+                         int bs) {
+    return kv_unsupported(dtype, kv_dtype, k_scales, v_scales, bs);
+}
+
+/* Thread tid of nth's share of one layer's attention under the plan (made for these rows, heads
+ * and head size), barrier(arg) the team's. */
+void paged_decode_part(const void *plan, const void *q, long q_stride, const void *k_cache,
+                       const void *v_cache, const float *k_scales, const float *v_scales,
+                       const int32_t *block_tables, const int32_t *seq_lens, void *out, int B,
+                       int H, int Hkv, int D, int bs, int max_blocks, float scale, int dtype,
+                       int kv_dtype, int tid, int nth, void (*barrier)(void *), void *arg) {
+    const Job job = {q, k_cache, v_cache, block_tables, seq_lens, out, B, H, Hkv, D, bs,
+                     max_blocks, dtype, q_stride, scale, kv_dtype, k_scales, v_scales};
+    plan_share(plan, &job, tid, nth, barrier, arg);
 }
 
 /* The cache in q's dtype (no scales): what the per-op path and decode_layer.c call. */

@@ -169,46 +169,54 @@ static inline __m512 load16(const void *x, long i, int xdtype) {
 }
 #endif
 
-static void quantize_x(const void *x, long stride, int xdtype, int M, int gs, int off, acts *a,
-                       int nthreads) {
+/* row m of x quantized into a (its codes, block scales, offsets, group sums) */
+static void quantize_row(const void *x, long stride, int xdtype, int m, int gs, int off,
+                         acts *a) {
     const int K = a->K, KB = a->KB, bpg = gs / QB;
-    /* a few rows take well under a microsecond: waking the other threads costs more */
-    if ((long)M * K < QUANTIZE_PARALLEL_MIN) nthreads = 1;
-#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
-    for (int m = 0; m < M; m++) {
-        float gsum = 0.0f;
-        for (int b = 0; b < KB; b++) {
-            const long src = (long)m * stride + (long)b * QB;
-            int qsum;
+    float gsum = 0.0f;
+    for (int b = 0; b < KB; b++) {
+        const long src = (long)m * stride + (long)b * QB;
+        int qsum;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-            const float xs = quantize_block512(load16(x, src, xdtype), load16(x, src + 16, xdtype),
-                                               a->xq + (long)m * K + (long)b * QB, &qsum);
+        const float xs = quantize_block512(load16(x, src, xdtype), load16(x, src + 16, xdtype),
+                                           a->xq + (long)m * K + (long)b * QB, &qsum);
 #else
-            float v[QB];
-            if (xdtype == 0) {
-                memcpy(v, (const float *)x + src, sizeof v);
-            } else {
+        float v[QB];
+        if (xdtype == 0) {
+            memcpy(v, (const float *)x + src, sizeof v);
+        } else {
 #if defined(__AVX2__)
-                for (int j = 0; j < QB; j += 8) { /* bfloat16: the high half of a float32 */
-                    const __m256i h = _mm256_cvtepu16_epi32(
-                        _mm_loadu_si128((const __m128i *)((const uint16_t *)x + src + j)));
-                    _mm256_storeu_ps(v + j, _mm256_castsi256_ps(_mm256_slli_epi32(h, 16)));
-                }
+            for (int j = 0; j < QB; j += 8) { /* bfloat16: the high half of a float32 */
+                const __m256i h = _mm256_cvtepu16_epi32(
+                    _mm_loadu_si128((const __m128i *)((const uint16_t *)x + src + j)));
+                _mm256_storeu_ps(v + j, _mm256_castsi256_ps(_mm256_slli_epi32(h, 16)));
+            }
 #else
-                for (int j = 0; j < QB; j++) v[j] = x_at(x, src + j, 1);
+            for (int j = 0; j < QB; j++) v[j] = x_at(x, src + j, 1);
 #endif
-            }
-            const float xs = quantize_block(v, a->xq + (long)m * K + (long)b * QB, &qsum);
+        }
+        const float xs = quantize_block(v, a->xq + (long)m * K + (long)b * QB, &qsum);
 #endif
-            a->xs[(long)m * KB + b] = xs;
-            a->xo[(long)m * KB + b] = -off * qsum;
-            gsum += xs * (float)qsum;
-            if ((b + 1) % bpg == 0) {
-                a->xsg[(long)m * a->G + b / bpg] = gsum;
-                gsum = 0.0f;
-            }
+        a->xs[(long)m * KB + b] = xs;
+        a->xo[(long)m * KB + b] = -off * qsum;
+        gsum += xs * (float)qsum;
+        if ((b + 1) % bpg == 0) {
+            a->xsg[(long)m * a->G + b / bpg] = gsum;
+            gsum = 0.0f;
         }
     }
+}
+
+static void quantize_x(const void *x, long stride, int xdtype, int M, int gs, int off, acts *a,
+                       int nthreads) {
+    /* a few rows take well under a microsecond: waking the other threads costs more (and so
+     * does an if(0) region) */
+    if ((long)M * a->K < QUANTIZE_PARALLEL_MIN || nthreads < 2) {
+        for (int m = 0; m < M; m++) quantize_row(x, stride, xdtype, m, gs, off, a);
+        return;
+    }
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int m = 0; m < M; m++) quantize_row(x, stride, xdtype, m, gs, off, a);
 }
 
 /* one row's nc results (columns n0..n0+nc) from f, in x's dtype */
@@ -846,127 +854,210 @@ int qgemm_amx_rows(int M) {
     return 0;
 }
 
-/* x_in [M, K] (row stride x_stride) times the packed weight (codes, scale, zero or NULL as in the
- * header; sf: their format there) -> out_ [M, N]. 1: shapes not supported (K or gs not a
- * multiple of 32, float16 minimums with an int8 zero, an unknown sf), 2: no memory. */
-int qgemm_a8(const void *x_in, long x_stride, int xdtype, int M, int K, int N, int bits, int gs,
-             const uint8_t *codes, const void *scale, const void *zero, int sf, void *out,
-             int nthreads) {
-    if (M < 0 || K <= 0 || N < 0 || gs <= 0 || K % QB || gs % QB || K % gs ||
-        (bits != 4 && bits != 8) || (sf == 1 && zero && bits != 4) || sf < 0 || sf > 2)
-        return 1;
-    if (M == 0 || N == 0) return 0;
+/* One call's shapes, weight, output and quantized activations: what its threads share. */
+typedef struct {
+    acts a; /* all M rows */
+    int M, K, N, bits, gs, sf, xdtype;
+    int Mw; /* rows [0, Mw) by whole AMX tiles (0 without AMX), [Mw, M) by the vector tiles */
+    const uint8_t *codes;
+    const void *scale, *zero;
+    void *out;
+#ifdef AMX_ROWS
+    acts t;          /* the AMX rows' codes and scalars regrouped by tile */
+    int8_t *scratch; /* per thread: a panel's signed codes as tile rows */
+    size_t own;      /* bytes of scratch per thread */
+#endif
+} a8call;
+
+/* 1 for shapes qgemm_a8 does not take (K or gs not a multiple of 32, float16 minimums with an
+ * int8 zero, an unknown sf), else 0. */
+static int a8_unsupported(int M, int K, int N, int bits, int gs, int sf, const void *zero) {
+    return M < 0 || K <= 0 || N < 0 || gs <= 0 || K % QB || gs % QB || K % gs ||
+           (bits != 4 && bits != 8) || (sf == 1 && zero && bits != 4) || sf < 0 || sf > 2;
+}
+
+/* The bytes of the quantized activations of M rows of K columns (groups of gs). */
+static size_t acts_bytes(int M, int K, int gs) {
+    return (size_t)M * K + sizeof(float) * (size_t)M * (2 * (K / QB) + K / gs);
+}
+
+/* The quantized activations' arrays for M rows, laid out in buf (acts_bytes of it). */
+static acts acts_in(void *buf, int M, int K, int gs) {
     acts a = {.K = K, .KB = K / QB, .G = K / gs};
-    char *buf = malloc((size_t)M * K + sizeof(float) * (size_t)M * (2 * a.KB + a.G));
-    if (!buf) return 2;
     a.xs = (float *)buf;
     a.xo = (int32_t *)(a.xs + (size_t)M * a.KB);
     a.xsg = (float *)(a.xo + (size_t)M * a.KB);
     a.xq = (int8_t *)(a.xsg + (size_t)M * a.G);
-    quantize_x(x_in, x_stride, xdtype, M, gs, bits == 4 ? 8 : 128, &a, nthreads);
-    const int P = (N + PANEL - 1) / PANEL, G = a.G, bpg = gs / QB;
+    return a;
+}
+
+/* Units [*u0, *u1) of n for thread tid of nth: OpenMP's schedule(static) share (the first
+ * n % nth threads one more). */
+static inline void static_share(int n, int tid, int nth, int *u0, int *u1) {
+    int q = n / nth, t = n % nth;
+    if (tid < t) q++, t = 0;
+    *u0 = q * tid + t;
+    *u1 = *u0 + q;
+}
+
+/* Thread tid of nth's share of a call: its units (panels, or pairs of them) over every pass of
+ * rows, the same units in each; no barrier. *col0, *col1 (where not NULL): the output columns
+ * its units wrote. */
+static void a8_share(const a8call *c, int tid, int nth, long *col0, long *col1) {
+    const acts a = c->a;
+    const int M = c->M, K = c->K, N = c->N, bits = c->bits, sf = c->sf, xdtype = c->xdtype;
+    const int Mw = c->Mw, Mr = M - Mw;
+    const int P = (N + PANEL - 1) / PANEL, G = a.G, bpg = c->gs / QB;
     const long panel_bytes = (long)K * PANEL * bits / 8;
-    /* rows [0, Mw) by whole AMX tiles (none without AMX), rows [Mw, M) by the vector tiles */
-    const int Mw = qgemm_amx_rows(M);
-    const int Mr = M - Mw;
+    const uint8_t *codes = c->codes;
+    const void *scale = c->scale, *zero = c->zero;
     const int rb = qgemm_row_block(K);
     acts r = a; /* the rows past the whole tiles */
     r.xq += (long)Mw * K, r.xs += (long)Mw * a.KB, r.xo += (long)Mw * a.KB;
     r.xsg += (long)Mw * G;
-    void *out_r = (char *)out + (size_t)Mw * N * (xdtype == 0 ? 4 : 2);
+    void *out_r = (char *)c->out + (size_t)Mw * N * (xdtype == 0 ? 4 : 2);
 #ifdef PAIR_MIN_ROWS
     /* whole panels two at a time (the last, or a partial one, alone) */
     const int step = Mr >= PAIR_MIN_ROWS ? 2 : 1, units = (P + step - 1) / step;
 #else
     const int step = 1, units = P;
 #endif
+    int u0, u1;
+    static_share(units, tid, nth, &u0, &u1);
+    if (col0) *col0 = (long)u0 * step * PANEL < N ? (long)u0 * step * PANEL : N;
+    if (col1) *col1 = (long)u1 * step * PANEL < N ? (long)u1 * step * PANEL : N;
 #ifdef AMX_ROWS
-    /* per thread: a panel's signed codes as tile rows (K * 16 bytes); the rows' codes and
-     * scalars regrouped by tile */
-    const size_t own = (size_t)K * PANEL;
-    int8_t *scratch = NULL;
+    int8_t *wb_own = c->scratch ? c->scratch + tid * c->own : NULL;
+    if (Mw) amx_configure();
+#endif
+    /* rows [Mw, M) in passes of rb (the AMX rows in the first); each thread has the same units
+     * in every pass, and no two write the same outputs */
+    for (int c0 = 0; c0 == 0 || c0 < Mr; c0 += rb) {
+        const int mc = Mr - c0 < rb ? Mr - c0 : rb;
+        acts rc = r;
+        rc.xq += (long)c0 * K, rc.xs += (long)c0 * a.KB, rc.xo += (long)c0 * a.KB;
+        rc.xsg += (long)c0 * G;
+        void *out_c = (char *)out_r + (size_t)c0 * N * (xdtype == 0 ? 4 : 2);
+        for (int u = u0; u < u1; u++) {
+            const int p = u * step;
+#ifdef AMX_ROWS
+            for (int q = p; Mw && !c0 && q < p + step && q < P; q++) {
+                const long nq = (long)q * PANEL;
+                amx_unpack(codes + q * panel_bytes, a.KB, bits, wb_own);
+                amx_panel(&c->t, Mw, bpg, wb_own, scale_at(scale, nq * G, sf),
+                          zero ? scale_at(zero, nq * G, sf) : NULL, sf, c->out, N, nq,
+                          N - nq < PANEL ? (int)(N - nq) : PANEL, xdtype);
+            }
+#endif
+            if (!mc) continue;
+#ifdef PAIR_MIN_ROWS
+            const long n0 = (long)p * PANEL;
+            if (step == 2 && N - n0 >= 2 * PANEL) {
+                /* the pair after this one (this thread's next unit: the static schedule gives
+                 * each thread consecutive ones) is asked for while this one computes: at 2-16
+                 * rows a pair's sums take about as long as streaming its weight, and without
+                 * the prefetch the two added up (measured, default model, 2 threads, 256 tokens
+                 * of context: a 5-row verify step 5.9-6.9 -> 4.9-6.1 ms, an 8-row one 8.4-9.8
+                 * -> 6.1-6.3, a batch-16 decode step 13.4-14.8 -> 11.2-11.9; batch 1 and 64
+                 * within noise); into L1 or L2 as qgemm_set_prefetch said */
+                const int pf_next = N - n0 >= 4 * PANEL ? pair_prefetch : 0;
+                panel_pair(&rc, mc, bits, bpg, codes + p * panel_bytes, panel_bytes,
+                           scale_at(scale, (long)p * G * PANEL, sf),
+                           zero ? scale_at(zero, (long)p * G * PANEL, sf) : NULL, sf,
+                           (long)G * PANEL, out_c, N, n0, xdtype, pf_next);
+                continue;
+            }
+#endif
+            for (int q = p; q < p + step && q < P; q++) {
+                const long nq = (long)q * PANEL;
+                const int nc = N - nq < PANEL ? (int)(N - nq) : PANEL;
+                panel(&rc, mc, bits, bpg, codes + q * panel_bytes,
+                      scale_at(scale, (long)q * G * PANEL, sf),
+                      zero ? scale_at(zero, (long)q * G * PANEL, sf) : NULL, sf, out_c, N, nq,
+                      nc, xdtype);
+            }
+        }
+    }
+#ifdef AMX_ROWS
+    if (Mw) _tile_release();
+#endif
+}
+
+/* x_in [M, K] (row stride x_stride) times the packed weight (codes, scale, zero or NULL as in the
+ * header; sf: their format there) -> out_ [M, N]. 1: shapes not supported (a8_unsupported), 2:
+ * no memory. */
+int qgemm_a8(const void *x_in, long x_stride, int xdtype, int M, int K, int N, int bits, int gs,
+             const uint8_t *codes, const void *scale, const void *zero, int sf, void *out,
+             int nthreads) {
+    if (a8_unsupported(M, K, N, bits, gs, sf, zero)) return 1;
+    if (M == 0 || N == 0) return 0;
+    char *buf = malloc(acts_bytes(M, K, gs));
+    if (!buf) return 2;
+    a8call c = {.a = acts_in(buf, M, K, gs), .M = M, .K = K, .N = N, .bits = bits, .gs = gs,
+                .sf = sf, .xdtype = xdtype, .Mw = qgemm_amx_rows(M), .codes = codes,
+                .scale = scale, .zero = zero, .out = out};
+    quantize_x(x_in, x_stride, xdtype, M, gs, bits == 4 ? 8 : 128, &c.a, nthreads);
+#ifdef AMX_ROWS
     char *regrouped = NULL;
-    acts t = a;
-    if (Mw) {
-        regrouped = aligned_alloc(64, (size_t)Mw * K + sizeof(float) * (size_t)Mw * (a.KB + a.G));
-        scratch = aligned_alloc(64, (size_t)nthreads * own);
-        if (!regrouped || !scratch) {
-            free(regrouped), free(scratch), free(buf);
+    c.scratch = NULL, c.own = (size_t)K * PANEL, c.t = c.a;
+    if (c.Mw) {
+        const int Mw = c.Mw;
+        regrouped =
+            aligned_alloc(64, (size_t)Mw * K + sizeof(float) * (size_t)Mw * (c.a.KB + c.a.G));
+        c.scratch = aligned_alloc(64, (size_t)nthreads * c.own);
+        if (!regrouped || !c.scratch) {
+            free(regrouped), free(c.scratch), free(buf);
             return 2;
         }
-        t.xq = (int8_t *)regrouped;
-        t.xs = (float *)(regrouped + (size_t)Mw * K);
-        t.xsg = t.xs + (size_t)Mw * a.KB;
-        amx_regroup(&a, &t, Mw);
+        c.t.xq = (int8_t *)regrouped;
+        c.t.xs = (float *)(regrouped + (size_t)Mw * K);
+        c.t.xsg = c.t.xs + (size_t)Mw * c.a.KB;
+        amx_regroup(&c.a, &c.t, Mw);
     }
 #endif
 #pragma omp parallel num_threads(nthreads)
     {
-#ifdef AMX_ROWS
 #ifdef _OPENMP
-        const int tid = omp_get_thread_num();
+        a8_share(&c, omp_get_thread_num(), omp_get_num_threads(), NULL, NULL);
 #else
-        const int tid = 0;
-#endif
-        int8_t *wb_own = scratch ? scratch + tid * own : NULL;
-        if (Mw) amx_configure();
-#endif
-        /* rows [Mw, M) in passes of rb (the AMX rows in the first); nowait: each thread has the
-         * same units in every pass, and no two write the same outputs */
-        for (int c0 = 0; c0 == 0 || c0 < Mr; c0 += rb) {
-            const int mc = Mr - c0 < rb ? Mr - c0 : rb;
-            acts rc = r;
-            rc.xq += (long)c0 * K, rc.xs += (long)c0 * a.KB, rc.xo += (long)c0 * a.KB;
-            rc.xsg += (long)c0 * G;
-            void *out_c = (char *)out_r + (size_t)c0 * N * (xdtype == 0 ? 4 : 2);
-#pragma omp for schedule(static) nowait
-            for (int u = 0; u < units; u++) {
-                const int p = u * step;
-#ifdef AMX_ROWS
-                for (int q = p; Mw && !c0 && q < p + step && q < P; q++) {
-                    const long nq = (long)q * PANEL;
-                    amx_unpack(codes + q * panel_bytes, a.KB, bits, wb_own);
-                    amx_panel(&t, Mw, bpg, wb_own, scale_at(scale, nq * G, sf),
-                              zero ? scale_at(zero, nq * G, sf) : NULL, sf, out, N, nq,
-                              N - nq < PANEL ? (int)(N - nq) : PANEL, xdtype);
-                }
-#endif
-                if (!mc) continue;
-#ifdef PAIR_MIN_ROWS
-                const long n0 = (long)p * PANEL;
-                if (step == 2 && N - n0 >= 2 * PANEL) {
-                    /* the pair after this one (this thread's next unit: the static schedule gives
-                     * each thread consecutive ones) is asked for while this one computes: at 2-16
-                     * rows a pair's sums take about as long as streaming its weight, and without
-                     * the prefetch the two added up (measured, default model, 2 threads, 256 tokens
-                     * of context: a 5-row verify step 5.9-6.9 -> 4.9-6.1 ms, an 8-row one 8.4-9.8
-                     * -> 6.1-6.3, a batch-16 decode step 13.4-14.8 -> 11.2-11.9; batch 1 and 64
-                     * within noise); into L1 or L2 as qgemm_set_prefetch said */
-                    const int pf_next = N - n0 >= 4 * PANEL ? pair_prefetch : 0;
-                    panel_pair(&rc, mc, bits, bpg, codes + p * panel_bytes, panel_bytes,
-                               scale_at(scale, (long)p * G * PANEL, sf),
-                               zero ? scale_at(zero, (long)p * G * PANEL, sf) : NULL, sf,
-                               (long)G * PANEL, out_c, N, n0, xdtype, pf_next);
-                    continue;
-                }
-#endif
-                for (int q = p; q < p + step && q < P; q++) {
-                    const long nq = (long)q * PANEL;
-                    const int nc = N - nq < PANEL ? (int)(N - nq) : PANEL;
-                    panel(&rc, mc, bits, bpg, codes + q * panel_bytes,
-                          scale_at(scale, (long)q * G * PANEL, sf),
-                          zero ? scale_at(zero, (long)q * G * PANEL, sf) : NULL, sf, out_c, N, nq,
-                          nc, xdtype);
-                }
-            }
-        }
-#ifdef AMX_ROWS
-        if (Mw) _tile_release();
+        a8_share(&c, 0, 1, NULL, NULL);
 #endif
     }
 #ifdef AMX_ROWS
-    free(scratch), free(regrouped);
+    free(c.scratch), free(regrouped);
 #endif
     free(buf);
     return 0;
+}
+
+/* For decode_layer.c's threads, which run a whole step in one parallel region (its "team"):
+ * qgemm_a8 in parts, with no region of its own and no barrier. The vector tiles only (no AMX
+ * rows: the team runs where qgemm_amx_rows is 0); the same sums, so the same bits. */
+
+/* 0 where qgemm_a8 takes these shapes with M rows through the vector tiles alone, else 1. */
+int qgemm_a8_team_ok(int M, int K, int N, int bits, int gs, int sf, const void *zero) {
+    return a8_unsupported(M, K, N, bits, gs, sf, zero) || qgemm_amx_rows(M) != 0;
+}
+
+/* Bytes of the buffer that M rows of K columns quantize into (groups of gs). */
+long qgemm_a8_bytes(int M, int K, int gs) { return (long)acts_bytes(M, K, gs); }
+
+/* Rows [m0, m1) of x_in [M, K] quantized into buf (qgemm_a8_bytes of it, laid out for M rows),
+ * on the calling thread. */
+void qgemm_a8_quantize(const void *x_in, long x_stride, int xdtype, int M, int K, int bits,
+                       int gs, void *buf, int m0, int m1) {
+    acts a = acts_in(buf, M, K, gs);
+    for (int m = m0; m < m1; m++)
+        quantize_row(x_in, x_stride, xdtype, m, gs, bits == 4 ? 8 : 128, &a);
+}
+
+/* Thread tid of nth's panels of out [M, N] = (buf's quantized x) @ W.T, as qgemm_a8's thread
+ * tid would compute them; *col0, *col1: the columns it wrote. The caller's barrier follows. */
+void qgemm_a8_part(const void *buf, int xdtype, int M, int K, int N, int bits, int gs,
+                   const uint8_t *codes, const void *scale, const void *zero, int sf, void *out,
+                   int tid, int nth, long *col0, long *col1) {
+    const a8call c = {.a = acts_in((void *)buf, M, K, gs), .M = M, .K = K, .N = N, .bits = bits,
+                      .gs = gs, .sf = sf, .xdtype = xdtype, .Mw = 0, .codes = codes,
+                      .scale = scale, .zero = zero, .out = out};
+    a8_share(&c, tid, nth, col0, col1);
 }

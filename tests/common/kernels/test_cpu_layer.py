@@ -25,25 +25,26 @@ CONTEXTS = [5, 17, 30]  # tokens already cached per sequence (different lengths,
 
 def _runner(
     hf_model, mode: str, dtype: str, kv_cache_dtype: str = "auto", kernel: str = "c",
-    activations: str = "float",
+    activations: str = "float", kv_cache_memory: str = "8MiB",
 ):  # fmt: skip
     # float activations: with int8 ones (auto) batches of 2+ take cpu_quant's a8, not the C layer;
     # the kernel forced to "c": a measured choice (auto) may pick another on a busy or portable
     # build, and the C decode layers run only where every projection takes "c"
     config = EngineConfig(
-        model="tiny", dtype=dtype, kv_cache_memory="8MiB", block_size=BLOCK, quantization=mode,
+        model="tiny", dtype=dtype, kv_cache_memory=kv_cache_memory, block_size=BLOCK,
+        quantization=mode,
         cpu_activations=activations, kv_cache_dtype=kv_cache_dtype, kernel_choice=kernel,
     )  # fmt: skip
     return Engine(config, hf_model.config, hf_model.state_dict().items()).runner
 
 
-def _prefill_then_decode_inputs(runner, new_tokens: int = 1):
+def _prefill_then_decode_inputs(runner, new_tokens: int = 1, contexts=CONTEXTS):
     """Prefill every sequence's context (per-op path), then the inputs of the next step:
     `new_tokens` per sequence (1: a decode step; more: as a verify step has)."""
     gen = torch.Generator().manual_seed(0)
     rows, decode = [], []
     next_block = 0
-    for ctx in CONTEXTS:
+    for ctx in contexts:
         blocks = list(range(next_block, next_block + (ctx + new_tokens) // BLOCK + 1))
         next_block += len(blocks)
         tokens = torch.randint(0, 250, (ctx + new_tokens,), generator=gen).tolist()
@@ -358,3 +359,190 @@ def test_a_few_rows_per_sequence_attend_causally_in_the_c_layers(
     for attn, (k, v) in zip(_attns(runner), caches):  # rotary in C vs the per-op prefill's
         assert torch.allclose(attn.k_cache, k, atol=1e-5)
         assert torch.allclose(attn.v_cache, v, atol=1e-5)
+
+
+# ---- the team: a step's layers in one OpenMP region (csrc/decode_layer.c, "The team") ----
+
+
+@pytest.fixture
+def two_threads():
+    """The team needs threads to share the work: two, whatever the host has (a one-core host
+    oversubscribes, which the barrier's short spin then sleeps through)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+def _team_steps() -> int:
+    return cpu_layer._LIB.get().decode_layers_team_steps()
+
+
+def _team_and_regions(runner, inputs, monkeypatch):
+    """(output, K/V caches, team steps run) with the team, then the same without: each time
+    from the caches as they were (the step writes the same slots)."""
+    monkeypatch.setattr(cpu_layer, "enabled", True)
+    results = []
+    for rows in (cpu_layer.TEAM_ROWS, 0):
+        monkeypatch.setattr(cpu_layer, "team_rows", rows)
+        before = _team_steps()
+        with torch.inference_mode():
+            out = runner.model(*inputs)
+        caches = [(a.k_cache.clone(), a.v_cache.clone()) for a in _attns(runner)]
+        results.append((out, caches, _team_steps() - before))
+    return results
+
+
+# (contexts, new tokens per sequence): 3 sequences' decode step, a lone sequence's 5-row verify
+# (both: the row-wise steps shared out by rows) and one row (every thread does them itself)
+TEAM_SHAPES = [(CONTEXTS, 1), ([40], 5), ([300], 1)]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("mode", ["int4", "int8"])
+def test_the_team_gives_the_bits_of_one_region_per_op(
+    tiny_model, mode, dtype, two_threads, monkeypatch
+) -> None:
+    """Every family (bias, q/k norm, rope scaling, tied heads), int4 and int8, float32 and
+    bfloat16, at 1, 3 and 5 rows: the team's hidden states and K/V writes equal, to the bit,
+    those of the C layers with a region per projection and attention (which the tests above hold
+    equal to the per-op path), and the team really ran them."""
+    family, hf_model, _ = tiny_model
+    runner = _runner(hf_model, mode, dtype, kernel="a8", activations="int8")
+    for contexts, new_tokens in TEAM_SHAPES:
+        inputs = _prefill_then_decode_inputs(runner, new_tokens, contexts)
+        assert inputs[0].shape[0] <= cpu_layer.TEAM_ROWS
+        (team, team_kv, ran), (regions, regions_kv, none) = _team_and_regions(
+            runner, inputs, monkeypatch
+        )
+        assert (ran, none) == (1, 0), (family, contexts)
+        assert torch.equal(team, regions), (family, contexts, (team - regions).abs().max())
+        for (k, v), (k2, v2) in zip(team_kv, regions_kv):
+            assert torch.equal(k, k2) and torch.equal(v, v2), (family, contexts)
+
+
+@pytest.fixture(scope="module")
+def long_llama():
+    """A tiny Llama with positions past the attention's 512-token parts."""
+    from tests.tiny_models import random_model, tiny_config
+
+    return random_model(tiny_config("llama", max_position_embeddings=1024), 0)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "fp8"])
+def test_the_team_merges_long_attention_and_writes_8bit_caches_as_the_regions(
+    long_llama, kv_cache_dtype, dtype, two_threads, monkeypatch
+) -> None:
+    """Sequences past 512 tokens (the attention's parts merged after a barrier of the team's),
+    one row and two sequences, with the cache in the activations' dtype or 8-bit (quantized by
+    the rows' threads): the same bits as one region per op."""
+    from common.kernels import kv_quant
+
+    if kv_cache_dtype == "fp8" and kv_quant.FP8 is None:
+        pytest.skip("no float8_e4m3fn in this torch")
+    runner = _runner(
+        long_llama, "int4", dtype, kv_cache_dtype, kernel="a8", activations="int8",
+        kv_cache_memory="32MiB",
+    )  # fmt: skip
+    for contexts in ([700], [600, 40]):
+        inputs = _prefill_then_decode_inputs(runner, 1, contexts)
+        (team, team_kv, ran), (regions, regions_kv, _) = _team_and_regions(
+            runner, inputs, monkeypatch
+        )
+        assert ran == 1
+        assert torch.equal(team, regions), (contexts, (team - regions).abs().max())
+        for (k, v), (k2, v2) in zip(team_kv, regions_kv):
+            assert torch.equal(k.view(torch.uint8), k2.view(torch.uint8))
+            assert torch.equal(v.view(torch.uint8), v2.view(torch.uint8))
+        if kv_cache_dtype != "auto":
+            assert runner.kv_scales is not None
+
+
+def test_the_team_runs_only_where_it_applies(tiny_llama, two_threads, monkeypatch) -> None:
+    """Up to TEAM_ROWS rows with every projection on the a8 GEMM; not past TEAM_ROWS, not with
+    float activations (the C kernel's projections), not on one thread, not switched off."""
+    hf_model, _ = tiny_llama
+    monkeypatch.setattr(cpu_layer, "enabled", True)
+
+    def ran(runner, contexts, new_tokens=1) -> int:
+        inputs = _prefill_then_decode_inputs(runner, new_tokens, contexts)
+        before = _team_steps()
+        with torch.inference_mode():
+            runner.model(*inputs)
+        assert _stack_in_use(runner)
+        return _team_steps() - before
+
+    a8 = _runner(hf_model, "int4", "float32", kernel="a8", activations="int8")
+    assert ran(a8, [20] * cpu_layer.TEAM_ROWS) == 1
+    assert ran(a8, [20] * (cpu_layer.TEAM_ROWS + 1)) == 0
+    monkeypatch.setattr(cpu_layer, "team_rows", 0)
+    assert ran(a8, [20]) == 0
+    monkeypatch.setattr(cpu_layer, "team_rows", cpu_layer.TEAM_ROWS)
+    torch.set_num_threads(1)
+    assert ran(a8, [20]) == 0
+    torch.set_num_threads(2)
+    c = _runner(hf_model, "int4", "float32", kernel="c", activations="float")
+    assert ran(c, [20]) == 0
+
+
+def test_a_failure_on_one_thread_stops_the_whole_team(tiny_llama, two_threads, monkeypatch):
+    """A slot past the cache on the last row only (the second thread's, rows shared out): every
+    thread leaves at the same barrier (no hang) and the call fails as the regions' path does,
+    with the same layer and code."""
+    hf_model, _ = tiny_llama
+    runner = _runner(hf_model, "int4", "float32", kernel="a8", activations="int8")
+    ids, pos, meta = _prefill_then_decode_inputs(runner)
+    meta.slot_mapping[-1] = runner.kv_cache.shape[2] * 10**6  # past every layer's slots
+    monkeypatch.setattr(cpu_layer, "enabled", True)
+    messages = []
+    for rows in (cpu_layer.TEAM_ROWS, 0):
+        monkeypatch.setattr(cpu_layer, "team_rows", rows)
+        before = _team_steps()
+        with torch.inference_mode(), pytest.raises(RuntimeError) as failed:
+            runner.model(ids, pos, meta)
+        assert _team_steps() - before == (1 if rows else 0)
+        messages.append(str(failed.value))
+    assert messages[0] == messages[1]
+    assert "layer 0 (code 4" in messages[0]
+
+
+_SLEEPING_TEAM = """
+import sys, torch
+sys.path.insert(0, {root!r})
+from tests.common.kernels import test_cpu_layer as t
+from tests.tiny_models import random_model, tiny_config
+from common.kernels import cpu_layer
+torch.set_num_threads(2)
+runner = t._runner(random_model(tiny_config("llama"), 0), "int4", "float32", kernel="a8",
+                   activations="int8")
+inputs = t._prefill_then_decode_inputs(runner, 5, [40])
+outs = []
+for rows in (cpu_layer.TEAM_ROWS, 0, cpu_layer.TEAM_ROWS):
+    cpu_layer.team_rows = rows
+    for _ in range(20):
+        with torch.inference_mode():
+            out = runner.model(*inputs)
+    outs.append(out)
+assert t._team_steps() == 40, t._team_steps()
+assert all(torch.equal(o, outs[1]) for o in outs)
+print("ok")
+"""
+
+
+def test_a_team_that_never_spins_sleeps_and_wakes_on_its_futex(tmp_path) -> None:
+    """GOMP_SPINCOUNT=0 (as libgomp, the team's barrier then sleeps at once): every wait goes
+    through the futex and its wake, in a process of its own (the count is read once). 40 steps,
+    the same bits as the regions'."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).parents[3])
+    env = {**os.environ, "GOMP_SPINCOUNT": "0", "PYTHONPATH": root}
+    run = subprocess.run(
+        [sys.executable, "-c", _SLEEPING_TEAM.format(root=root)], env=env, capture_output=True,
+        text=True, timeout=300, cwd=tmp_path,
+    )  # fmt: skip
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-3000:]
