@@ -67,11 +67,12 @@ DENSE_FLOOR_ROWS = 64
 # Steps of up to this many rows whose projections all take the a8 GEMM run their layers in one
 # OpenMP region, the threads meeting at the C code's own barrier (csrc/decode_layer.c, "The
 # team"); 0 (or PDSERVE_CPU_TEAM=0) runs each projection and attention in a region of its own.
-# Read per call. The same bits either way. Measured (default model, 2 threads, 256 tokens of
-# context, forwards alternated in one process, medians), team time against the regions': 1 row
-# 0.944-0.969x, 2 rows 0.930, 5 rows 0.932, 8 rows 0.955-0.975, 4 sequences 0.929, 8 sequences
-# 0.973-0.981; 16 sequences 0.987-1.028 and 32 0.993, no gain, hence 8.
-TEAM_ROWS = 8
+# Read per call. The same bits either way. Measured on a 2-core AMD EPYC (Zen 4), default model,
+# 2 threads, 256-token prompts, medians, team time against the regions': whole engine steps
+# alternated one by one, 1 sequence 0.971-0.975x, 4 sequences 0.967, 8 0.960, 16 0.980; the
+# model's forward alone alternated, 1 row 0.944-0.969, a 5-row verify 0.932, 8 rows 0.955-0.975,
+# 16 sequences 0.987-1.028, 32 sequences 0.993 (not taken).
+TEAM_ROWS = 16
 team_rows = TEAM_ROWS if os.environ.get("PDSERVE_CPU_TEAM", "1") != "0" else 0
 _FUSED_PATHS = ("c", "a8", "amxbf16", "amx4")  # the cpu_quant paths the C layers run projections by
 _p, _i, _f, _l = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_long
