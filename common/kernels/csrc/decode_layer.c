@@ -264,14 +264,6 @@ typedef struct {
     long spins;
 } Barrier;
 
-static inline void relax(void) {
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_ia32_pause();
-#else
-    __asm__ volatile("" : : : "memory");
-#endif
-}
-
 /* GOMP_SPINCOUNT's number (a k, M, G or T suffix multiplies by powers of 1,000; "infinite"),
  * else by OMP_WAIT_POLICY (active: for ever, passive: 0), else 300,000: libgomp's rules. */
 static long libgomp_spins(void) {
@@ -325,7 +317,7 @@ static int team_wait(Barrier *b, int err) {
     for (long i = 0; i < b->spins; i++) {
         if (__atomic_load_n(&b->gen, __ATOMIC_ACQUIRE) != g)
             return __atomic_load_n(&b->err[g & 1], __ATOMIC_RELAXED);
-        relax();
+        cpu_relax();
     }
     __atomic_add_fetch(&b->sleepers, 1, __ATOMIC_SEQ_CST);
     while (__atomic_load_n(&b->gen, __ATOMIC_SEQ_CST) == g) {

@@ -6,15 +6,9 @@
  */
 #include <time.h>
 
-static volatile int word = 0; /* never set: every load says "keep waiting" */
+#include "vecmath.h" /* cpu_relax */
 
-static inline void relax(void) {
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_ia32_pause();
-#else
-    __asm__ volatile("" : : : "memory");
-#endif
-}
+static volatile int word = 0; /* never set: every load says "keep waiting" */
 
 /* *ns = nanoseconds per iteration over `spins` of them. Returns 0, or 1 for spins < 1. */
 int spin_ns(long spins, double *ns) {
@@ -23,7 +17,7 @@ int spin_ns(long spins, double *ns) {
     clock_gettime(CLOCK_MONOTONIC, &a);
     for (long i = 0; i < spins; i++) {
         if (__atomic_load_n(&word, __ATOMIC_RELAXED)) break;
-        relax();
+        cpu_relax();
     }
     clock_gettime(CLOCK_MONOTONIC, &b);
     *ns = ((double)(b.tv_sec - a.tv_sec) * 1e9 + (double)(b.tv_nsec - a.tv_nsec)) / (double)spins;

@@ -1,5 +1,6 @@
 /* Float helpers shared by the C kernels (included, so each file inlines them): bfloat16
- * conversions as torch rounds, float16 to float32, and an exp that vectorises. Part of every
+ * conversions as torch rounds, float16 to float32, an exp that vectorises; and the pause of a
+ * spin-wait loop. Part of every
  * kernel's build key (common/kernels/cbuild.py hashes every .h next to the sources) and of its ISA
  * level choice (an __AVX512VNNI__ test here would count for every source).
  */
@@ -9,6 +10,15 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+
+/* One spin-wait iteration's pause: x86's pause (as libgomp's), a compiler barrier elsewhere. */
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#else
+    __asm__ volatile("" : : : "memory");
+#endif
+}
 
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t u = ((uint32_t)h) << 16;
