@@ -183,6 +183,9 @@ SELECT = (
     "not float_mode and not model_forward and not engine and not run_batch and not default_model"
     " and not handoff and not int4pack] and not int8pack] and not dequant] and not a8]"
     " and not (per_op_path and (mistral or rope-scaled or qwen2))"
+    # the team's matrix once per level: its C parts are the level's kernels, tested above
+    " and not (the_team_gives and not llama-int4-float32]) and not never_spins"
+    " and not (the_team_merges and not auto-float32])"
 )
 CHILD = """
 import json, sys

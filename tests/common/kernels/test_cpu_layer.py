@@ -464,6 +464,8 @@ def test_the_team_runs_only_where_it_applies(tiny_llama, two_threads, monkeypatc
     float activations (the C kernel's projections), not on one thread, not switched off."""
     hf_model, _ = tiny_llama
     monkeypatch.setattr(cpu_layer, "enabled", True)
+    # whatever PDSERVE_CPU_TEAM says
+    monkeypatch.setattr(cpu_layer, "team_rows", cpu_layer.TEAM_ROWS)
 
     def ran(runner, contexts, new_tokens=1) -> int:
         inputs = _prefill_then_decode_inputs(runner, new_tokens, contexts)
