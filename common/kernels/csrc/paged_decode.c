@@ -5,7 +5,8 @@
  * sequences, each walking its cache rows once for all its kv heads (paged_decode_whole);
  * hand-vectorised with AVX2 for 1-4 query heads per kv head and head dims 64 and 128
  * (attend_part_avx2; attend_part_avx512 in AVX-512 builds). Compiled on first use by
- * common/cpu_attention.py.
+ * common/cpu_attention.py. The work's cut is planned before the threads start (plan_make), so
+ * decode_layer.c's team can share one plan over a step's layers (paged_decode_part).
  *
  * Layouts: q [B, H, D] with row stride q_stride (elements); k_cache, v_cache [N, bs, Hkv, D];
  * block_tables [B, max_blocks] int32; seq_lens [B] int32; out [B, H, D] contiguous.

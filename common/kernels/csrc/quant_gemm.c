@@ -1,7 +1,7 @@
 /* Batched quantized matmul with int8 activations (W4A8, W8A8) for the CPU: out[M, N] = x[M, K] @ W.T
  * for M from 2 to a few hundred rows (decode batches, small prefills). Compiled on first use by
  * common/kernels/cpu_qgemm.py, which also repacks the weight into the panel layout below; entry
- * points `qgemm_a8` and `qgemm_isa` (at the end).
+ * points `qgemm_a8` and `qgemm_isa`, and qgemm_a8's parts for decode_layer.c's team (at the end).
  *
  * Activations: each row of x is quantized per block of 32 columns (as llama.cpp's Q8_0):
  *   xs = max|x_j| / 127, xq_j = round(x_j / xs) (nearest even), so x_j ~ xs * xq_j, |xq_j| <= 127.
