@@ -165,7 +165,7 @@ class DecodeLayers:
         if stack is None:
             return None
         step = _step(meta, positions, cos, sin, x)
-        step.team_rows = team_rows
+        step.team_rows = team_rows  # read per call: the step's struct is kept
         out = torch.empty_like(x)
         rc = _LIB.get().decode_layers(stack, num_layers, step, x.data_ptr(), out.data_ptr())
         if rc != 0:
@@ -306,7 +306,7 @@ def _step(
     step = _Step(
         positions.data_ptr(), slots.data_ptr(), cos.data_ptr(), sin.data_ptr(), tables.data_ptr(),
         lens.data_ptr(), cos.shape[0], x.shape[0], tables.shape[1], _DTYPES[x.dtype],
-        torch.get_num_threads(), team_rows,
+        torch.get_num_threads(),
     )  # fmt: skip
     key = (positions, cos, sin, x.dtype, x.shape[0])
     meta.__dict__["_cpu_layer_step"] = (key, step, (tables, lens, slots))

@@ -69,7 +69,7 @@ int dense_amx(const uint16_t *x, long x_stride, int M, int K, int N, const uint1
 int dense_amx_q4(const uint16_t *x, long x_stride, int M, int K, int N, const uint8_t *codes,
                  const float *scale, const float *zero, int group, uint16_t *out, int nthreads);
 /* the team's parts (quant_gemm.c, paged_decode.c: see there) */
-int qgemm_a8_team_ok(int M, int K, int N, int bits, int gs, int sf, const void *zero);
+int qgemm_a8_team_unsupported(int M, int K, int N, int bits, int gs, int sf, const void *zero);
 long qgemm_a8_bytes(int M, int K, int gs);
 void qgemm_a8_quantize(const void *x_in, long x_stride, int xdtype, int M, int K, int bits,
                        int gs, void *buf, int m0, int m1);
@@ -79,8 +79,8 @@ void qgemm_a8_part(const void *buf, int xdtype, int M, int K, int N, int bits, i
 void *paged_decode_plan(const int32_t *block_tables, const int32_t *seq_lens, int B, int H,
                         int Hkv, int D, int max_blocks, int num_threads);
 void paged_decode_plan_free(void *plan);
-int paged_decode_part_ok(int dtype, int kv_dtype, const float *k_scales, const float *v_scales,
-                         int bs);
+int paged_decode_part_unsupported(int dtype, int kv_dtype, const float *k_scales,
+                                  const float *v_scales, int bs);
 void paged_decode_part(const void *plan, const void *q, long q_stride, const void *k_cache,
                        const void *v_cache, const float *k_scales, const float *v_scales,
                        const int32_t *block_tables, const int32_t *seq_lens, void *out, int B,
@@ -130,16 +130,17 @@ static int store_kv_converted(const Layer *L, const Step *s, const void *qkv, in
                          L->v_scales, L->kv_dtype);
 }
 
-/* out [T, n] += bias [n], rounded to dtype as torch's `out + bias` rounds. */
-static void add_bias(void *out, const void *bias, int T, int n, int dtype) {
+/* out [T, n] columns [c0, c1) += bias [n], rounded to dtype as torch's `out + bias` rounds. */
+static void add_bias(void *out, const void *bias, int T, int n, long c0, long c1, int dtype) {
     for (int t = 0; t < T; t++) {
         if (dtype == 0) {
             float *o = (float *)out + (long)t * n;
-            for (int i = 0; i < n; i++) o[i] += ((const float *)bias)[i];
+            for (long i = c0; i < c1; i++) o[i] += ((const float *)bias)[i];
         } else {
             uint16_t *o = (uint16_t *)out + (long)t * n;
             const uint16_t *b = (const uint16_t *)bias;
-            for (int i = 0; i < n; i++) o[i] = f32_to_bf16(bf16_to_f32(o[i]) + bf16_to_f32(b[i]));
+            for (long i = c0; i < c1; i++)
+                o[i] = f32_to_bf16(bf16_to_f32(o[i]) + bf16_to_f32(b[i]));
         }
     }
 }
@@ -157,7 +158,7 @@ static int project(const Proj *p, const Step *s, const void *x, void *out) {
     else
         rc = quant_matmul(x, p->k, s->dtype, s->tokens, p->k, p->n, p->bits, p->group_size,
                           p->qweight, p->scale, p->zero, p->sdtype, out, s->threads);
-    if (rc == 0 && p->bias != NULL) add_bias(out, p->bias, s->tokens, p->n, s->dtype);
+    if (rc == 0 && p->bias != NULL) add_bias(out, p->bias, s->tokens, p->n, 0, p->n, s->dtype);
     return rc;
 }
 
@@ -289,7 +290,8 @@ static long libgomp_spins(void) {
 }
 
 static long team_spins(int threads) {
-    static long spins = -1; /* read once, as libgomp reads its own at load; a race writes the same */
+    /* read once, as libgomp reads its own at load; a race writes the same */
+    static long spins = -1;
     if (spins < 0) spins = libgomp_spins();
 #ifdef __linux__
     cpu_set_t set;
@@ -336,7 +338,7 @@ static void team_barrier(void *b) { team_wait(b, 0); }
 typedef struct {
     const Layer *L;
     const Step *s;
-    int count, threads;
+    int count;
     void *x, *out, *tmp;
     char *qkv, *attn, *o; /* shared: [T, width], [T, H * D], [T, hidden] */
     char *gate_up;        /* shared: [T, 2 * intermediate] */
@@ -350,29 +352,6 @@ typedef struct {
     int rc;     /* the first failure's code, as decode_layers returns it */
 } Team;
 
-/* Rows [*r0, *r1) of T for thread tid of nth (OpenMP's static share). */
-static inline void rows_of(int T, int tid, int nth, int *r0, int *r1) {
-    int q = T / nth, t = T % nth;
-    if (tid < t) q++, t = 0;
-    *r0 = q * tid + t;
-    *r1 = *r0 + q;
-}
-
-/* out [T, n] columns [c0, c1) += bias, as add_bias rounds */
-static void add_bias_cols(void *out, const void *bias, int T, int n, long c0, long c1,
-                          int dtype) {
-    for (int t = 0; t < T; t++) {
-        if (dtype == 0) {
-            float *o = (float *)out + (long)t * n;
-            for (long i = c0; i < c1; i++) o[i] += ((const float *)bias)[i];
-        } else {
-            uint16_t *o = (uint16_t *)out + (long)t * n;
-            const uint16_t *b = (const uint16_t *)bias;
-            for (long i = c0; i < c1; i++) o[i] = f32_to_bf16(bf16_to_f32(o[i]) + bf16_to_f32(b[i]));
-        }
-    }
-}
-
 /* Rows [q0, q1) of x [T, p->k], the projection's input, quantized into buf. */
 static inline void quantize_rows(const Proj *p, const Step *s, const void *x, void *buf, int q0,
                                  int q1) {
@@ -385,7 +364,7 @@ static void project_part(const Proj *p, const Step *s, const void *buf, void *ou
     long c0, c1;
     qgemm_a8_part(buf, s->dtype, s->tokens, p->k, p->n, p->bits, p->group_size, p->qweight,
                   p->scale, p->zero, p->sdtype, out, tid, nth, &c0, &c1);
-    if (p->bias != NULL && c1 > c0) add_bias_cols(out, p->bias, s->tokens, p->n, c0, c1, s->dtype);
+    if (p->bias != NULL && c1 > c0) add_bias(out, p->bias, s->tokens, p->n, c0, c1, s->dtype);
 }
 
 /* Code as decode_layer returns it, for layer i's stage and its function's rc. */
@@ -406,7 +385,7 @@ static void team_run(Team *tm, int tid, int nth) {
     const int hidden = tm->L[0].hidden, inter = tm->L[0].intermediate;
     /* the rows this thread computes the row-wise steps of: all of them, or its share */
     int q0 = 0, q1 = T, r0, r1;
-    rows_of(T, tid, nth, &r0, &r1);
+    static_share(T, tid, nth, &r0, &r1);
     if (split) q0 = r0, q1 = r1;
     const int mine = q1 - q0;
     char *res, *h, *act, *buf;
@@ -511,14 +490,14 @@ static int team_applies(const Layer *L, int count, const Step *s) {
         if (l->hidden != L[0].hidden || l->heads != L[0].heads ||
             l->kv_heads != L[0].kv_heads || l->head_dim != L[0].head_dim ||
             l->intermediate != L[0].intermediate ||
-            paged_decode_part_ok(s->dtype, l->kv_dtype, l->k_scales, l->v_scales,
-                                 l->block_size))
+            paged_decode_part_unsupported(s->dtype, l->kv_dtype, l->k_scales, l->v_scales,
+                                          l->block_size))
             return 0;
         const Proj *ps[4] = {&l->qkv, &l->o, &l->gate_up, &l->down};
         for (int j = 0; j < 4; j++)
-            if (ps[j]->a8 != 1 || qgemm_a8_team_ok(s->tokens, ps[j]->k, ps[j]->n, ps[j]->bits,
-                                                   ps[j]->group_size, ps[j]->sdtype,
-                                                   ps[j]->zero))
+            if (ps[j]->a8 != 1 ||
+                qgemm_a8_team_unsupported(s->tokens, ps[j]->k, ps[j]->n, ps[j]->bits,
+                                          ps[j]->group_size, ps[j]->sdtype, ps[j]->zero))
                 return 0;
     }
     return 1;
@@ -558,7 +537,7 @@ static int team_layers(const Layer *L, int count, const Step *s, void *x, void *
         paged_decode_plan_free(plan);
         return -1;
     }
-    Team tm = {.L = L, .s = s, .count = count, .threads = nth, .x = x, .out = out, .plan = plan,
+    Team tm = {.L = L, .s = s, .count = count, .x = x, .out = out, .plan = plan,
                .own_bytes = own, .split = split, .rc = 0};
     tm.qkv = mem, tm.attn = tm.qkv + A64(T * width * elem);
     tm.o = tm.attn + A64(T * H * D * elem), tm.tmp = tm.o + A64(T * hidden * elem);

@@ -1044,6 +1044,8 @@ int paged_decode_whole(int B, int H, int Hkv, int D, int max_len, int num_thread
  * layers can share one (decode_layer.c's team does). */
 typedef struct {
     int threads, splits, units, pairs, interleave, whole;
+    int rows_g, most; /* rows of a unit (a group's, a whole sequence's kv heads, or 1); a part's
+                       * most tokens */
     size_t stride, share, rows_f;
     int *first;      /* group i's first row (first[groups] = B), or NULL */
     float *partial;  /* the parts' acc, m, l (splits > 1), or NULL */
@@ -1129,8 +1131,8 @@ static int plan_make(Plan *p, const int32_t *block_tables, const int32_t *seq_le
         free(first);
         return -2;
     }
-    *p = (Plan){num_threads, splits, units, pairs, interleave, whole, stride, share, rows_f,
-                first, partial, scratch};
+    *p = (Plan){num_threads, splits, units, pairs, interleave, whole, rows_g, most, stride, share,
+                rows_f, first, partial, scratch};
     return 0;
 }
 
@@ -1144,18 +1146,15 @@ static void plan_share(const Plan *p, const Job *j, int tid, int nth, void (*bar
     if (tid < active) {
         long *srow = (long *)(p->scratch + p->share * tid);
         float *scores = (float *)srow + p->rows_f;
-        const int rows_g = p->first ? GROUP_ROWS : p->whole ? j->Hkv : 1;
-        const int most = (int)(p->rows_f / (sizeof(long) / sizeof(float)));
-        float *qf = scores + (size_t)rows_g * G * most;
-        float *acc = qf + (size_t)rows_g * G * D;
-        float *row = acc + (size_t)rows_g * G * (D + 2);
+        float *qf = scores + (size_t)p->rows_g * G * p->most;
+        float *acc = qf + (size_t)p->rows_g * G * D;
+        float *row = acc + (size_t)p->rows_g * G * (D + 2);
         float ml[128];
         /* dealt in turn (interleave), or in contiguous shares: OpenMP's static schedules */
         int u0 = tid, u1 = units, du = active;
         if (!p->interleave) {
-            int q = units / active, t = units % active;
-            if (tid < t) q++, t = 0;
-            u0 = q * tid + t, u1 = u0 + q, du = 1;
+            static_share(units, tid, active, &u0, &u1);
+            du = 1;
         }
         for (int unit = u0; unit < u1; unit += du)
             one_unit(j, unit, splits, p->first, p->whole, p->partial, p->stride, scores, qf, acc,
@@ -1163,9 +1162,8 @@ static void plan_share(const Plan *p, const Job *j, int tid, int nth, void (*bar
         if (splits > 1) barrier(arg);
         if (splits > 1) {
             /* the merge, in part order, each thread's contiguous share of the pairs; in its acc */
-            int q = p->pairs / active, t = p->pairs % active;
-            if (tid < t) q++, t = 0;
-            const int p0 = q * tid + t, p1 = p0 + q;
+            int p0, p1;
+            static_share(p->pairs, tid, active, &p0, &p1);
             for (int pair = p0; pair < p1; pair++) {
                 const float *first = p->partial + p->stride * (size_t)pair * splits;
                 const int real = (j->seq_lens[pair / j->Hkv] + SPLIT_TOKENS - 1) / SPLIT_TOKENS;
@@ -1267,9 +1265,9 @@ void paged_decode_plan_free(void *plan) {
     free(plan);
 }
 
-/* 0 where paged_decode_part takes this cache with these activations, else -1. */
-int paged_decode_part_ok(int dtype, int kv_dtype, const float *k_scales, const float *v_scales,
-                         int bs) {
+/* -1 where paged_decode_part cannot take this cache with these activations, else 0. */
+int paged_decode_part_unsupported(int dtype, int kv_dtype, const float *k_scales,
+                                  const float *v_scales, int bs) {
     return kv_unsupported(dtype, kv_dtype, k_scales, v_scales, bs);
 }
 

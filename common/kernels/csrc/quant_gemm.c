@@ -891,15 +891,6 @@ static acts acts_in(void *buf, int M, int K, int gs) {
     return a;
 }
 
-/* Units [*u0, *u1) of n for thread tid of nth: OpenMP's schedule(static) share (the first
- * n % nth threads one more). */
-static inline void static_share(int n, int tid, int nth, int *u0, int *u1) {
-    int q = n / nth, t = n % nth;
-    if (tid < t) q++, t = 0;
-    *u0 = q * tid + t;
-    *u1 = *u0 + q;
-}
-
 /* Thread tid of nth's share of a call: its units (panels, or pairs of them) over every pass of
  * rows, the same units in each; no barrier. *col0, *col1 (where not NULL): the output columns
  * its units wrote. */
@@ -1034,8 +1025,9 @@ int qgemm_a8(const void *x_in, long x_stride, int xdtype, int M, int K, int N, i
  * qgemm_a8 in parts, with no region of its own and no barrier. The vector tiles only (no AMX
  * rows: the team runs where qgemm_amx_rows is 0); the same sums, so the same bits. */
 
-/* 0 where qgemm_a8 takes these shapes with M rows through the vector tiles alone, else 1. */
-int qgemm_a8_team_ok(int M, int K, int N, int bits, int gs, int sf, const void *zero) {
+/* 1 where qgemm_a8 cannot take these shapes with M rows through the vector tiles alone,
+ * else 0. */
+int qgemm_a8_team_unsupported(int M, int K, int N, int bits, int gs, int sf, const void *zero) {
     return a8_unsupported(M, K, N, bits, gs, sf, zero) || qgemm_amx_rows(M) != 0;
 }
 

@@ -1,6 +1,7 @@
 /* Float helpers shared by the C kernels (included, so each file inlines them): bfloat16
- * conversions as torch rounds, float16 to float32, an exp that vectorises; and the pause of a
- * spin-wait loop. Part of every
+ * conversions as torch rounds, float16 to float32, an exp that vectorises; the pause of a
+ * spin-wait loop and OpenMP's static share of a loop, for code that shares work out itself. Part
+ * of every
  * kernel's build key (common/kernels/cbuild.py hashes every .h next to the sources) and of its ISA
  * level choice (an __AVX512VNNI__ test here would count for every source).
  */
@@ -18,6 +19,15 @@ static inline void cpu_relax(void) {
 #else
     __asm__ volatile("" : : : "memory");
 #endif
+}
+
+/* Iterations [*i0, *i1) of n for thread tid of nth, as OpenMP's schedule(static) deals them
+ * (contiguous shares, the first n % nth threads one more). */
+static inline void static_share(int n, int tid, int nth, int *i0, int *i1) {
+    int q = n / nth, t = n % nth;
+    if (tid < t) q++, t = 0;
+    *i0 = q * tid + t;
+    *i1 = *i0 + q;
 }
 
 static inline float bf16_to_f32(uint16_t h) {
